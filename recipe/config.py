@@ -1,0 +1,185 @@
+"""Command-line flags and the DeepSpeed JSON of a training run.
+
+One place reads everything a run is configured by: the flags of ``run.py`` (``TrainArgs``) and the ``--ds_config``
+JSON, whose ``parallelism`` section is ours and is removed before DeepSpeed sees the rest (``load_ds_config``).
+
+Batch sizes in the JSON are in **samples**: ``train_batch_size`` is the global batch of one optimizer step and
+``train_micro_batch_size_per_gpu`` the samples one data-parallel rank reads per micro-batch. Context-parallel ranks
+share a sample, so DeepSpeed (whose data-parallel group is dp×cp, see ``recipe.parallel.topology``) is handed
+``train_batch_size · cp``; ``resolve_batch`` does that arithmetic.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+PARALLEL_SECTION = "parallelism"
+
+
+class ConfigError(ValueError):
+    """A configuration problem; the message names the file and field."""
+
+
+@dataclass
+class TrainArgs:
+    ds_config: Path
+    target: Path
+    output: Path
+    data: Path | None = None
+    hidden_states: Path | None = None
+    max_length: int = 2048
+    ttt_steps: int = 7
+    draft_vocab_size: int = 32000
+    draft_config: Path | None = None
+    epochs: float = 1.0
+    max_steps: int | None = None
+    seed: int = 0
+    limit: int | None = None
+    num_proc: int = 1
+    save_every: int = 0
+    keep_checkpoints: int = 2
+    resume: str | None = None
+    tp_size: int | None = None
+    cp_size: int | None = None
+    aux_layer_ids: list[int] | None = None
+    lm_head_init: str = "target"
+    cache_dir: Path | None = None
+    log_every: int = 1
+    no_export: bool = False
+    extra: dict = field(default_factory=dict)
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from exc
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="run.py",
+        description="Train an EAGLE-3 draft model with DeepSpeed (ZeRO 0-3), tensor and context parallelism.",
+        epilog="Launch: `deepspeed --num_gpus N run.py --ds_config ds_configs/zero3.json ...`, `torchrun "
+        "--nproc_per_node N run.py ...`, or `python run.py ...` for one process. See README.md.",
+    )
+    p.add_argument("--ds_config", "--deepspeed_config", dest="ds_config", type=Path, required=True,
+                   help="DeepSpeed JSON (optimizer, scheduler, ZeRO stage, batch sizes) with our 'parallelism' section")
+    p.add_argument("--target", type=Path, required=True, help="target model folder (Hugging Face format)")
+    p.add_argument("--output", type=Path, required=True, help="run folder: metrics.jsonl, checkpoints/, export/")
+    p.add_argument("--data", type=Path, help="conversations JSON/JSONL (ShareGPT or OpenAI form); online mode")
+    p.add_argument("--hidden-states", type=Path, help="offline store written by `python -m recipe.dump`")
+    p.add_argument("--max-length", type=_positive, default=2048, help="tokens per sample after the chat template")
+    p.add_argument("--ttt-steps", type=_positive, default=7, help="training-time-test unroll steps K")
+    p.add_argument("--draft-vocab-size", type=_positive, default=32000,
+                   help="draft vocabulary size V_d (capped at the target vocabulary)")
+    p.add_argument("--draft-config", type=Path, help="JSON of draft config overrides, e.g. head counts")
+    p.add_argument("--epochs", type=float, default=1.0, help="passes over the data (fractions allowed)")
+    p.add_argument("--max-steps", type=_positive, help="stop after this many optimizer steps")
+    p.add_argument("--seed", type=int, default=0, help="seed for weights, data order and dropout-free RNG")
+    p.add_argument("--limit", type=_positive, help="use only the first N conversations / stored samples")
+    p.add_argument("--num-proc", type=_positive, default=1, help="processes for tokenisation (datasets.map)")
+    p.add_argument("--save-every", type=int, default=0, help="checkpoint every N optimizer steps (0: only at the end)")
+    p.add_argument("--keep-checkpoints", type=_positive, default=2, help="how many checkpoints to keep")
+    p.add_argument("--resume", nargs="?", const="latest", default=None,
+                   help="resume from OUTPUT/checkpoints/latest, or from the given checkpoint folder")
+    p.add_argument("--tp-size", type=_positive, help="override parallelism.tp_size of the JSON")
+    p.add_argument("--cp-size", type=_positive, help="override parallelism.cp_size of the JSON")
+    p.add_argument("--aux-layer-ids", type=_int_list, help="target layers for aux hidden states, e.g. 1,14,26")
+    p.add_argument("--lm-head-init", choices=["target", "random"], default="target",
+                   help="initialise the draft lm_head from the target's rows of the draft vocabulary")
+    p.add_argument("--cache-dir", type=Path, help="cache for tokenised data and vocab maps (default OUTPUT/cache)")
+    p.add_argument("--log-every", type=_positive, default=1, help="progress refresh every N steps")
+    p.add_argument("--no-export", action="store_true", help="skip writing OUTPUT/export at the end")
+    p.add_argument("--local_rank", "--local-rank", type=int, default=-1, help=argparse.SUPPRESS)
+    return p
+
+
+def parse_args(argv: list[str] | None = None) -> TrainArgs:
+    """Parse ``run.py`` flags; errors exit with argparse's message naming the flag."""
+    parser = build_parser()
+    ns = parser.parse_args(argv)
+    if (ns.data is None) == (ns.hidden_states is None):
+        parser.error("give exactly one of --data (online: the target runs each step) or --hidden-states (offline)")
+    values = {k: v for k, v in vars(ns).items() if k != "local_rank"}
+    return TrainArgs(**values)
+
+
+def load_ds_config(path: Path) -> tuple[dict, dict]:
+    """Read a DeepSpeed JSON; return (DeepSpeed dict without our section, our 'parallelism' section).
+
+    Raises ConfigError naming the file for a missing file, invalid JSON (with line/column) or a non-object.
+    """
+    try:
+        text = Path(path).read_text()
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read DeepSpeed config ({exc.strerror})") from exc
+    try:
+        cfg = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"{path}: invalid JSON at line {exc.lineno} column {exc.colno}: {exc.msg}") from exc
+    if not isinstance(cfg, dict):
+        raise ConfigError(f"{path}: top level must be a JSON object")
+    section = cfg.pop(PARALLEL_SECTION, {}) or {}
+    if not isinstance(section, dict):
+        raise ConfigError(f"{path}: '{PARALLEL_SECTION}' must be an object like {{\"tp_size\": 2, \"cp_size\": 1}}")
+    return cfg, section
+
+
+@dataclass(frozen=True)
+class BatchPlan:
+    """Samples per optimizer step and how they are read. ``global_batch = micro_batch · grad_accum · dp``."""
+
+    global_batch: int
+    micro_batch: int
+    grad_accum: int
+    dp: int
+
+
+def resolve_batch(ds_cfg: dict, dp: int, cp: int, path: Path | str = "ds_config") -> BatchPlan:
+    """Resolve the batch sizes (in samples) and write DeepSpeed's view of them into ``ds_cfg`` (in place).
+
+    DeepSpeed's data-parallel world is dp·cp, so it gets ``train_batch_size = global_batch · cp``.
+    Raises ConfigError when the sizes are missing, non-positive, or the global batch is not divisible.
+    """
+    g = ds_cfg.get("train_batch_size")
+    m = ds_cfg.get("train_micro_batch_size_per_gpu")
+    a = ds_cfg.get("gradient_accumulation_steps")
+    for key, value in (("train_batch_size", g), ("train_micro_batch_size_per_gpu", m),
+                       ("gradient_accumulation_steps", a)):
+        if value is not None and (not isinstance(value, int) or value <= 0):
+            raise ConfigError(f"{path}: {key} must be a positive integer, got {value!r}")
+    m = m or 1
+    if g is None:
+        g = m * (a or 1) * dp
+    if a is None:
+        if g % (m * dp):
+            raise ConfigError(f"{path}: train_batch_size={g} is not divisible by train_micro_batch_size_per_gpu={m}"
+                              f" × dp={dp}")
+        a = g // (m * dp)
+    if g != m * a * dp:
+        raise ConfigError(f"{path}: train_batch_size={g} != micro {m} × gradient_accumulation_steps {a} × dp {dp}")
+    ds_cfg.update(train_batch_size=g * cp, train_micro_batch_size_per_gpu=m, gradient_accumulation_steps=a)
+    return BatchPlan(global_batch=g, micro_batch=m, grad_accum=a, dp=dp)
+
+
+def resolve_scheduler(ds_cfg: dict, total_steps: int) -> None:
+    """Fill ``"auto"`` in the scheduler params: ``total_num_steps`` = the run's optimizer steps,
+    ``warmup_num_steps`` = max(1, 3% of them). Other values are left as the user wrote them."""
+    params = (ds_cfg.get("scheduler") or {}).get("params")
+    if not isinstance(params, dict):
+        return
+    if params.get("total_num_steps") == "auto":
+        params["total_num_steps"] = max(1, total_steps)
+    if params.get("warmup_num_steps") == "auto":
+        params["warmup_num_steps"] = max(1, math.ceil(0.03 * total_steps))

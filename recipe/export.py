@@ -1,0 +1,206 @@
+"""The draft export folder that SGLang and vLLM load, and its checker (GUIDE §4).
+
+    python -m recipe.export CHECKPOINT_DIR OUT_DIR    # from a training checkpoint (any ZeRO stage / TP layout)
+    python -m recipe.export --check EXPORT_DIR        # reload an export and verify keys, shapes, dtypes, config
+
+An export holds ``config.json`` (``LlamaForCausalLMEagle3``) and ``model.safetensors`` with full (unsharded) tensors:
+``fc.weight``, ``midlayer.*``, ``norm.weight``, ``lm_head.weight``, ``d2t`` (int64), ``t2d`` (bool); no embeddings.
+Both files are written into a temporary folder that is renamed into place, so a reader never sees half an export.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+CONFIG_FILE = "config.json"
+WEIGHTS_FILE = "model.safetensors"
+# Checkpoint folders carry a consolidated copy of the draft next to DeepSpeed's shards (recipe.train.checkpoint).
+CHECKPOINT_DRAFT = "draft.safetensors"
+CHECKPOINT_CONFIG = "draft_config.json"
+
+REQUIRED_CONFIG = ("architectures", "model_type", "hidden_size", "intermediate_size", "num_attention_heads",
+                   "num_key_value_heads", "num_hidden_layers", "vocab_size", "draft_vocab_size", "rms_norm_eps",
+                   "max_position_embeddings", "eagle_config")
+
+
+def expected_shapes(cfg: dict) -> dict[str, tuple[int, ...]]:
+    """Tensor name -> shape implied by an export ``config.json`` dict."""
+    h, inter = cfg["hidden_size"], cfg["intermediate_size"]
+    hd = cfg.get("head_dim") or h // cfg["num_attention_heads"]
+    q, kv = cfg["num_attention_heads"] * hd, cfg["num_key_value_heads"] * hd
+    ht = cfg.get("target_hidden_size") or h
+    n_aux = len(cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"])
+    return {
+        "fc.weight": (h, n_aux * ht),
+        "midlayer.hidden_norm.weight": (h,),
+        "midlayer.input_layernorm.weight": (h,),
+        "midlayer.post_attention_layernorm.weight": (h,),
+        "midlayer.self_attn.q_proj.weight": (q, 2 * h),
+        "midlayer.self_attn.k_proj.weight": (kv, 2 * h),
+        "midlayer.self_attn.v_proj.weight": (kv, 2 * h),
+        "midlayer.self_attn.o_proj.weight": (h, q),
+        "midlayer.mlp.gate_proj.weight": (inter, h),
+        "midlayer.mlp.up_proj.weight": (inter, h),
+        "midlayer.mlp.down_proj.weight": (h, inter),
+        "norm.weight": (h,),
+        "lm_head.weight": (cfg["draft_vocab_size"], h),
+        "d2t": (cfg["draft_vocab_size"],),
+        "t2d": (cfg["vocab_size"],),
+    }
+
+
+def export_tensors(draft_state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Pick the export tensors out of a full draft state dict (drops embeddings and any ``draft.`` prefix)."""
+    out = {}
+    for name, tensor in draft_state.items():
+        name = name.removeprefix("draft.")
+        if name.startswith("embed_tokens"):
+            continue
+        out[name] = tensor.detach().to("cpu").contiguous()
+    out["d2t"] = out["d2t"].to(torch.int64)
+    out["t2d"] = out["t2d"].to(torch.bool)
+    return out
+
+
+def _replace_dir(tmp: Path, final: Path) -> None:
+    old = final.with_name(final.name + ".old")
+    if final.exists():
+        os.replace(final, old)
+    os.replace(tmp, final)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def write_export(tensors: dict[str, torch.Tensor], config: dict, out_dir: Path) -> Path:
+    """Write ``config.json`` + ``model.safetensors`` atomically (temp folder, then rename). Returns ``out_dir``.
+
+    Raises ValueError listing every problem when the tensors don't match the config (see ``check_tensors``).
+    """
+    problems = check_tensors(tensors, config)
+    if problems:
+        raise ValueError("refusing to write a broken export:\n  " + "\n  ".join(problems))
+    out_dir = Path(out_dir)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out_dir.with_name(out_dir.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    save_file(tensors, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
+    (tmp / CONFIG_FILE).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    _replace_dir(tmp, out_dir)
+    return out_dir
+
+
+def check_tensors(tensors: dict[str, torch.Tensor], cfg: dict) -> list[str]:
+    """Every problem of a tensor dict against an export config, one message each (empty list: fine)."""
+    problems = [f"config.json: missing field '{k}'" for k in REQUIRED_CONFIG if k not in cfg]
+    if problems:
+        return problems
+    if cfg.get("architectures") != ["LlamaForCausalLMEagle3"]:
+        problems.append(f"config.json: architectures is {cfg.get('architectures')}, expected "
+                        "['LlamaForCausalLMEagle3']")
+    if cfg.get("num_hidden_layers") != 1:
+        problems.append(f"config.json: num_hidden_layers is {cfg.get('num_hidden_layers')}, expected 1")
+    ids = cfg["eagle_config"].get("eagle_aux_hidden_state_layer_ids") if isinstance(cfg["eagle_config"], dict) else None
+    if not ids or not all(isinstance(i, int) for i in ids):
+        problems.append("config.json: eagle_config.eagle_aux_hidden_state_layer_ids must be a list of layer ids")
+        return problems
+    shapes = expected_shapes(cfg)
+    for name, shape in shapes.items():
+        if name not in tensors:
+            problems.append(f"{WEIGHTS_FILE}: missing tensor '{name}'")
+        elif tuple(tensors[name].shape) != shape:
+            problems.append(f"{WEIGHTS_FILE}: '{name}' has shape {tuple(tensors[name].shape)}, expected {shape}")
+    for name in sorted(set(tensors) - set(shapes)):
+        problems.append(f"{WEIGHTS_FILE}: unexpected tensor '{name}'")
+    if "d2t" in tensors and tensors["d2t"].dtype != torch.int64:
+        problems.append(f"{WEIGHTS_FILE}: 'd2t' has dtype {tensors['d2t'].dtype}, expected torch.int64")
+    if "t2d" in tensors and tensors["t2d"].dtype != torch.bool:
+        problems.append(f"{WEIGHTS_FILE}: 't2d' has dtype {tensors['t2d'].dtype}, expected torch.bool")
+    for name, t in tensors.items():
+        if name not in ("d2t", "t2d") and t.is_floating_point() and not torch.isfinite(t).all():
+            problems.append(f"{WEIGHTS_FILE}: '{name}' has non-finite values")
+    if not problems and "d2t" in tensors and "t2d" in tensors:
+        d2t, t2d = tensors["d2t"], tensors["t2d"]
+        draft_ids = torch.arange(len(d2t)) + d2t
+        if draft_ids.min() < 0 or draft_ids.max() >= len(t2d) or not bool(t2d[draft_ids].all()) \
+                or int(t2d.sum()) != len(d2t) or not bool((draft_ids[1:] > draft_ids[:-1]).all()):
+            problems.append(f"{WEIGHTS_FILE}: d2t and t2d disagree (draft ids must be sorted, in range and exactly "
+                            "the ids t2d marks)")
+    return problems
+
+
+def load_export(path: Path) -> tuple[dict[str, torch.Tensor], dict]:
+    """Read an export folder. Raises ValueError naming the file when it is missing or unreadable."""
+    path = Path(path)
+    cfg_file, weights = path / CONFIG_FILE, path / WEIGHTS_FILE
+    for f in (cfg_file, weights):
+        if not f.is_file():
+            raise ValueError(f"{f}: missing")
+    try:
+        cfg = json.loads(cfg_file.read_text())
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{cfg_file}: invalid JSON at line {exc.lineno}: {exc.msg}") from exc
+    try:
+        with safe_open(str(weights), framework="pt") as f:
+            tensors = {k: f.get_tensor(k) for k in f.keys()}
+    except Exception as exc:  # safetensors raises its own error types for truncated/corrupt headers
+        raise ValueError(f"{weights}: unreadable safetensors file ({exc})") from exc
+    return tensors, cfg
+
+
+def check_export(path: Path) -> list[str]:
+    """Reload an export folder and return every problem found (empty list: the export is loadable)."""
+    try:
+        tensors, cfg = load_export(path)
+    except ValueError as exc:
+        return [str(exc)]
+    return check_tensors(tensors, cfg)
+
+
+def export_checkpoint(checkpoint_dir: Path, out_dir: Path) -> Path:
+    """Export from a checkpoint folder written by the training loop (its consolidated draft copy)."""
+    checkpoint_dir = Path(checkpoint_dir)
+    if (checkpoint_dir / "latest").is_file():
+        checkpoint_dir = checkpoint_dir / (checkpoint_dir / "latest").read_text().strip()
+    weights, cfg_file = checkpoint_dir / CHECKPOINT_DRAFT, checkpoint_dir / CHECKPOINT_CONFIG
+    for f in (weights, cfg_file):
+        if not f.is_file():
+            raise ValueError(f"{f}: missing — is {checkpoint_dir} a checkpoint folder written by run.py?")
+    with safe_open(str(weights), framework="pt") as f:
+        state = {k: f.get_tensor(k) for k in f.keys()}
+    return write_export(export_tensors(state), json.loads(cfg_file.read_text()), out_dir)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m recipe.export", description=__doc__.split("\n\n")[0])
+    p.add_argument("paths", nargs="+", type=Path, help="CHECKPOINT_DIR OUT_DIR, or EXPORT_DIR with --check")
+    p.add_argument("--check", action="store_true", help="verify an export folder instead of writing one")
+    args = p.parse_args(argv)
+    if args.check:
+        if len(args.paths) != 1:
+            p.error("--check takes exactly one EXPORT_DIR")
+        problems = check_export(args.paths[0])
+        for msg in problems:
+            print(f"error: {msg}", file=sys.stderr)
+        print(f"{args.paths[0]}: {'OK' if not problems else f'{len(problems)} problem(s)'}")
+        return 1 if problems else 0
+    if len(args.paths) != 2:
+        p.error("give CHECKPOINT_DIR OUT_DIR")
+    try:
+        out = export_checkpoint(*args.paths)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    print(f"exported {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

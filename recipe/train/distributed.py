@@ -1,0 +1,48 @@
+"""Process start-up for every launcher: `deepspeed`, `torchrun`, or plain `python` (one process).
+
+The launchers export RANK/WORLD_SIZE/LOCAL_RANK/MASTER_ADDR/MASTER_PORT; a plain `python run.py` has none, so
+``init_distributed`` fills a one-process rendezvous on a free local port. DeepSpeed then picks the backend
+(nccl on CUDA, gloo on CPU).
+"""
+from __future__ import annotations
+
+import os
+import socket
+
+import torch
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_distributed() -> torch.device:
+    """Initialise torch.distributed through DeepSpeed and return this rank's device.
+
+    Sets ``OMP_NUM_THREADS=1`` when the launcher left it unset and several ranks share the machine (the DeepSpeed
+    launcher does not set it; oversubscribed CPU threads make multi-rank runs crawl).
+    """
+    if "RANK" not in os.environ:
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                          MASTER_PORT=str(_free_port()))
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and "OMP_NUM_THREADS" not in os.environ:
+        os.environ["OMP_NUM_THREADS"] = "1"
+        torch.set_num_threads(1)
+    import deepspeed
+
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if torch.cuda.is_available():
+        torch.cuda.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
+    else:
+        device = torch.device("cpu")
+    deepspeed.init_distributed()
+    return device
+
+
+def is_rank0() -> bool:
+    import torch.distributed as dist
+
+    return not dist.is_initialized() or dist.get_rank() == 0
