@@ -1,0 +1,116 @@
+"""Zigzag sharding of sequences (and of a whole TTT batch) over context-parallel ranks.
+
+The sequence (length a multiple of 2·cp, see ``pad_to_multiple``) is cut into 2·cp equal chunks; rank r holds
+chunks r and 2·cp−1−r, in that order. Under causal attention the early chunk's cheap rows and the late chunk's
+expensive rows balance, so every rank does the same work (GUIDE §3; the layout of Megatron-LM/ring-flash-attention's
+zigzag CP). All TTT shifts are done on the full sequence before sharding, so no rank needs a neighbour's tokens.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.nn.functional as F
+
+
+def _check(seq_len: int, cp_size: int, cp_rank: int) -> None:
+    if cp_size < 1 or not 0 <= cp_rank < cp_size:
+        raise ValueError(f"cp_rank={cp_rank} is not in [0, cp_size={cp_size})")
+    if seq_len % (2 * cp_size):
+        raise ValueError(f"sequence length {seq_len} is not a multiple of 2*cp_size={2 * cp_size}; "
+                         "pad it first with pad_to_multiple")
+
+
+def zigzag_indices(seq_len: int, cp_size: int, cp_rank: int) -> torch.Tensor:
+    """Global positions held by ``cp_rank``: [seq_len / cp_size] int64, chunk r then chunk 2·cp−1−r.
+
+    Example: seq_len=8, cp_size=2 → rank 0 [0, 1, 6, 7], rank 1 [2, 3, 4, 5].
+    Raises ValueError if seq_len is not a multiple of 2·cp_size or the rank is out of range.
+    """
+    _check(seq_len, cp_size, cp_rank)
+    chunk = seq_len // (2 * cp_size)
+    first, second = cp_rank, 2 * cp_size - 1 - cp_rank
+    return torch.cat([torch.arange(first * chunk, (first + 1) * chunk),
+                      torch.arange(second * chunk, (second + 1) * chunk)])
+
+
+def contiguous_indices(seq_len: int, cp_size: int, cp_rank: int) -> torch.Tensor:
+    """Global positions of a plain contiguous split (rank r holds [r·S/cp, (r+1)·S/cp)); the baseline that zigzag
+    balances. Same length rule and errors as ``zigzag_indices``."""
+    _check(seq_len, cp_size, cp_rank)
+    n = seq_len // cp_size
+    return torch.arange(cp_rank * n, (cp_rank + 1) * n)
+
+
+def pad_to_multiple(x: torch.Tensor, multiple: int, dim: int, value=0) -> torch.Tensor:
+    """Pad ``x`` at the end of ``dim`` with ``value`` to the next multiple of ``multiple`` (unchanged if already one)."""
+    if multiple < 1:
+        raise ValueError(f"multiple must be >= 1, got {multiple}")
+    dim = dim % x.dim()
+    extra = -x.shape[dim] % multiple
+    if extra == 0:
+        return x
+    pad = [0, 0] * (x.dim() - 1 - dim) + [0, extra]
+    if x.dtype == torch.bool:
+        return F.pad(x.to(torch.uint8), pad, value=int(value)).bool()
+    return F.pad(x, pad, value=value)
+
+
+def zigzag_split(tensor: torch.Tensor, cp_size: int, cp_rank: int, dim: int) -> torch.Tensor:
+    """This rank's zigzag shard of ``tensor`` along ``dim`` (an exact ``index_select``; length S → S/cp)."""
+    idx = zigzag_indices(tensor.shape[dim], cp_size, cp_rank).to(tensor.device)
+    return tensor.index_select(dim, idx)
+
+
+def zigzag_unsplit(shards: list[torch.Tensor], cp_size: int, dim: int) -> torch.Tensor:
+    """Inverse of ``zigzag_split``: the full tensor from all ranks' shards (in rank order). Exact.
+
+    Raises ValueError if the number of shards is not cp_size.
+    """
+    if len(shards) != cp_size:
+        raise ValueError(f"zigzag_unsplit got {len(shards)} shards for cp_size={cp_size}")
+    stacked = torch.cat(shards, dim=dim)
+    seq_len = stacked.shape[dim]
+    order = torch.cat([zigzag_indices(seq_len, cp_size, r) for r in range(cp_size)]).to(stacked.device)
+    return torch.empty_like(stacked).index_copy_(dim, order, stacked)
+
+
+# TTTBatch field -> sequence dim split by zigzag (see recipe.model.ttt.TTTBatch).
+_SEQ_DIM = {"input_ids_KBS": 2, "valid_KBS": 2, "position_ids_BS": 1, "key_valid_BS": 1, "aux_hidden_BSA": 1}
+_TARGET_FIELDS = ("target_hidden_BLH", "target_row_KS")
+
+
+def shard_ttt_batch(batch, cp_size: int, cp_rank: int):
+    """This cp rank's part of a TTT batch (a dataclass with the TTTBatch fields), as a new instance of its type.
+
+    Sequence fields (``input_ids_KBS``, ``valid_KBS``, ``position_ids_BS``, ``key_valid_BS``, ``aux_hidden_BSA``)
+    are zigzag-split. Target rows: the rank keeps only the rows of ``target_hidden_BLH`` [B, L, H_t] that its
+    anchors use, ``rows = unique(target_row_KS[:, mine])`` (sorted), and ``target_row_KS`` [K, S/cp] is remapped
+    to indices into those rows — exact, no communication. Fields that are None stay None.
+    Raises ValueError for a field it does not know how to split (naming it), target rows out of range, or a bad
+    sequence length.
+    """
+    if not dataclasses.is_dataclass(batch):
+        raise TypeError(f"shard_ttt_batch expects a TTTBatch dataclass, got {type(batch).__name__}")
+    updates = {}
+    for field in dataclasses.fields(batch):
+        value = getattr(batch, field.name)
+        if field.name in _SEQ_DIM:
+            updates[field.name] = None if value is None else zigzag_split(value, cp_size, cp_rank,
+                                                                           _SEQ_DIM[field.name])
+        elif field.name not in _TARGET_FIELDS and isinstance(value, torch.Tensor):
+            raise ValueError(f"shard_ttt_batch: no CP split rule for tensor field {type(batch).__name__}."
+                             f"{field.name}; add it to recipe/parallel/cp_shard.py _SEQ_DIM")
+    rows_KS = batch.target_row_KS
+    if rows_KS is not None:
+        mine_KS = zigzag_split(rows_KS, cp_size, cp_rank, 1)
+        rows = torch.unique(mine_KS)  # sorted
+        num_rows = None if batch.target_hidden_BLH is None else batch.target_hidden_BLH.shape[1]
+        if rows.numel() and (rows[0] < 0 or (num_rows is not None and rows[-1] >= num_rows)):
+            raise ValueError(f"shard_ttt_batch: target_row_KS values span [{int(rows[0])}, {int(rows[-1])}], "
+                             f"outside target_hidden_BLH's {num_rows} rows")
+        updates["target_row_KS"] = torch.searchsorted(rows, mine_KS)
+        if batch.target_hidden_BLH is not None:
+            updates["target_hidden_BLH"] = batch.target_hidden_BLH.index_select(1, rows.to(
+                batch.target_hidden_BLH.device))
+    return dataclasses.replace(batch, **updates)
