@@ -1,0 +1,64 @@
+"""Read only the target's input embedding and lm_head from its folder, without loading the decoder layers.
+
+The draft needs both (its frozen ``embed_tokens`` and the target's lm_head rows of the draft vocabulary that turn
+the target's last hidden state into labels); in offline mode nothing else of the target is needed, and for an 8B
+target reading 2 of ~300 tensors matters. Parameter names are found by building the model on the meta device, so
+any architecture transformers knows (Llama, Qwen, Mistral, …) works, tied embeddings included.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from transformers import AutoConfig, AutoModelForCausalLM
+
+
+def _weight_files(folder: Path) -> dict[str, Path]:
+    """Tensor name -> safetensors file, from the sharded index or the single file."""
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        return {name: folder / file for name, file in weight_map.items()}
+    single = folder / "model.safetensors"
+    if not single.is_file():
+        raise FileNotFoundError(f"{folder}: no model.safetensors or model.safetensors.index.json (target folders "
+                                "must be in Hugging Face safetensors format)")
+    with safe_open(str(single), framework="pt") as f:
+        return {name: single for name in f.keys()}
+
+
+def _read(files: dict[str, Path], name: str, folder: Path) -> torch.Tensor:
+    if name not in files:
+        raise KeyError(f"{folder}: tensor '{name}' not found in the target's safetensors files")
+    with safe_open(str(files[name]), framework="pt") as f:
+        return f.get_tensor(name)
+
+
+def load_embedding_and_head(folder: Path, dtype: torch.dtype = torch.float32
+                            ) -> tuple[torch.Tensor, torch.Tensor, object]:
+    """Return ``(embed_VH, lm_head_VH, hf_config)`` of the target in ``folder``.
+
+    embed_VH, lm_head_VH: [V, H_t] in ``dtype`` (the same tensor values when the target ties them).
+    Raises FileNotFoundError/KeyError naming the folder when the weights are missing.
+    """
+    folder = Path(folder)
+    if not (folder / "config.json").is_file():
+        raise FileNotFoundError(f"{folder}: not a target model folder (no config.json)")
+    config = AutoConfig.from_pretrained(folder)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    names = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
+    embed_name = names[id(model.get_input_embeddings().weight)]
+    head_name = names[id(model.get_output_embeddings().weight)]
+    files = _weight_files(folder)
+    embed = _read(files, embed_name, folder).to(dtype)
+    tied = getattr(config, "tie_word_embeddings", False) or head_name == embed_name
+    if head_name in files:
+        head = _read(files, head_name, folder).to(dtype)
+    elif tied:
+        head = embed
+    else:
+        raise KeyError(f"{folder}: lm_head tensor '{head_name}' not found and the config does not tie embeddings")
+    return embed, head, config

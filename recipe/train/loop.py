@@ -1,0 +1,156 @@
+"""The training loop: global loss normalisation, DeepSpeed steps, metrics, checkpoints and the final export.
+
+Loss normalisation. The objective of one optimizer step is ``Σ_k 0.8^k · L_k / N_k`` where ``L_k`` sums the soft
+cross-entropy over every valid position of the step (all ranks, all micro-batches) and ``N_k`` counts them. DeepSpeed
+averages gradients over its data-parallel group (dp×cp ranks, see ``recipe.parallel.topology``) and divides each
+micro-batch's loss by the accumulation steps, so each rank back-propagates its local sums scaled by
+``dp·cp·grad_accum / N_k``; the result is the global objective's gradient whatever the layout.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import asdict
+
+import torch
+import torch.distributed as dist
+from rich.console import Console
+
+from recipe.export import export_tensors, write_export
+from recipe.model.ttt import ttt_objective
+from recipe.train import checkpoint
+from recipe.train.metrics import MetricsLog, TrainProgress
+from recipe.train.sampler import rank_micro_batches
+from recipe.train.setup import RunParts
+
+
+def full_draft_state(engine, pstate) -> dict[str, torch.Tensor]:
+    """The full draft tensors (ZeRO-3 gathered, TP shards concatenated) on CPU; collective over all ranks.
+
+    Embeddings (frozen copies of the target's) are skipped.
+    """
+    import deepspeed
+
+    from recipe.parallel.apply_tp import gather_tp_tensor
+
+    draft = engine.module.draft
+    state = {}
+    for name, param in draft.named_parameters():
+        if name.startswith("embed_tokens"):
+            continue
+        with deepspeed.zero.GatheredParameters([param]):
+            local = param.detach().clone()
+        state[name] = gather_tp_tensor(local, param, pstate.tp_group).cpu()
+    for name, buf in draft.named_buffers():
+        if name in ("d2t", "t2d"):
+            state[name] = buf.detach().cpu()
+    return state
+
+
+def _global_sum(t: torch.Tensor, group) -> torch.Tensor:
+    t = t.detach().clone()
+    dist.all_reduce(t, group=group)
+    return t
+
+
+class Trainer:
+    def __init__(self, args, parts: RunParts, console: Console):
+        self.args, self.parts, self.console = args, parts, console
+        self.engine, self.pstate = parts.engine, parts.pstate
+        self.rank0 = dist.get_rank() == 0
+        self.step = 0
+        if parts.resume_from is not None:
+            saved = checkpoint.load(self.engine, parts.resume_from)
+            checkpoint.check_compatible(saved, self.run_state(0), parts.resume_from)
+            self.step = saved["step"]
+            if self.rank0:
+                console.print(f"resumed from {parts.resume_from} at step {self.step}")
+        self.metrics = MetricsLog(args.output / "metrics.jsonl", self.rank0, resume_step=self.step)
+
+    def run_state(self, step: int) -> dict:
+        d, p = self.parts.dims, self.parts.plan
+        return {"step": step, "epoch": self.parts.sampler.epoch_of(step) if step < self.parts.total_steps else None,
+                "world_size": d.world_size, "tp": d.tp, "cp": d.cp, "dp": d.dp, "global_batch": p.global_batch,
+                "data_fingerprint": self.parts.data_fingerprint, "ttt_steps": self.args.ttt_steps,
+                "draft_vocab_size": self.parts.draft_config.draft_vocab_size, "max_length": self.args.max_length,
+                "seed": self.args.seed, "total_steps": self.parts.total_steps}
+
+    def train_step(self) -> dict:
+        parts, K = self.parts, self.args.ttt_steps
+        indices = parts.sampler.step_indices(self.step)
+        micro = rank_micro_batches(indices, parts.plan.micro_batch, parts.plan.grad_accum, parts.dims.dp,
+                                   self.pstate.dp_rank)
+        batches = [parts.builder.build(ix) for ix in micro]
+        local_valid = torch.stack([b.ttt.valid_KBS.sum(dim=(1, 2)) for b in batches]).sum(0).double()
+        n_valid = _global_sum(local_valid, self.pstate.dp_cp_group)
+        scale = parts.dims.dp_cp * parts.plan.grad_accum
+        loss_sum = torch.zeros(K, dtype=torch.float64)
+        correct = torch.zeros(K, dtype=torch.float64)
+        for b in batches:
+            out = self.engine(b.ttt)
+            loss = ttt_objective(out, n_valid.to(out.loss_sum_K.device)) * scale
+            self.engine.backward(loss)
+            self.engine.step()
+            loss_sum += out.loss_sum_K.detach().double().cpu()
+            correct += out.correct_K.detach().double().cpu()
+        loss_sum = _global_sum(loss_sum, self.pstate.dp_cp_group)
+        correct = _global_sum(correct, self.pstate.dp_cp_group)
+        tokens = _global_sum(torch.tensor([sum(b.supervised_tokens for b in batches)], dtype=torch.float64),
+                             self.pstate.dp_group)
+        n = n_valid.clamp(min=1)
+        weights = torch.tensor([0.8 ** k for k in range(K)], dtype=torch.float64)
+        grad_norm = self.engine.get_global_grad_norm()
+        return {"loss": float((weights * loss_sum / n).sum()), "loss_k": (loss_sum / n).tolist(),
+                "acc": (correct / n).tolist(), "valid": n_valid.long().tolist(),
+                "grad_norm": float(grad_norm) if grad_norm is not None else None,
+                "tokens": int(tokens.item()), "samples": len(indices)}
+
+    def lr(self) -> float:
+        return float(self.engine.get_lr()[0])
+
+    def save(self) -> None:
+        state = full_draft_state(self.engine, self.pstate)
+        vocab = {"d2t": self.parts.vocab.d2t, "t2d": self.parts.vocab.t2d}
+        checkpoint.save(self.engine, self.args.output / "checkpoints", self.step, self.run_state(self.step),
+                        state if self.rank0 else None, self.parts.draft_config.to_hf_dict(), vocab,
+                        keep=self.args.keep_checkpoints)
+
+    def train(self) -> None:
+        parts, args = self.parts, self.args
+        progress = TrainProgress(parts.total_steps, self.step, self.rank0, self.console)
+        epoch = parts.sampler.epoch_of(self.step)
+        try:
+            while self.step < parts.total_steps:
+                lr = self.lr()
+                t0 = time.perf_counter()
+                record = self.train_step()
+                self.step += 1
+                record = {"step": self.step, "epoch": epoch, **record, "lr": lr,
+                          "time_s": round(time.perf_counter() - t0, 4)}
+                self.metrics.write(record)
+                progress.update(record)
+                if args.save_every and self.step % args.save_every == 0 and self.step < parts.total_steps:
+                    self.save()
+                new_epoch = parts.sampler.epoch_of(self.step)
+                if new_epoch != epoch or self.step == parts.total_steps:
+                    progress.end_epoch(epoch)
+                    epoch = new_epoch
+        finally:
+            progress.close()
+        self.save()
+        if not args.no_export:
+            self.export()
+
+    def export(self) -> None:
+        state = full_draft_state(self.engine, self.pstate)
+        if self.rank0:
+            out = write_export(export_tensors(state), self.parts.draft_config.to_hf_dict(), self.args.output / "export")
+            self.console.print(f"export written to {out}")
+        dist.barrier()
+
+
+def plan_summary(parts: RunParts) -> str:
+    d, p = parts.dims, parts.plan
+    return (f"layout dp={d.dp} cp={d.cp} tp={d.tp} (world {d.world_size}); ZeRO stage "
+            f"{parts.engine.zero_optimization_stage()}; global batch {p.global_batch} = micro {p.micro_batch} × "
+            f"accum {p.grad_accum} × dp {p.dp}; {parts.total_steps} steps over {len(parts.builder)} samples; "
+            f"dtype {str(parts.dtype).removeprefix('torch.')}; batch {asdict(p)}")

@@ -1,0 +1,83 @@
+"""Per-step metrics: ``OUTPUT/metrics.jsonl`` (global rank 0), the rich progress bar and the per-epoch table.
+
+Every value written is global (summed or averaged over all ranks and micro-batches of the step), so runs with
+different parallel layouts compare line by line.
+"""
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.table import Table
+
+
+class MetricsLog:
+    """Appends one JSON object per optimizer step to ``path``; with ``enabled=False`` (ranks > 0) does nothing.
+
+    On resume the file is truncated to the steps before the resume point, so it never holds a step twice.
+    """
+
+    def __init__(self, path: Path, enabled: bool, resume_step: int = 0):
+        self.path, self.enabled = Path(path), enabled
+        if not enabled:
+            return
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        kept = []
+        if resume_step and self.path.is_file():
+            for line in self.path.read_text().splitlines():
+                try:
+                    if json.loads(line)["step"] <= resume_step:
+                        kept.append(line)
+                except (json.JSONDecodeError, KeyError):
+                    continue
+        self.path.write_text("".join(line + "\n" for line in kept))
+
+    def write(self, record: dict) -> None:
+        if self.enabled:
+            with self.path.open("a") as f:
+                f.write(json.dumps(record) + "\n")
+
+
+class TrainProgress:
+    """Rich progress bar (loss, acc_0, tokens/s, lr) and a per-epoch table of acc_0..acc_{K-1}; rank 0 only."""
+
+    def __init__(self, total_steps: int, start_step: int, enabled: bool, console: Console | None = None):
+        self.enabled = enabled
+        self.console = console or Console(stderr=True)
+        self.epoch_acc: list[list[float]] = []
+        self._t0, self._tokens = time.perf_counter(), 0
+        if not enabled:
+            return
+        self.progress = Progress(
+            TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[stats]}"),
+            TimeElapsedColumn(), TimeRemainingColumn(), console=self.console, transient=False)
+        self.task = self.progress.add_task("train", total=total_steps, completed=start_step, stats="")
+        self.progress.start()
+
+    def update(self, record: dict) -> None:
+        self._tokens += record["tokens"]
+        rate = self._tokens / max(time.perf_counter() - self._t0, 1e-9)
+        if self.enabled:
+            stats = (f"loss {record['loss']:.4f}  acc0 {record['acc'][0]:.3f}  {rate:,.0f} tok/s  "
+                     f"lr {record['lr']:.2e}")
+            self.progress.update(self.task, completed=record["step"], stats=stats)
+        self.epoch_acc.append(record["acc"])
+
+    def end_epoch(self, epoch: int) -> None:
+        if not self.enabled or not self.epoch_acc:
+            self.epoch_acc = []
+            return
+        k = len(self.epoch_acc[0])
+        table = Table(title=f"epoch {epoch}: mean accuracy per TTT step over {len(self.epoch_acc)} steps")
+        for i in range(k):
+            table.add_column(f"acc_{i}", justify="right")
+        table.add_row(*[f"{sum(a[i] for a in self.epoch_acc) / len(self.epoch_acc):.3f}" for i in range(k)])
+        self.progress.console.print(table)
+        self.epoch_acc = []
+
+    def close(self) -> None:
+        if self.enabled:
+            self.progress.stop()

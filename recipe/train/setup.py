@@ -1,0 +1,171 @@
+"""Build everything a run needs before its first step: layout, data, vocabulary map, draft, DeepSpeed engine.
+
+Order matters for reproducibility: the draft's full weights come from ``--seed`` before any parallel layer shards
+them, so every (tp, cp, dp) layout and ZeRO stage starts from the same weights.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import deepspeed
+import torch
+import torch.distributed as dist
+from rich.console import Console
+
+from recipe.config import BatchPlan, TrainArgs, load_ds_config, resolve_batch, resolve_scheduler
+from recipe.data.vocab import VocabMap, build_vocab_map
+from recipe.model.draft import Eagle3Draft
+from recipe.model.draft_config import Eagle3DraftConfig, load_draft_config_overrides
+from recipe.model.target_head import load_embedding_and_head
+from recipe.model.ttt import TTTModel
+from recipe.parallel.dims import ParallelDims
+from recipe.parallel.topology import ParallelState
+from recipe.train import checkpoint
+from recipe.train.batches import BatchBuilder
+from recipe.train.sampler import StepSampler
+
+
+@dataclass
+class RunParts:
+    dims: ParallelDims
+    pstate: ParallelState
+    plan: BatchPlan
+    ds_config: dict
+    draft_config: Eagle3DraftConfig
+    vocab: VocabMap
+    builder: BatchBuilder
+    sampler: StepSampler
+    total_steps: int
+    engine: object
+    data_fingerprint: str
+    dtype: torch.dtype
+    resume_from: Path | None
+
+
+def rank0_first(fn):
+    """Run ``fn`` on global rank 0, then on the others (so caches written by rank 0 are hits elsewhere)."""
+    if dist.get_rank() == 0:
+        out = fn()
+        dist.barrier()
+        return out
+    dist.barrier()
+    return fn()
+
+
+def _data(args: TrainArgs, console: Console):
+    """Online: (examples Dataset, None, fingerprint); offline: (None, HiddenStateStore, fingerprint)."""
+    cache = args.cache_dir or args.output / "cache"
+    if args.hidden_states is not None:
+        from recipe.data.store import HiddenStateStore
+
+        store = HiddenStateStore(args.hidden_states)
+        store.validate()
+        if args.limit:
+            store = store.subset(range(min(args.limit, len(store))))
+        return None, store, f"store:{store.fingerprint()}:{len(store)}"
+    from recipe.data.examples import build_examples
+    from recipe.model.target import load_tokenizer
+
+    tokenizer = load_tokenizer(args.target)
+
+    def build():
+        return build_examples(args.data, tokenizer, args.max_length, num_proc=args.num_proc, cache_dir=cache,
+                              limit=args.limit)
+
+    examples, report = rank0_first(build)
+    if dist.get_rank() == 0:
+        console.print(report.table())
+    return examples, None, f"examples:{examples._fingerprint}:{len(examples)}"
+
+
+def _token_rows(examples, store):
+    """A datasets.Dataset of input_ids/loss_mask for the vocabulary count, from either source."""
+    if examples is not None:
+        return examples
+    from datasets import Dataset
+
+    rows = [store.get(i, fields=("input_ids", "loss_mask")) for i in range(len(store))]
+    return Dataset.from_dict({"input_ids": [r["input_ids"].tolist() for r in rows],
+                              "loss_mask": [r["loss_mask"].tolist() for r in rows]})
+
+
+def build_run(args: TrainArgs, device: torch.device, console: Console) -> RunParts:
+    ds_cfg, section = load_ds_config(args.ds_config)
+    world = dist.get_world_size()
+    dims = ParallelDims.from_config(section, world, {"tp_size": args.tp_size, "cp_size": args.cp_size})
+    pstate = ParallelState(dims)
+    plan = resolve_batch(ds_cfg, dims.dp, dims.cp, args.ds_config)
+    bf16 = bool((ds_cfg.get("bf16") or {}).get("enabled"))
+    dtype = torch.bfloat16 if bf16 else torch.float32
+
+    examples, store, fingerprint = _data(args, console)
+    embed_VH, lm_head_VH, hf_config = load_embedding_and_head(args.target)
+    if store is not None:
+        store.check_compatible(args.target, args.aux_layer_ids)
+
+    resume_from = checkpoint.resolve(args.resume, args.output / "checkpoints") if args.resume else None
+    draft_vocab = min(args.draft_vocab_size, hf_config.vocab_size)
+    if resume_from is not None:
+        vocab = VocabMap.load(resume_from / checkpoint.VOCAB_FILE)
+    else:
+        cache = args.cache_dir or args.output / "cache"
+        vocab = rank0_first(lambda: build_vocab_map(_token_rows(examples, store), hf_config.vocab_size, draft_vocab,
+                                                    cache_dir=cache))
+
+    overrides = load_draft_config_overrides(args.draft_config) if args.draft_config else {}
+    if args.aux_layer_ids:
+        overrides["aux_layer_ids"] = list(args.aux_layer_ids)
+    elif store is not None:
+        overrides.setdefault("aux_layer_ids", list(store.aux_layer_ids))
+    draft_config = Eagle3DraftConfig.from_target_config(hf_config, draft_vocab, overrides)
+    dims.validate_model(draft_config.num_attention_heads, draft_config.num_key_value_heads, draft_vocab,
+                        draft_config.intermediate_size)
+
+    draft = Eagle3Draft(draft_config, seed=args.seed)
+    draft.load_target_embeddings(embed_VH)
+    draft.set_vocab_map(vocab.d2t, vocab.t2d)
+    if args.lm_head_init == "target":
+        draft.init_lm_head_from_target(lm_head_VH, vocab.draft_ids)
+    model = TTTModel(draft, lm_head_VH[vocab.draft_ids].clone())
+    if dims.tp_enabled:
+        from recipe.parallel.apply_tp import apply_tensor_parallel
+
+        apply_tensor_parallel(model, pstate.tp_group)
+    if dims.cp_enabled:
+        from kernels.ring_attention import make_ring_causal_attention
+
+        draft.midlayer.self_attn.causal_attention = make_ring_causal_attention(pstate.cp_group)
+
+    target = None
+    if examples is not None:
+        from recipe.model.target import TargetModel
+
+        target = TargetModel(args.target, aux_layer_ids=draft_config.aux_layer_ids,
+                             dtype=torch.bfloat16 if device.type == "cuda" else torch.float32, device=device)
+    builder = BatchBuilder(examples=examples, store=store, target=target, lm_head_VH=lm_head_VH, t2d=vocab.t2d,
+                           ttt_steps=args.ttt_steps, seq_divisor=dims.seq_divisor, cp_size=dims.cp,
+                           cp_rank=pstate.cp_rank, device=device, dtype=dtype)
+    sampler = StepSampler(len(builder), plan.global_batch, args.seed)
+    total_steps = sampler.total_steps(args.epochs, args.max_steps)
+    resolve_scheduler(ds_cfg, total_steps)
+
+    params = [p for p in model.parameters() if p.requires_grad]
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=params, config=ds_cfg, mpu=pstate.mpu())
+    return RunParts(dims=dims, pstate=pstate, plan=plan, ds_config=ds_cfg, draft_config=draft_config, vocab=vocab,
+                    builder=builder, sampler=sampler, total_steps=total_steps, engine=engine,
+                    data_fingerprint=fingerprint, dtype=dtype, resume_from=resume_from)
+
+
+def write_resolved_config(args: TrainArgs, parts: RunParts) -> None:
+    """OUTPUT/run_config.json: the flags and the resolved DeepSpeed/parallel settings (rank 0)."""
+    if dist.get_rank() != 0:
+        return
+    record = {"args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+              "deepspeed": parts.ds_config,
+              "parallelism": {"tp": parts.dims.tp, "cp": parts.dims.cp, "dp": parts.dims.dp},
+              "batch": vars(parts.plan) if hasattr(parts.plan, "__dict__") else parts.plan.__dict__,
+              "total_steps": parts.total_steps, "draft_config": parts.draft_config.to_hf_dict()}
+    args.output.mkdir(parents=True, exist_ok=True)
+    (args.output / "run_config.json").write_text(json.dumps(record, indent=2, default=str) + "\n")
