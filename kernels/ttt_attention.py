@@ -1,0 +1,96 @@
+"""Training-time-test attention without dense masks (GUIDE §2).
+
+At TTT step k a query at anchor position p reads the causal block of step 0's keys ``{K_0[j] : j <= p}`` and one
+*diagonal* key per later step ``{K_i[p] : 1 <= i <= k}``. The causal block goes through a block-attention function
+returning ``(out, lse)`` (``kernels.block_attention.block_attention`` on one device, a ring version under context
+parallelism); the diagonal keys are per-position dot products (scores ``[B, H, S, k]``) merged by log-sum-exp.
+Nothing of size ``S x S*(k+1)`` is ever built.
+"""
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+import torch
+
+from kernels.block_attention import accum_dtype, merge_lse
+
+CausalAttention = Callable[..., tuple[torch.Tensor, torch.Tensor]]
+
+
+def diagonal_attention(
+    q_BHSD: torch.Tensor, k_BHkvSND: torch.Tensor, v_BHkvSND: torch.Tensor, scale: float | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of each query position over the N keys stored at that same position (all readable).
+
+    Args:
+        q_BHSD: [B, H, S, D] queries.  k_BHkvSND, v_BHkvSND: [B, Hkv, S, N, D], N >= 1 keys/values per position;
+        query head h reads KV head h // (H / Hkv) (as ``expand_kv``).  scale: default 1/sqrt(D).
+    Returns:
+        out_BHSD in q's dtype, lse_BHS in the accumulation dtype (float32 for half inputs).
+    Raises ValueError when H is not a multiple of Hkv.
+    """
+    b, h, s, d = q_BHSD.shape
+    hkv = k_BHkvSND.shape[1]
+    if h % hkv:
+        raise ValueError(f"num_heads={h} is not a multiple of num_key_value_heads={hkv}")
+    scale = 1.0 / math.sqrt(d) if scale is None else scale
+    acc = accum_dtype(q_BHSD.dtype)
+    q_BGRSD = q_BHSD.to(acc).view(b, hkv, h // hkv, s, d)  # head h = g * (H/Hkv) + r
+    s_BGRSN = torch.einsum("bgrsd,bgsnd->bgrsn", q_BGRSD, k_BHkvSND.to(acc)) * scale
+    lse_BGRS = torch.logsumexp(s_BGRSN, dim=-1)
+    p_BGRSN = torch.exp(s_BGRSN - lse_BGRS[..., None])
+    out_BGRSD = torch.einsum("bgrsn,bgsnd->bgrsd", p_BGRSN, v_BHkvSND.to(acc))
+    return out_BGRSD.reshape(b, h, s, d).to(q_BHSD.dtype), lse_BGRS.reshape(b, h, s)
+
+
+class TTTKVCache:
+    """Keys and values of one TTT unroll: step 0's causal block plus the diagonal K/V of steps 1..k.
+
+    The draft layer talks to a cache through two methods, so an inference cache can replace this one:
+    ``rope_positions(position_ids_BS)`` gives the RoPE positions of the current step (anchor p + step k), and
+    ``attend(causal_attention, q, k, v, position_ids_BS, key_valid_BS)`` stores the step's keys and returns the
+    attention output. Step 0's keys become the causal block (with their anchor positions and validity); each later
+    step appends one diagonal key per position. Causality compares anchor positions, not RoPE positions.
+    """
+
+    def __init__(self) -> None:
+        self.block: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None] | None = None
+        self.diag_k: list[torch.Tensor] = []
+        self.diag_v: list[torch.Tensor] = []
+
+    @property
+    def num_steps(self) -> int:
+        """Number of TTT steps whose keys are stored (the index of the next step)."""
+        return 0 if self.block is None else 1 + len(self.diag_k)
+
+    def rope_positions(self, position_ids_BS: torch.Tensor) -> torch.Tensor:
+        """RoPE positions of the next step: anchor positions + step index ([B, S] int64)."""
+        return position_ids_BS + self.num_steps
+
+    def attend(
+        self,
+        causal_attention: CausalAttention,
+        q_BHSD: torch.Tensor,
+        k_BHkvSD: torch.Tensor,
+        v_BHkvSD: torch.Tensor,
+        position_ids_BS: torch.Tensor,
+        key_valid_BS: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """Store this step's K/V, then attend over the causal block and the diagonal keys; returns out_BHSD.
+
+        ``causal_attention(q, k0, v0, q_pos, k_pos, k_valid) -> (out, lse)`` is called on step 0's block with the
+        anchor positions; ``key_valid_BS`` is read at step 0 only (later steps' diagonal keys are always readable).
+        A query with no readable block key (padding row) is finite: at step 0 its output is 0.
+        """
+        if self.block is None:
+            self.block = (k_BHkvSD, v_BHkvSD, position_ids_BS, key_valid_BS)
+        else:
+            self.diag_k.append(k_BHkvSD)
+            self.diag_v.append(v_BHkvSD)
+        k0, v0, pos0, valid0 = self.block
+        out_BHSD, lse_BHS = causal_attention(q_BHSD, k0, v0, position_ids_BS, pos0, valid0)
+        if self.diag_k:
+            out_d, lse_d = diagonal_attention(q_BHSD, torch.stack(self.diag_k, dim=3), torch.stack(self.diag_v, dim=3))
+            out_BHSD, lse_BHS = merge_lse(out_BHSD, lse_BHS, out_d, lse_d)
+        return out_BHSD

@@ -1,0 +1,33 @@
+"""Soft cross-entropy of the draft against the target's distribution over the draft vocabulary (GUIDE §2)."""
+from __future__ import annotations
+
+import torch
+
+
+def soft_ce(logits_BSV: torch.Tensor, target_logits_BSV: torch.Tensor,
+            valid_BS: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Summed soft cross-entropy and argmax-match count over the valid positions.
+
+    ``loss_sum = Σ_{valid (b,s)} −Σ_v softmax(target)_v · log_softmax(logits)_v`` and
+    ``correct = #{valid (b,s) : argmax logits == argmax target}``, computed in float32 (float64 stays float64).
+
+    Args:
+        logits_BSV: [B, S, Vd] draft logits.  target_logits_BSV: [B, S, Vd] target logits restricted to the draft
+        vocabulary (not probabilities; renormalised here by the softmax).  valid_BS: [B, S] bool.
+    Returns:
+        (loss_sum: 0-d float tensor with grad, correct: 0-d int64 tensor). Sums, not means: the training loop
+        divides by the global valid count. Invalid positions contribute neither value nor gradient.
+    Raises ValueError on mismatched shapes.
+    """
+    if logits_BSV.shape != target_logits_BSV.shape or logits_BSV.shape[:-1] != valid_BS.shape:
+        raise ValueError(f"soft_ce shapes disagree: logits {tuple(logits_BSV.shape)}, target "
+                         f"{tuple(target_logits_BSV.shape)}, valid {tuple(valid_BS.shape)}")
+    acc = torch.promote_types(logits_BSV.dtype, torch.float32)
+    log_q = torch.log_softmax(logits_BSV.to(acc), dim=-1)
+    p = torch.softmax(target_logits_BSV.detach().to(acc), dim=-1)
+    loss_BS = -(p * log_q).sum(dim=-1)
+    valid_BS = valid_BS.bool()
+    loss_sum = torch.where(valid_BS, loss_BS, torch.zeros_like(loss_BS)).sum()
+    match_BS = logits_BSV.detach().argmax(dim=-1) == target_logits_BSV.argmax(dim=-1)
+    correct = (match_BS & valid_BS).sum()
+    return loss_sum, correct

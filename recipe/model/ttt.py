@@ -1,0 +1,188 @@
+"""Training-time test (TTT, GUIDE §2): the unrolled K-step batch and the model that returns per-step loss sums.
+
+All shifts are done by ``make_ttt_batch`` on the full sequence, before any context-parallel split, so no rank needs
+its neighbour's tokens. Convention (docs/architecture.md): step k at anchor p reads token ``t[p+1+k]``, RoPE
+position ``p+k``, and is trained on ``softmax(z[p+1+k][draft ids])``; valid iff ``p+2+k < S``, ``loss_mask[p+2+k]``
+and ``argmax z[p+1+k]`` in the draft vocabulary.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Callable, ClassVar
+
+import torch
+from torch import nn
+
+from recipe.model.draft import Eagle3Draft
+from recipe.model.loss import soft_ce
+
+
+@dataclass
+class TTTBatch:
+    """One micro-batch unrolled for K TTT steps (K TTT steps, B batch, S sequence, L target-hidden rows).
+
+    Fields:
+        input_ids_KBS: [K, B, S] int64, step k's input token at anchor p (``t[p+1+k]``, 0 beyond the sequence).
+        valid_KBS: [K, B, S] bool, step k's label at p counts in the loss.
+        position_ids_BS: [B, S] int64 anchor positions p (global under CP); step k's RoPE uses p + k.
+        key_valid_BS: [B, S] bool, the step-0 key at p is not padding.
+        aux_hidden_BSA: [B, S, 3·H_t] float, the target's concatenated aux hidden states at p.
+        target_hidden_BLH: [B, L, H_t] float, rows of the target's last hidden state (lm_head input).
+        target_row_KS: [K, S] int64, the row of ``target_hidden_BLH`` holding step k's label for local anchor p.
+    ``per_position_fields`` maps each field with a sequence axis to that axis (for the zigzag split);
+    ``target_hidden_BLH`` is not among them: it is addressed through ``target_row_KS``.
+    """
+
+    input_ids_KBS: torch.Tensor
+    valid_KBS: torch.Tensor
+    position_ids_BS: torch.Tensor
+    key_valid_BS: torch.Tensor
+    aux_hidden_BSA: torch.Tensor
+    target_hidden_BLH: torch.Tensor
+    target_row_KS: torch.Tensor
+
+    per_position_fields: ClassVar[dict[str, int]] = {
+        "input_ids_KBS": 2, "valid_KBS": 2, "position_ids_BS": 1, "key_valid_BS": 1, "aux_hidden_BSA": 1,
+        "target_row_KS": 1,
+    }
+
+    def __post_init__(self):
+        k, b, s = self.input_ids_KBS.shape
+        expected = {"valid_KBS": (k, b, s), "position_ids_BS": (b, s), "key_valid_BS": (b, s),
+                    "aux_hidden_BSA": (b, s, None), "target_hidden_BLH": (b, None, None), "target_row_KS": (k, s)}
+        for name, shape in expected.items():
+            got = tuple(getattr(self, name).shape)
+            if len(got) != len(shape) or any(e is not None and e != g for e, g in zip(shape, got)):
+                raise ValueError(f"TTTBatch.{name} has shape {got}, expected {shape} (None: any) for K={k}, B={b}, S={s}")
+
+    @property
+    def num_steps(self) -> int:
+        """K, the number of TTT steps."""
+        return self.input_ids_KBS.shape[0]
+
+    def to(self, device: torch.device | str) -> "TTTBatch":
+        """A copy with every tensor moved to ``device`` (dtypes unchanged)."""
+        return dataclasses.replace(self, **{f.name: getattr(self, f.name).to(device) for f in dataclasses.fields(self)})
+
+
+def _shift_left(x_BS: torch.Tensor, by: int) -> torch.Tensor:
+    """``out[:, p] = x[:, p + by]``, zero (False) beyond the end."""
+    pad = torch.zeros(x_BS.shape[0], by, dtype=x_BS.dtype, device=x_BS.device)
+    return torch.cat([x_BS, pad], dim=1)[:, by:]
+
+
+def make_ttt_batch(input_ids_BS, loss_mask_BS, attention_mask_BS, aux_hidden_BSA, last_hidden_BSH, in_vocab_BS,
+                   K: int) -> TTTBatch:
+    """Build the K-step TTT batch on the full (unsplit) sequence.
+
+    Args:
+        input_ids_BS: [B, S] int64 tokens t.  loss_mask_BS: [B, S] (0/1 or bool), 1 on assistant tokens.
+        attention_mask_BS: [B, S] (0/1 or bool), 0 on padding.  aux_hidden_BSA: [B, S, 3·H_t].
+        last_hidden_BSH: [B, S, H_t] target last hidden states (lm_head input).  in_vocab_BS: [B, S] bool,
+        ``t2d[argmax z[p]]`` (see ``target_in_draft_vocab``).  K: number of TTT steps (>= 1).
+    Returns a TTTBatch with ``input_ids[k, :, p] = t[p+1+k]`` (0 beyond S), ``valid[k, :, p] = (p+2+k < S) &
+    loss_mask[p+2+k] & in_vocab[p+1+k] & attention_mask[p]`` (the last term drops padding anchors, which only
+    matters for left padding), positions ``0..S-1``, ``key_valid = attention_mask``, ``target_row[k, p] =
+    min(p+1+k, S-1)`` and ``target_hidden = last_hidden`` (L = S). Raises ValueError on K < 1 or mismatched shapes.
+    """
+    if K < 1:
+        raise ValueError(f"TTT steps K={K} must be >= 1")
+    b, s = input_ids_BS.shape
+    for name, t in (("loss_mask_BS", loss_mask_BS), ("attention_mask_BS", attention_mask_BS),
+                    ("in_vocab_BS", in_vocab_BS), ("aux_hidden_BSA", aux_hidden_BSA),
+                    ("last_hidden_BSH", last_hidden_BSH)):
+        if tuple(t.shape[:2]) != (b, s):
+            raise ValueError(f"make_ttt_batch: {name} has shape {tuple(t.shape)}, expected leading [B={b}, S={s}]")
+    device = input_ids_BS.device
+    ids = input_ids_BS.to(torch.int64)
+    loss_mask, in_vocab = loss_mask_BS.bool(), in_vocab_BS.bool()
+    anchor_real = attention_mask_BS.bool()
+    input_ids_KBS = torch.stack([_shift_left(ids, k + 1) for k in range(K)])
+    valid_KBS = torch.stack([_shift_left(loss_mask, k + 2) & _shift_left(in_vocab, k + 1) & anchor_real
+                             for k in range(K)])
+    positions = torch.arange(s, device=device, dtype=torch.int64)
+    target_row_KS = torch.stack([(positions + k + 1).clamp(max=s - 1) for k in range(K)])
+    return TTTBatch(input_ids_KBS=input_ids_KBS, valid_KBS=valid_KBS, position_ids_BS=positions.expand(b, s).clone(),
+                    key_valid_BS=anchor_real.clone(), aux_hidden_BSA=aux_hidden_BSA,
+                    target_hidden_BLH=last_hidden_BSH, target_row_KS=target_row_KS)
+
+
+@torch.no_grad()
+def target_in_draft_vocab(last_hidden_BSH: torch.Tensor, target_lm_head_weight_VH: torch.Tensor,
+                          t2d: torch.Tensor, chunk_size: int = 1024) -> torch.Tensor:
+    """``t2d[argmax z]`` per position, z = last_hidden @ W.T over the FULL target vocabulary: [B, S] bool.
+
+    Logits are formed ``chunk_size`` positions (of the flattened B·S) at a time in the weight's dtype, so at most
+    ``chunk_size x V`` logits exist at once. Raises ValueError on a non-positive chunk size or mismatched widths.
+    """
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size={chunk_size} must be >= 1")
+    if last_hidden_BSH.shape[-1] != target_lm_head_weight_VH.shape[1] or t2d.shape[0] != target_lm_head_weight_VH.shape[0]:
+        raise ValueError(f"target_in_draft_vocab: hidden {tuple(last_hidden_BSH.shape)}, lm_head "
+                         f"{tuple(target_lm_head_weight_VH.shape)} and t2d {tuple(t2d.shape)} disagree")
+    rows_NH = last_hidden_BSH.reshape(-1, last_hidden_BSH.shape[-1]).to(target_lm_head_weight_VH.dtype)
+    argmax_N = torch.cat([(chunk @ target_lm_head_weight_VH.T).argmax(dim=-1) for chunk in rows_NH.split(chunk_size)])
+    return t2d.to(argmax_N.device)[argmax_N].view(last_hidden_BSH.shape[:2])
+
+
+@dataclass
+class TTTOutput:
+    """Per-step sums of one forward: ``loss_sum_K`` [K] float32 (with grad), ``correct_K`` and ``valid_K`` [K] int64."""
+
+    loss_sum_K: torch.Tensor
+    correct_K: torch.Tensor
+    valid_K: torch.Tensor
+
+
+class TTTModel(nn.Module):
+    """The draft unrolled K steps against the frozen target head.
+
+    ``target_head_d`` [Vd, H_t] is a non-persistent buffer: the target lm_head rows of the draft ids (a function of the
+    target and the vocab map; refresh it with ``set_target_head`` after changing the map). ``loss_fn`` has the
+    signature of ``loss.soft_ce`` (TP swaps in a vocab-parallel one).
+    """
+
+    def __init__(self, draft: Eagle3Draft, target_lm_head_weight_VH: torch.Tensor,
+                 loss_fn: Callable = soft_ce):
+        super().__init__()
+        self.draft = draft
+        self.loss_fn = loss_fn
+        self.register_buffer("target_head_d", torch.empty(0), persistent=False)
+        self.set_target_head(target_lm_head_weight_VH)
+
+    @torch.no_grad()
+    def set_target_head(self, target_lm_head_weight_VH: torch.Tensor) -> None:
+        """Set ``target_head_d = W[draft ids]`` from the target lm_head weight [V, H_t] (ValueError on its shape)."""
+        cfg = self.draft.config
+        if tuple(target_lm_head_weight_VH.shape) != (cfg.vocab_size, cfg.target_hidden_size):
+            raise ValueError(f"target lm_head weight shape {tuple(target_lm_head_weight_VH.shape)} != "
+                             f"(vocab_size={cfg.vocab_size}, target_hidden_size={cfg.target_hidden_size})")
+        ids = self.draft.draft_token_ids().to(target_lm_head_weight_VH.device)
+        self.target_head_d = target_lm_head_weight_VH[ids].detach().clone().to(self.draft.d2t.device)
+
+    def forward(self, batch: TTTBatch) -> TTTOutput:
+        """Unroll the draft ``batch.num_steps`` times; sums per step (the loop normalises by global counts)."""
+        hidden_BSH = self.draft.project_aux(batch.aux_hidden_BSA)
+        kv_cache = None
+        losses, corrects = [], []
+        for k in range(batch.num_steps):
+            hidden_BSH, kv_cache = self.draft.step(hidden_BSH, batch.input_ids_KBS[k], batch.position_ids_BS,
+                                                   batch.key_valid_BS, kv_cache)
+            logits_BSV = self.draft.logits(hidden_BSH)
+            with torch.no_grad():
+                rows_BSH = batch.target_hidden_BLH[:, batch.target_row_KS[k]].to(self.target_head_d.dtype)
+                target_logits_BSV = rows_BSH @ self.target_head_d.T
+            loss_sum, correct = self.loss_fn(logits_BSV, target_logits_BSV, batch.valid_KBS[k])
+            losses.append(loss_sum.float())
+            corrects.append(correct.to(torch.int64))
+        valid_K = batch.valid_KBS.sum(dim=(1, 2)).to(torch.int64)
+        return TTTOutput(loss_sum_K=torch.stack(losses), correct_K=torch.stack(corrects), valid_K=valid_K)
+
+
+def ttt_objective(out: TTTOutput, n_valid_K, decay: float = 0.8) -> torch.Tensor:
+    """``Σ_k decay^k · loss_sum_k / max(N_k, 1)`` (GUIDE §2), N_k the global valid count of step k; 0-d float32."""
+    n_valid_K = torch.as_tensor(n_valid_K, device=out.loss_sum_K.device).to(out.loss_sum_K.dtype)
+    weights_K = decay ** torch.arange(out.loss_sum_K.shape[0], device=out.loss_sum_K.device,
+                                      dtype=out.loss_sum_K.dtype)
+    return (weights_K * out.loss_sum_K / n_valid_K.clamp(min=1)).sum()
