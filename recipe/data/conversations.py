@@ -1,0 +1,191 @@
+"""Conversation files → normalised turns ``[{"role": "system"|"user"|"assistant", "content": str}]``.
+
+Two on-disk schemas are accepted, one record per JSONL line or one element of a top-level JSON array:
+
+- ShareGPT: ``{"conversations": [{"from": "human"|"user"|"gpt"|"assistant"|"chatgpt"|"bard"|"system",
+  "value": str}, ...]}`` (an optional top-level ``"system": str`` becomes a leading system turn);
+- OpenAI: ``{"messages": [{"role": "system"|"user"|"assistant", "content": str}, ...]}``.
+
+Reading is tolerant: :func:`iter_rows` yields one :class:`Row` per source record, either with its normalised turns or
+with a skip ``reason`` (one of :data:`SKIP_REASONS`) and a short ``detail``. A bad record never stops the read. Row
+numbers are 1-based line numbers for ``.jsonl`` and 0-based array indices for ``.json``. Whole-file problems (missing
+file, unknown extension, empty file, a ``.json`` file that is not an array) raise ``ValueError`` naming the file.
+
+A ``.json`` array is decoded element by element, so a file truncated mid-record (the packaged ShareGPT file, GUIDE §7)
+yields every complete record and one ``invalid_json`` row for the broken tail.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterator
+
+ROLE_ALIASES = {
+    "system": "system",
+    "human": "user",
+    "user": "user",
+    "gpt": "assistant",
+    "assistant": "assistant",
+    "chatgpt": "assistant",
+    "bard": "assistant",
+}
+
+SKIP_REASONS = {
+    "invalid_json": "line is not valid JSON",
+    "non_utf8": "line is not valid UTF-8",
+    "unknown_schema": "record has neither a 'conversations' nor a 'messages' list",
+    "unknown_role": "a turn has a role outside system/user/assistant (and ShareGPT aliases)",
+    "bad_content": "a turn's content is empty or not a string",
+    "no_assistant_turn": "no assistant turn to supervise",
+    "template_error": "the chat template could not render the conversation",
+    "too_long": "longer than max_length (drop_long policy)",
+    "no_supervised_tokens": "no assistant token left after truncation",
+}
+
+SUFFIXES = (".json", ".jsonl")
+
+
+class BadRow(Exception):
+    """A record that cannot be used; ``reason`` is a key of :data:`SKIP_REASONS`, ``detail`` a short explanation."""
+
+    def __init__(self, reason: str, detail: str = ""):
+        super().__init__(f"{reason}: {detail}" if detail else reason)
+        self.reason = reason
+        self.detail = detail
+
+
+@dataclass
+class Row:
+    """One source record: ``row`` (line number / array index), ``messages`` or a skip ``reason`` + ``detail``."""
+
+    row: int
+    messages: list[dict[str, str]] = field(default_factory=list)
+    reason: str = ""
+    detail: str = ""
+
+
+def normalise_record(record: object) -> list[dict[str, str]]:
+    """Return the record's turns as ``[{"role", "content"}]`` with roles in {system, user, assistant}.
+
+    Raises:
+        BadRow: ``unknown_schema``, ``unknown_role``, ``bad_content`` or ``no_assistant_turn``.
+    """
+    if isinstance(record, dict) and isinstance(record.get("conversations"), list):
+        turns, role_key, content_key = record["conversations"], "from", "value"
+    elif isinstance(record, dict) and isinstance(record.get("messages"), list):
+        turns, role_key, content_key = record["messages"], "role", "content"
+    else:
+        keys = sorted(record)[:5] if isinstance(record, dict) else type(record).__name__
+        raise BadRow("unknown_schema", f"found {keys}")
+    messages = []
+    if role_key == "from" and isinstance(record.get("system"), str) and record["system"].strip():
+        messages.append({"role": "system", "content": record["system"]})
+    for k, turn in enumerate(turns):
+        if not isinstance(turn, dict):
+            raise BadRow("unknown_schema", f"turn {k} is a {type(turn).__name__}, not an object")
+        raw_role = turn.get(role_key)
+        role = ROLE_ALIASES.get(raw_role.lower()) if isinstance(raw_role, str) else None
+        if role is None:
+            raise BadRow("unknown_role", f"turn {k} has {role_key}={raw_role!r}")
+        content = turn.get(content_key)
+        if not isinstance(content, str) or not content.strip():
+            raise BadRow("bad_content", f"turn {k} ({role}) has {content_key}={content!r:.40}")
+        messages.append({"role": role, "content": content})
+    if not any(m["role"] == "assistant" for m in messages):
+        raise BadRow("no_assistant_turn", f"{len(messages)} turns, none from the assistant")
+    return messages
+
+
+def check_file(path: str | Path) -> Path:
+    """Validate that ``path`` exists, has a .json/.jsonl suffix and is not empty; return it as a Path.
+
+    Raises:
+        ValueError: naming the file, for a missing file, an unknown extension or an empty file.
+    """
+    path = Path(path)
+    if path.suffix.lower() not in SUFFIXES:
+        raise ValueError(f"{path}: unknown conversation file extension {path.suffix!r}; expected .json or .jsonl")
+    if not path.is_file():
+        raise ValueError(f"{path}: conversation file not found")
+    with open(path, "rb") as f:
+        head = f.read(1 << 16).strip()
+    if not head or (path.suffix.lower() == ".json" and head.startswith(b"[") and head[1:].strip().startswith(b"]")):
+        raise ValueError(f"{path}: conversation file is empty (no records)")
+    return path
+
+
+def file_digest(path: str | Path) -> str:
+    """sha256 hex digest of the file's bytes (cache keys depend on content, never on the path alone)."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 22), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _row_from_record(row: int, record: object) -> Row:
+    try:
+        return Row(row, messages=normalise_record(record))
+    except BadRow as bad:
+        return Row(row, reason=bad.reason, detail=bad.detail)
+
+
+def _iter_jsonl(path: Path) -> Iterator[Row]:
+    with open(path, "rb") as f:
+        for line_no, raw in enumerate(f, start=1):
+            if not raw.strip():
+                continue
+            try:
+                text = raw.decode("utf-8")
+            except UnicodeDecodeError as err:
+                yield Row(line_no, reason="non_utf8", detail=str(err)[:80])
+                continue
+            try:
+                record = json.loads(text)
+            except json.JSONDecodeError as err:
+                yield Row(line_no, reason="invalid_json", detail=str(err)[:80])
+                continue
+            yield _row_from_record(line_no, record)
+
+
+def _iter_json_array(path: Path) -> Iterator[Row]:
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as err:
+        raise ValueError(f"{path}: not valid UTF-8 at byte {err.start}; convert it or use JSONL") from None
+    decoder = json.JSONDecoder()
+    pos = len(text) - len(text.lstrip())
+    if not text.startswith("[", pos):
+        raise ValueError(f"{path}: a .json conversation file must hold a JSON array of records")
+    pos += 1
+    index = 0
+    while True:
+        while pos < len(text) and text[pos] in " \t\r\n,":
+            pos += 1
+        if pos >= len(text) or text[pos] == "]":
+            return
+        try:
+            record, pos = decoder.raw_decode(text, pos)
+        except json.JSONDecodeError as err:
+            # The array cannot be resynchronised after a broken element: count it and stop.
+            yield Row(index, reason="invalid_json", detail=f"element {index}: {err}"[:80])
+            return
+        yield _row_from_record(index, record)
+        index += 1
+
+
+def iter_rows(path: str | Path, limit: int | None = None) -> Iterator[Row]:
+    """Yield one :class:`Row` per source record of ``path`` (at most ``limit`` records).
+
+    Raises:
+        ValueError: naming the file, for the whole-file problems listed in the module docstring.
+    """
+    path = check_file(path)
+    reader = _iter_jsonl if path.suffix.lower() == ".jsonl" else _iter_json_array
+    for count, row in enumerate(reader(path)):
+        if limit is not None and count >= limit:
+            return
+        yield row

@@ -1,0 +1,175 @@
+"""Conversation file → ``datasets.Dataset{input_ids, loss_mask, row}`` + :class:`SkipReport`.
+
+Pipeline: :func:`recipe.data.conversations.iter_rows` feeds ``Dataset.from_generator`` (tolerant reading: one bad
+line is a counted skip, not a failed load), then ``Dataset.map`` tokenises each conversation with the target's chat
+template (:func:`recipe.data.chat_mask.tokenize_conversation`), truncates to ``max_length`` and records a skip reason
+per row; a ``filter`` keeps the usable rows.
+
+Caching: both steps carry explicit fingerprints derived from the file's sha256, ``limit``, the tokenizer (its
+``tokenizer.json`` serialisation and chat template), ``max_length`` and ``drop_long``, so a second call with the same
+inputs reuses the Arrow cache files and any change to one of them (including the file's content under the same
+path) recomputes.
+
+CLI: ``python -m recipe.data.examples --tokenizer DIR --data FILE --max-length N [--limit 200] [--draft-vocab 8192]``
+prints the skip table, token counts and, optionally, draft-vocabulary statistics.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+from pathlib import Path
+
+import datasets
+
+from recipe.data.chat_mask import tokenize_conversation
+from recipe.data.conversations import BadRow, check_file, file_digest, iter_rows
+from recipe.data.report import SkipReport
+from recipe.data.vocab import iter_token_arrays
+
+PIPELINE_VERSION = "examples-v1"  # bump when the tokenisation / masking semantics change
+
+ROW_FEATURES = datasets.Features({
+    "row": datasets.Value("int64"),
+    "messages": datasets.List({"role": datasets.Value("string"), "content": datasets.Value("string")}),
+    "reason": datasets.Value("string"),
+    "detail": datasets.Value("string"),
+})
+TOKEN_FEATURES = datasets.Features({
+    "row": datasets.Value("int64"),
+    "input_ids": datasets.List(datasets.Value("int32")),
+    "loss_mask": datasets.List(datasets.Value("int8")),
+    "reason": datasets.Value("string"),
+    "detail": datasets.Value("string"),
+    "truncated": datasets.Value("bool"),
+})
+
+
+def _hash(*parts: object) -> str:
+    digest = hashlib.sha256()
+    for part in parts:
+        digest.update(repr(part).encode("utf-8"))
+        digest.update(b"\0")
+    return digest.hexdigest()[:32]
+
+
+def tokenizer_fingerprint(tokenizer) -> str:
+    """Stable hash of everything that decides tokenisation: vocabulary/merges, special tokens, chat template."""
+    backend = tokenizer.backend_tokenizer.to_str() if hasattr(tokenizer, "backend_tokenizer") else repr(tokenizer)
+    return _hash(backend, tokenizer.chat_template, sorted(map(str, tokenizer.all_special_tokens)))
+
+
+def _generate_rows(path: str, digest: str, limit: int | None):
+    del digest  # only part of the builder's cache key
+    for row in iter_rows(path, limit=limit):
+        yield {"row": row.row, "messages": row.messages, "reason": row.reason, "detail": row.detail}
+
+
+def _tokenize_batch(batch: dict, tokenizer, max_length: int, drop_long: bool) -> dict:
+    out = {"input_ids": [], "loss_mask": [], "reason": [], "detail": [], "truncated": []}
+    for messages, reason, detail in zip(batch["messages"], batch["reason"], batch["detail"]):
+        ids, mask, cut = [], [], False
+        if not reason:
+            try:
+                tokens = tokenize_conversation(messages, tokenizer)
+                ids, mask = tokens.input_ids, tokens.loss_mask
+                cut = len(ids) > max_length
+                if cut and drop_long:
+                    raise BadRow("too_long", f"{len(ids)} tokens > {max_length}")
+                ids, mask = ids[:max_length], mask[:max_length]
+                if not any(mask):
+                    raise BadRow("no_supervised_tokens", f"first assistant token beyond {max_length}")
+            except BadRow as bad:
+                ids, mask, cut, reason, detail = [], [], False, bad.reason, bad.detail
+        for key, value in zip(out, (ids, mask, reason, detail, cut)):
+            out[key].append(value)
+    return out
+
+
+def _is_kept(reason: str) -> bool:
+    return not reason
+
+
+def build_examples(path: str | Path, tokenizer, max_length: int, num_proc: int = 1, cache_dir: str | None = None,
+                   limit: int | None = None, drop_long: bool = False) -> tuple[datasets.Dataset, SkipReport]:
+    """Read, normalise, tokenise and mask a conversation file.
+
+    Args:
+        path: ``.json`` (array) or ``.jsonl`` file in ShareGPT or OpenAI form.
+        tokenizer: the target's fast tokenizer with its chat template.
+        max_length: examples are cut to this many tokens (or dropped with ``drop_long=True``).
+        num_proc: worker processes for tokenisation (``Dataset.map``).
+        cache_dir: ``datasets`` cache folder (default: the ``datasets`` default).
+        limit: read only the first ``limit`` source records.
+    Returns:
+        ``(dataset, report)``; dataset columns ``input_ids`` (list[int], length ≤ max_length), ``loss_mask``
+        (list[int] of 0/1, same length, at least one 1) and ``row`` (source line number for .jsonl, 0-based index
+        for .json).
+    Raises:
+        ValueError: naming the file — missing/empty/unknown extension, or no usable example left (with the reasons).
+    """
+    if max_length <= 0:
+        raise ValueError(f"max_length must be positive, got {max_length}")
+    path = check_file(path)
+    digest = file_digest(path)
+    row_fingerprint = _hash(PIPELINE_VERSION, digest, limit)
+    rows = datasets.Dataset.from_generator(
+        _generate_rows, features=ROW_FEATURES, cache_dir=cache_dir, fingerprint=row_fingerprint,
+        gen_kwargs={"path": str(path), "digest": digest, "limit": limit})
+    if len(rows) == 0:
+        raise ValueError(f"{path}: conversation file holds no records")
+    tokenized = rows.map(
+        _tokenize_batch, batched=True, batch_size=64, num_proc=num_proc if num_proc > 1 else None,
+        fn_kwargs={"tokenizer": tokenizer, "max_length": max_length, "drop_long": drop_long},
+        remove_columns=["messages"], features=TOKEN_FEATURES,
+        new_fingerprint=_hash(row_fingerprint, tokenizer_fingerprint(tokenizer), max_length, drop_long),
+        desc="tokenising conversations")
+    report = SkipReport.from_outcomes(str(path), tokenized["row"], tokenized["reason"], tokenized["truncated"])
+    if report.kept == 0:
+        raise ValueError(f"{path}: no usable conversation left; {report.summary()}")
+    kept = tokenized.filter(_is_kept, input_columns="reason",
+                            new_fingerprint=_hash(tokenized._fingerprint, "kept"))
+    return kept.select_columns(["input_ids", "loss_mask", "row"]), report
+
+
+def token_counts(dataset: datasets.Dataset) -> tuple[int, int]:
+    """``(total tokens, supervised tokens)`` over the dataset's ``input_ids`` / ``loss_mask``."""
+    total = supervised = 0
+    for ids, mask in iter_token_arrays(dataset):
+        total += len(ids)
+        supervised += int(mask.sum())
+    return total, supervised
+
+
+def main(argv: list[str] | None = None) -> None:
+    from rich.console import Console
+    from transformers import AutoTokenizer
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tokenizer", required=True, help="tokenizer folder (the target's)")
+    parser.add_argument("--gguf-file", default=None, help="GGUF file name inside --tokenizer, if it is a GGUF folder")
+    parser.add_argument("--data", required=True, help="conversation file (.json/.jsonl)")
+    parser.add_argument("--max-length", type=int, required=True)
+    parser.add_argument("--limit", type=int, default=None)
+    parser.add_argument("--num-proc", type=int, default=1)
+    parser.add_argument("--drop-long", action="store_true")
+    parser.add_argument("--cache-dir", default=None)
+    parser.add_argument("--draft-vocab", type=int, default=0, help="also build a draft vocabulary of this size")
+    args = parser.parse_args(argv)
+
+    tokenizer = AutoTokenizer.from_pretrained(args.tokenizer, gguf_file=args.gguf_file)
+    dataset, report = build_examples(args.data, tokenizer, args.max_length, num_proc=args.num_proc,
+                                     cache_dir=args.cache_dir, limit=args.limit, drop_long=args.drop_long)
+    console = Console()
+    console.print(report.table())
+    total, supervised = token_counts(dataset)
+    console.print(f"examples {len(dataset)}  tokens {total}  supervised {supervised} ({supervised / total:.1%})")
+    if args.draft_vocab:
+        from recipe.data.vocab import build_vocab_map, supervised_token_counts, vocab_stats
+
+        vocab = build_vocab_map(dataset, len(tokenizer), args.draft_vocab, cache_dir=args.cache_dir)
+        console.print(vocab_stats(vocab, supervised_token_counts(dataset, len(tokenizer))[0]))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,74 @@
+"""SkipReport: what became of every source record of a conversation file (kept, truncated, skipped by reason)."""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Iterable
+
+from rich.table import Table
+
+from recipe.data.conversations import SKIP_REASONS
+
+MAX_EXAMPLE_ROWS = 5
+
+
+@dataclass
+class SkipReport:
+    """Counts per outcome for one file.
+
+    ``kept``: examples kept; ``truncated``: how many of the kept ones were cut to ``max_length``;
+    ``skipped``: reason → count (reasons are keys of ``conversations.SKIP_REASONS``);
+    ``example_rows``: reason → the first few source row numbers skipped for it.
+    """
+
+    path: str
+    kept: int = 0
+    truncated: int = 0
+    skipped: dict[str, int] = field(default_factory=dict)
+    example_rows: dict[str, list[int]] = field(default_factory=dict)
+
+    @classmethod
+    def from_outcomes(cls, path: str, rows: Iterable[int], reasons: Iterable[str], truncated: Iterable[bool]):
+        """Build from per-record outcomes: ``reason == ""`` means kept."""
+        report = cls(path=str(path))
+        counts: Counter[str] = Counter()
+        for row, reason, cut in zip(rows, reasons, truncated):
+            if not reason:
+                report.kept += 1
+                report.truncated += int(cut)
+                continue
+            counts[reason] += 1
+            examples = report.example_rows.setdefault(reason, [])
+            if len(examples) < MAX_EXAMPLE_ROWS:
+                examples.append(int(row))
+        report.skipped = dict(counts.most_common())
+        return report
+
+    @property
+    def total(self) -> int:
+        """Number of source records read."""
+        return self.kept + sum(self.skipped.values())
+
+    def table(self) -> Table:
+        """A rich table: one line for kept (and truncated), one per skip reason with example rows."""
+        table = Table(title=f"Conversations: {self.path}")
+        table.add_column("outcome")
+        table.add_column("rows", justify="right")
+        table.add_column("share", justify="right")
+        table.add_column("example rows / meaning")
+        total = max(self.total, 1)
+        table.add_row("kept", str(self.kept), f"{self.kept / total:.1%}", "")
+        table.add_row("  of which truncated", str(self.truncated), f"{self.truncated / total:.1%}", "cut to max_length")
+        for reason, count in self.skipped.items():
+            rows = ", ".join(map(str, self.example_rows.get(reason, [])))
+            table.add_row(f"skipped: {reason}", str(count), f"{count / total:.1%}",
+                          f"{rows} ({SKIP_REASONS.get(reason, '')})")
+        table.add_row("total", str(self.total), "100.0%", "")
+        return table
+
+    def summary(self) -> str:
+        """One line, e.g. ``kept 180/200 (truncated 3); skipped: bad_content 12 [rows 4, 9], ...``."""
+        parts = [f"{reason} {count} [rows {', '.join(map(str, self.example_rows.get(reason, [])))}]"
+                 for reason, count in self.skipped.items()]
+        return f"kept {self.kept}/{self.total} (truncated {self.truncated}); skipped: {'; '.join(parts) or 'none'}"
