@@ -157,6 +157,9 @@ class Eagle3Draft(nn.Module):
         Requires hidden_size == target_hidden_size (else ValueError) and a [V, H] weight.
         """
         cfg = self.config
+        if cfg.hidden_size != cfg.target_hidden_size:
+            raise ValueError(f"cannot initialise lm_head from the target: hidden_size={cfg.hidden_size} != "
+                             f"target_hidden_size={cfg.target_hidden_size}")
         if tuple(target_lm_head_weight_VH.shape) != (cfg.vocab_size, cfg.hidden_size):
             raise ValueError(f"target lm_head shape {tuple(target_lm_head_weight_VH.shape)} cannot initialise the "
                              f"draft lm_head: need (vocab_size={cfg.vocab_size}, hidden_size={cfg.hidden_size})")
