@@ -1,4 +1,4 @@
-"""Draft config (derivation, overrides, export round trip) and the draft module (names, init, loading, TP-ready heads)."""
+"""Draft config (derivation, overrides, export round trip) and the draft module (names, init, loading, heads)."""
 from __future__ import annotations
 
 import json
@@ -201,3 +201,14 @@ def test_attention_heads_shard_from_outside():
             part.o_proj.weight.copy_(attn.o_proj.weight[:, q_rows])
         total = total + part(x, cos, sin, pos, None, TTTKVCache())
     torch.testing.assert_close(total, full, rtol=1e-5, atol=1e-6)
+
+
+def test_bf16_cast_keeps_rope_frequencies_in_float32_and_runs():
+    draft = Eagle3Draft(tiny_config())
+    inv = draft.rotary_emb.inv_freq.clone()
+    draft.bfloat16()
+    assert draft.fc.weight.dtype == torch.bfloat16 and draft.t2d.dtype == torch.bool and draft.d2t.dtype == torch.int64
+    assert draft.rotary_emb.inv_freq.dtype == torch.float32 and torch.equal(draft.rotary_emb.inv_freq, inv)
+    hidden, _ = draft.step(draft.project_aux(torch.randn(1, 4, 72)), torch.randint(0, 100, (1, 4)),
+                           torch.arange(4)[None])
+    assert hidden.dtype == torch.bfloat16 and torch.isfinite(draft.logits(hidden)).all()

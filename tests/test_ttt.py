@@ -152,6 +152,17 @@ def test_fully_masked_row_is_finite_and_does_not_touch_other_rows():
     assert torch.equal(out_alone.correct_K, out.correct_K)
 
 
+def test_target_head_accepts_full_or_draft_rows():
+    draft, head_VH, _ = build_case(seed=1, K=1)
+    ids = draft.draft_token_ids()
+    full, rows = TTTModel(draft, head_VH), TTTModel(draft, head_VH[ids])
+    assert torch.equal(full.target_head_d, head_VH[ids]) and torch.equal(rows.target_head_d, head_VH[ids])
+    assert "target_head_d" not in full.state_dict()
+    assert "target_head_d" not in dict(full.named_parameters())
+    with pytest.raises(ValueError, match="draft_vocab_size=8"):
+        TTTModel(draft, head_VH[:50])
+
+
 def test_causal_attention_is_swappable_and_called_with_anchor_positions():
     draft, head_VH, batch = build_case(seed=3, K=3)
     calls = []

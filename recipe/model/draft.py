@@ -82,7 +82,8 @@ class Eagle3DecoderLayer(nn.Module):
 
 
 class Eagle3Draft(nn.Module):
-    """EAGLE-3 draft: ``fc`` (3·H_t -> H), frozen ``embed_tokens`` (V x H), ``midlayer``, ``norm``, ``lm_head`` (H -> Vd).
+    """EAGLE-3 draft: ``fc`` (3·H_t -> H), frozen ``embed_tokens`` (V x H), ``midlayer``, ``norm``,
+    ``lm_head`` (H -> Vd).
 
     Buffers: ``d2t`` int64 [Vd] (target id = i + d2t[i]) and ``t2d`` bool [V]; both persistent and exported. Until
     ``set_vocab_map`` they are the identity map of the first Vd target ids. Weights are initialised from ``seed``.
@@ -103,6 +104,16 @@ class Eagle3Draft(nn.Module):
         t2d[: config.draft_vocab_size] = True
         self.register_buffer("t2d", t2d)
         self.init_weights(seed=seed)
+
+    def _apply(self, fn, recurse=True):
+        """As ``nn.Module._apply`` (``.to``, ``.bfloat16``, ``.cuda``...), but RoPE inverse frequencies stay float32:
+        a bf16 copy would shift the rotation angles by up to ~0.4% of ``position * freq`` at long context."""
+        rope = self.rotary_emb
+        kept = {name: buf.detach().clone() for name, buf in rope.named_buffers(recurse=False)}
+        super()._apply(fn, recurse)
+        for name, value in kept.items():
+            setattr(rope, name, value.to(getattr(rope, name).device))
+        return self
 
     # ---- initialisation and loading -------------------------------------------------------------------------
     @torch.no_grad()
@@ -134,7 +145,7 @@ class Eagle3Draft(nn.Module):
 
     @torch.no_grad()
     def set_vocab_map(self, d2t: torch.Tensor, t2d: torch.Tensor) -> None:
-        """Install the vocabulary map (d2t int [Vd] offsets, t2d bool [V]); ValueError if shapes or contents disagree."""
+        """Install the vocab map (d2t int [Vd] offsets, t2d bool [V]); ValueError if shapes or contents disagree."""
         cfg = self.config
         if tuple(d2t.shape) != (cfg.draft_vocab_size,) or tuple(t2d.shape) != (cfg.vocab_size,):
             raise ValueError(f"vocab map shapes d2t {tuple(d2t.shape)}, t2d {tuple(t2d.shape)} do not match "

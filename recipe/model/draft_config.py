@@ -148,7 +148,7 @@ class Eagle3DraftConfig:
 
     @classmethod
     def from_hf_dict(cls, d: Mapping[str, Any]) -> "Eagle3DraftConfig":
-        """Read an export ``config.json`` dict back. Raises ValueError naming a missing key or a foreign architecture."""
+        """Read an export ``config.json`` dict back; ValueError naming a missing key or a foreign architecture."""
         archs = d.get("architectures") or [EXPORT_ARCHITECTURE]
         if EXPORT_ARCHITECTURE not in archs:
             raise ValueError(f"draft config.json: architectures={archs} does not contain {EXPORT_ARCHITECTURE}")

@@ -54,7 +54,8 @@ class TTTBatch:
         for name, shape in expected.items():
             got = tuple(getattr(self, name).shape)
             if len(got) != len(shape) or any(e is not None and e != g for e, g in zip(shape, got)):
-                raise ValueError(f"TTTBatch.{name} has shape {got}, expected {shape} (None: any) for K={k}, B={b}, S={s}")
+                raise ValueError(f"TTTBatch.{name} has shape {got}, expected {shape} (None: any) "
+                                 f"for K={k}, B={b}, S={s}")
 
     @property
     def num_steps(self) -> int:
@@ -118,7 +119,8 @@ def target_in_draft_vocab(last_hidden_BSH: torch.Tensor, target_lm_head_weight_V
     """
     if chunk_size < 1:
         raise ValueError(f"chunk_size={chunk_size} must be >= 1")
-    if last_hidden_BSH.shape[-1] != target_lm_head_weight_VH.shape[1] or t2d.shape[0] != target_lm_head_weight_VH.shape[0]:
+    v, h = target_lm_head_weight_VH.shape
+    if last_hidden_BSH.shape[-1] != h or t2d.shape[0] != v:
         raise ValueError(f"target_in_draft_vocab: hidden {tuple(last_hidden_BSH.shape)}, lm_head "
                          f"{tuple(target_lm_head_weight_VH.shape)} and t2d {tuple(t2d.shape)} disagree")
     rows_NH = last_hidden_BSH.reshape(-1, last_hidden_BSH.shape[-1]).to(target_lm_head_weight_VH.dtype)
@@ -143,23 +145,32 @@ class TTTModel(nn.Module):
     signature of ``loss.soft_ce`` (TP swaps in a vocab-parallel one).
     """
 
-    def __init__(self, draft: Eagle3Draft, target_lm_head_weight_VH: torch.Tensor,
-                 loss_fn: Callable = soft_ce):
+    def __init__(self, draft: Eagle3Draft, target_lm_head_weight: torch.Tensor, loss_fn: Callable = soft_ce):
         super().__init__()
         self.draft = draft
         self.loss_fn = loss_fn
         self.register_buffer("target_head_d", torch.empty(0), persistent=False)
-        self.set_target_head(target_lm_head_weight_VH)
+        self.set_target_head(target_lm_head_weight)
 
     @torch.no_grad()
-    def set_target_head(self, target_lm_head_weight_VH: torch.Tensor) -> None:
-        """Set ``target_head_d = W[draft ids]`` from the target lm_head weight [V, H_t] (ValueError on its shape)."""
+    def set_target_head(self, target_lm_head_weight: torch.Tensor) -> None:
+        """Set ``target_head_d`` [Vd, H_t] from the target lm_head weight.
+
+        Accepts the full weight [V, H_t] (rows of ``draft.draft_token_ids()`` are taken) or the rows already taken
+        [Vd, H_t] (used as is; with V == Vd both readings agree, the draft ids being all ids). ValueError otherwise.
+        """
         cfg = self.draft.config
-        if tuple(target_lm_head_weight_VH.shape) != (cfg.vocab_size, cfg.target_hidden_size):
-            raise ValueError(f"target lm_head weight shape {tuple(target_lm_head_weight_VH.shape)} != "
-                             f"(vocab_size={cfg.vocab_size}, target_hidden_size={cfg.target_hidden_size})")
-        ids = self.draft.draft_token_ids().to(target_lm_head_weight_VH.device)
-        self.target_head_d = target_lm_head_weight_VH[ids].detach().clone().to(self.draft.d2t.device)
+        shape = tuple(target_lm_head_weight.shape)
+        if shape == (cfg.vocab_size, cfg.target_hidden_size):
+            ids = self.draft.draft_token_ids().to(target_lm_head_weight.device)
+            head_d = target_lm_head_weight[ids]
+        elif shape == (cfg.draft_vocab_size, cfg.target_hidden_size):
+            head_d = target_lm_head_weight
+        else:
+            raise ValueError(f"target lm_head weight shape {shape} is neither (vocab_size={cfg.vocab_size}, "
+                             f"target_hidden_size={cfg.target_hidden_size}) nor (draft_vocab_size="
+                             f"{cfg.draft_vocab_size}, target_hidden_size={cfg.target_hidden_size})")
+        self.target_head_d = head_d.detach().clone().to(self.draft.d2t.device)
 
     def forward(self, batch: TTTBatch) -> TTTOutput:
         """Unroll the draft ``batch.num_steps`` times; sums per step (the loop normalises by global counts)."""
