@@ -106,8 +106,10 @@ class Eagle3Draft(nn.Module):
         self.init_weights(seed=seed)
 
     def _apply(self, fn, recurse=True):
-        """As ``nn.Module._apply`` (``.to``, ``.bfloat16``, ``.cuda``...), but RoPE inverse frequencies stay float32:
-        a bf16 copy would shift the rotation angles by up to ~0.4% of ``position * freq`` at long context."""
+        """``nn.Module._apply`` (``.to``, ``.bfloat16``, ``.cuda``...) keeping the RoPE inverse frequencies float32.
+
+        A bf16 copy would be off by up to 2^-9 (~0.2%) of ``position * freq``: whole radians at long context.
+        """
         rope = self.rotary_emb
         kept = {name: buf.detach().clone() for name, buf in rope.named_buffers(recurse=False)}
         super()._apply(fn, recurse)
@@ -128,7 +130,7 @@ class Eagle3Draft(nn.Module):
             raise ValueError("init_weights needs exactly one of seed= or generator=")
         gen = generator if generator is not None else torch.Generator().manual_seed(int(seed))
         std = self.config.initializer_range
-        for name, param in self.named_parameters():
+        for param in self.parameters():
             if param.dim() == 1:
                 param.fill_(1.0)
             else:
