@@ -48,8 +48,8 @@ class RingCounts:
 class _Hop:
     """Pending async send/recv of one ring hop; ``wait()`` returns the received tensors."""
 
-    def __init__(self, requests, received):
-        self._requests, self._received = requests, received
+    def __init__(self, requests, sent, received):
+        self._requests, self._sent, self._received = requests, sent, received  # buffers live until wait()
 
     def wait(self) -> list[torch.Tensor]:
         for req in self._requests:
@@ -86,8 +86,9 @@ class RingComm:
         if self.size == 1:
             raise RuntimeError("RingComm.start called on a single-rank ring (nothing to exchange)")
         tag = self._TAGS[kind]
-        received = [torch.empty_like(t) for t in tensors]
-        ops = [dist.P2POp(dist.isend, t.contiguous(), self.send_peer, self.group, tag) for t in tensors]
+        sent = [t.contiguous() for t in tensors]
+        received = [torch.empty_like(t) for t in sent]
+        ops = [dist.P2POp(dist.isend, t, self.send_peer, self.group, tag) for t in sent]
         ops += [dist.P2POp(dist.irecv, r, self.recv_peer, self.group, tag) for r in received]
         requests = dist.batch_isend_irecv(ops)
         self.counts.sends += len(tensors)
@@ -96,7 +97,7 @@ class RingComm:
             self.counts.kv_hops += 1
         else:
             self.counts.grad_hops += 1
-        return _Hop(requests, received)
+        return _Hop(requests, sent, received)
 
 
 def _pack_keys_meta(k_pos_BS: torch.Tensor, k_valid_BS: torch.Tensor | None) -> torch.Tensor:

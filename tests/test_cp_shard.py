@@ -1,7 +1,7 @@
 """Zigzag CP sharding: indices, exact split/unsplit, padding, TTT-batch sharding with target-row remapping."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import pytest
 import torch
@@ -112,3 +112,17 @@ def test_shard_ttt_batch_errors():
     extra = Extra(**{**_batch().__dict__, "mystery_BS": torch.zeros(2, 16)})
     with pytest.raises(ValueError, match="Extra.mystery_BS"):
         shard_ttt_batch(extra, 2, 0)
+
+
+def test_shard_real_ttt_batch():
+    from recipe.model.ttt import TTTBatch
+
+    names = [f.name for f in fields(TTTBatch)]
+    stand_in = _batch()
+    batch = TTTBatch(**{n: getattr(stand_in, n) for n in names})
+    for r in range(2):
+        shard = shard_ttt_batch(batch, 2, r)
+        ref = shard_ttt_batch(stand_in, 2, r)
+        assert isinstance(shard, TTTBatch) and shard.input_ids_KBS.shape == (3, 2, 8)
+        for name in names:
+            assert torch.equal(getattr(shard, name), getattr(ref, name)), name
