@@ -145,8 +145,10 @@ def test_fully_masked_row_is_finite_and_does_not_touch_other_rows():
     ttt_objective(out, out.valid_K).backward()
     assert all(torch.isfinite(p.grad).all() for p in draft.parameters() if p.requires_grad)
     # the same first row alone gives the same sums
-    alone = TTTBatch(**{name: (t[:1] if name not in ("target_row_KS", "input_ids_KBS", "valid_KBS") else
-                               t[:, :1] if name != "target_row_KS" else t) for name, t in batch.__dict__.items()})
+    alone = TTTBatch(input_ids_KBS=batch.input_ids_KBS[:, :1], valid_KBS=batch.valid_KBS[:, :1],
+                     position_ids_BS=batch.position_ids_BS[:1], key_valid_BS=batch.key_valid_BS[:1],
+                     aux_hidden_BSA=batch.aux_hidden_BSA[:1], target_hidden_BLH=batch.target_hidden_BLH[:1],
+                     target_row_KS=batch.target_row_KS)
     out_alone = TTTModel(copy.deepcopy(draft), head_VH)(alone)
     torch.testing.assert_close(out_alone.loss_sum_K, out.loss_sum_K, rtol=1e-6, atol=1e-6)
     assert torch.equal(out_alone.correct_K, out.correct_K)
