@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from recipe.model.target import TargetModel, default_aux_layer_ids, validate_aux_layer_ids
+from recipe.model.target import TargetModel, default_aux_layer_ids, target_fingerprint, validate_aux_layer_ids
 from tiny_llama import save_tiny_llama
 
 
@@ -106,6 +106,7 @@ def test_capture_with_right_padding_matches_unpadded(tiny):
 def test_fingerprint_stable_across_dtype_and_distinguishes_models(tiny, tiny_dir, tmp_path):
     assert len(tiny.fingerprint) == 16
     assert TargetModel(tiny_dir, dtype=torch.bfloat16, device="cpu").fingerprint == tiny.fingerprint
+    assert target_fingerprint(tiny_dir) == tiny.fingerprint  # from config + safetensors rows, no model load
     other = TargetModel(save_tiny_llama(tmp_path / "other", seed=1), device="cpu")
     assert other.fingerprint != tiny.fingerprint
 

@@ -18,11 +18,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
+from safetensors import safe_open
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
 
 # Config keys that change with how a model was saved/loaded, not with which model it is.
 _VOLATILE_CONFIG_KEYS = {"_name_or_path", "transformers_version", "dtype", "torch_dtype", "architectures",
                          "use_cache", "_attn_implementation_autoset", "attn_implementation"}
+_FINGERPRINT_ROWS = 8
 
 
 def default_aux_layer_ids(num_layers: int) -> list[int]:
@@ -60,6 +62,36 @@ def _split_gguf(path: str | Path) -> tuple[str, dict]:
     if not path.is_dir():
         raise FileNotFoundError(f"target folder not found: {path}")
     return str(path), {}
+
+
+def _fingerprint(config: PretrainedConfig, embed_rows: torch.Tensor) -> str:
+    cfg = {k: v for k, v in config.to_dict().items() if k not in _VOLATILE_CONFIG_KEYS}
+    h = hashlib.sha256(json.dumps(cfg, sort_keys=True, default=str).encode())
+    h.update(embed_rows.detach().to("cpu", torch.bfloat16).contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+def _embed_rows_from_safetensors(folder: Path) -> torch.Tensor | None:
+    """Rows 0..7 of the ``*embed_tokens.weight`` tensor in a folder's safetensors files, or None if not found."""
+    for file in sorted(folder.glob("*.safetensors")):
+        with safe_open(file, framework="pt") as f:
+            for key in f.keys():
+                if key.endswith("embed_tokens.weight"):
+                    return f.get_slice(key)[:_FINGERPRINT_ROWS]
+    return None
+
+
+def target_fingerprint(path: str | Path) -> str:
+    """16 hex chars identifying a target independent of load dtype/device: sha256 of its canonical config
+    (save/load-dependent keys dropped) and of the bf16 bytes of input-embedding rows 0..7.
+
+    Reads only config and those rows from a safetensors folder; other formats (GGUF) load the model on CPU.
+    """
+    folder, kwargs = _split_gguf(path)
+    rows = None if kwargs else _embed_rows_from_safetensors(Path(folder))
+    if rows is None:
+        return TargetModel(path, aux_layer_ids=[0], dtype=torch.float32, device="cpu").fingerprint
+    return _fingerprint(AutoConfig.from_pretrained(folder), rows)
 
 
 def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
@@ -137,14 +169,9 @@ class TargetModel:
 
     @property
     def fingerprint(self) -> str:
-        """16 hex chars identifying the target independent of load dtype/device: sha256 of the canonical config
-        (volatile keys dropped) and of the bf16 bytes of ``lm_head`` rows 0..7 and the final norm weight."""
+        """``target_fingerprint`` of this model (computed once)."""
         if self._fingerprint is None:
-            cfg = {k: v for k, v in self.config.to_dict().items() if k not in _VOLATILE_CONFIG_KEYS}
-            h = hashlib.sha256(json.dumps(cfg, sort_keys=True, default=str).encode())
-            for w in (self.lm_head_weight[:8], self.decoder.norm.weight):
-                h.update(w.detach().to("cpu", torch.bfloat16).contiguous().view(torch.uint8).numpy().tobytes())
-            self._fingerprint = h.hexdigest()[:16]
+            self._fingerprint = _fingerprint(self.config, self.embed_tokens_weight[:_FINGERPRINT_ROWS])
         return self._fingerprint
 
     @torch.no_grad()
