@@ -20,7 +20,7 @@ from pathlib import Path
 from safetensors import safe_open
 
 # Bump when the layout or content of any entry changes: every cached entry is then rebuilt.
-MANIFEST_VERSION = 1
+MANIFEST_VERSION = 2
 _HASH_CHUNK_BYTES = 1 << 22
 
 

@@ -72,8 +72,23 @@ def _rebuild_from_config(gguf_model):
     return model.eval()
 
 
-def _verify_folder(folder: Path, gguf_model, tokenizer) -> None:
-    """Raise TargetConversionError unless ``folder`` reloads plainly and reproduces the GGUF model's logits."""
+def reference_logits(ids, logits) -> dict:
+    """A few of ``logits`` [1, S, V] (fp32) for ``ids`` [1, S], as exact JSON floats: every position's logits of
+    token ids 0..7, and the last position's top 8 ``(ids, values)``. Recorded from the GGUF model at conversion so
+    tests can compare the saved folder with the GGUF without the slow GGUF load."""
+    top = logits[0, -1].topk(8)
+    return {
+        "input_ids": ids[0].tolist(),
+        "first_8_vocab_logits": logits[0, :, :8].tolist(),
+        "last_top8_ids": top.indices.tolist(),
+        "last_top8_logits": top.values.tolist(),
+    }
+
+
+def _verify_folder(folder: Path, gguf_model, tokenizer) -> dict:
+    """Raise TargetConversionError unless ``folder`` reloads plainly and reproduces the GGUF model's logits.
+
+    Returns the GGUF model's ``reference_logits`` on the check prompt."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -91,12 +106,14 @@ def _verify_folder(folder: Path, gguf_model, tokenizer) -> None:
     if not torch.equal(expected, got):
         diff = (expected - got).abs().max().item()
         raise TargetConversionError(f"{folder}: logits differ from the GGUF model (max |diff| {diff:.3g})")
+    return reference_logits(ids, expected)
 
 
 def convert_gguf_target(gguf_file: Path, out_dir: Path) -> dict:
     """Write the GGUF target as an HF folder (config, generation config, model.safetensors fp32, tokenizer).
 
-    Returns counts: ``parameters``, ``layers``, ``hidden_size``, ``vocab_size``, ``check_tokens``.
+    Returns counts: ``parameters``, ``layers``, ``hidden_size``, ``vocab_size``, and ``gguf_reference`` (the GGUF
+    model's ``reference_logits`` on a short chat prompt, which the saved folder reproduces exactly).
     Raises TargetConversionError if the GGUF tokenizer has no ChatML chat template or the saved folder does not
     reproduce the GGUF model.
     """
@@ -111,12 +128,12 @@ def convert_gguf_target(gguf_file: Path, out_dir: Path) -> dict:
     model.save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)
     del model
-    _verify_folder(out_dir, gguf_model, tokenizer)
+    reference = _verify_folder(out_dir, gguf_model, tokenizer)
     config = gguf_model.config
     return {
         "parameters": sum(p.numel() for p in gguf_model.parameters()),
         "layers": config.num_hidden_layers,
         "hidden_size": config.hidden_size,
         "vocab_size": config.vocab_size,
-        "check_tokens": int(check_ids(tokenizer).shape[1]),
+        "gguf_reference": reference,
     }
