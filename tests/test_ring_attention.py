@@ -9,6 +9,7 @@ import math
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from dist import run_ranks
 from kernels.block_attention import block_attention, expand_kv, merge_lse
@@ -100,19 +101,27 @@ def _rank_worker(rank, cp, seq_len):
     return buffer.getvalue()
 
 
-def _rank_results(rank, cp, seq_len):
-    res = {}
-    idx = zigzag_indices(seq_len, cp, rank)
-    x = _inputs(seq_len)
+def _basic(x, idx, group):
+    """Ring out/lse/grads of the local shard ``idx`` over ``group``, with the comm counts of forward and backward."""
     q, k, v = (_split(x[n], idx, 2).requires_grad_() for n in "qkv")
     pos, valid = x["pos"][:, idx], x["valid"][:, idx]
-    ring = make_ring_causal_attention(None)
+    ring = make_ring_causal_attention(group)
     out, lse = ring(q, k, v, pos, pos, valid)
-    res["fwd_counts"] = dict(vars(ring.comm.counts))
+    fwd_counts = dict(vars(ring.comm.counts))
     ring.comm.counts.reset()
     _loss(out, lse, x["w"][:, :, idx], x["u"][:, :, idx]).backward()
-    res["bwd_counts"] = dict(vars(ring.comm.counts))
-    res["basic"] = dict(idx=idx, out=out.detach(), lse=lse.detach(), dq=q.grad, dk=k.grad, dv=v.grad)
+    return dict(idx=idx, out=out.detach(), lse=lse.detach(), dq=q.grad, dk=k.grad, dv=v.grad,
+                fwd_counts=fwd_counts, bwd_counts=dict(vars(ring.comm.counts)))
+
+
+def _rank_results(rank, cp, seq_len):
+    idx = zigzag_indices(seq_len, cp, rank)
+    x = _inputs(seq_len)
+    pos, valid = x["pos"][:, idx], x["valid"][:, idx]
+    res = {"basic": _basic(x, idx, None)}
+    if cp == 4:  # two cp=2 subgroups whose group ranks differ from global ranks: peers must be translated
+        groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+        res["subgroup"] = _basic(x, zigzag_indices(seq_len, 2, rank // 2), groups[rank % 2])
     # TTT composition, K in {1, 3} diagonal-key steps.
     for steps in (1, 3):
         qs, ks, vs, ws, us = _ttt_inputs(seq_len, steps)
@@ -156,12 +165,20 @@ def test_ring_matches_dense_forward_and_grads(ring_run):
     out, lse = block_attention(q, k, v, x["pos"], x["pos"], x["valid"])
     _loss(out, lse, x["w"], x["u"]).backward()
     assert torch.isinf(lse[1, :, :2]).all() and torch.isfinite(lse[0]).all()  # the case covers empty rows
-    idxs = [r["basic"]["idx"] for r in results]
-    got = {n: _unsplit([r["basic"][n] for r in results], idxs, 2) for n in ("out", "lse", "dq", "dk", "dv")}
+    cases = [("basic", results)]
+    if cp == 4:  # ranks (0, 2) and (1, 3) each ran a cp=2 ring in their own subgroup
+        cases += [("subgroup", results[0::2]), ("subgroup", results[1::2])]
+    for key, members in cases:
+        _check_against_dense(members, key, out, lse, q.grad, k.grad, v.grad)
+
+
+def _check_against_dense(results, key, out, lse, dq, dk, dv):
+    idxs = [r[key]["idx"] for r in results]
+    got = {n: _unsplit([r[key][n] for r in results], idxs, 2) for n in ("out", "lse", "dq", "dk", "dv")}
     _close(got["out"], out.detach(), "out")
     assert torch.equal(torch.isinf(got["lse"]), torch.isinf(lse))
     _close(got["lse"], lse.detach(), "lse")
-    for name, ref in (("dq", q.grad), ("dk", k.grad), ("dv", v.grad)):
+    for name, ref in (("dq", dq), ("dk", dk), ("dv", dv)):
         assert torch.isfinite(got[name]).all(), name
         _close(got[name], ref, name)
 
@@ -181,7 +198,7 @@ def test_ttt_composition_matches_dense(ring_run, steps):
 def test_comm_counts(ring_run):
     """Per rank per call: forward cp-1 K/V hops (2 tensors each), backward cp-1 K/V + cp-1 dK/dV hops (1 each)."""
     cp, _, results = ring_run
-    for r in results:
+    for r in (r["basic"] for r in results):
         assert r["fwd_counts"]["kv_hops"] == cp - 1 and r["fwd_counts"]["grad_hops"] == 0
         assert r["fwd_counts"]["sends"] == r["fwd_counts"]["recvs"] == 2 * (cp - 1)
         assert r["bwd_counts"]["kv_hops"] == cp - 1 and r["bwd_counts"]["grad_hops"] == cp - 1
