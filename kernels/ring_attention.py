@@ -108,7 +108,7 @@ def _pack_keys_meta(k_pos_BS: torch.Tensor, k_valid_BS: torch.Tensor | None) -> 
 
 def _pair_needed(q_pos_BS: torch.Tensor, k_pos_BS: torch.Tensor, k_valid_BS: torch.Tensor) -> bool:
     """True when some query of the chunk can read some key of the chunk (per batch row: a valid key at or before
-    the latest query position)."""
+    the latest query position). One host sync per pair (the skip decision is made on the host)."""
     big = torch.iinfo(torch.int64).max
     first_key_B = k_pos_BS.masked_fill(~k_valid_BS, big).min(dim=1).values
     return bool((first_key_B <= q_pos_BS.max(dim=1).values).any())
