@@ -68,6 +68,8 @@ def test_rows_masks_and_skip_reasons(tokenizer, data_file, tmp_path):
     console.print(report.table())
     text = console.export_text()
     assert "skipped: no_supervised_tokens" in text and "of which truncated" in text
+    assert report.first_detail["unknown_role"] == "turn 1 has from='robot'"
+    assert "first: turn 1 has from='robot'" in text
 
 
 def test_drop_long_policy_and_limit(tokenizer, data_file, tmp_path):

@@ -124,7 +124,8 @@ def build_examples(path: str | Path, tokenizer, max_length: int, num_proc: int =
         remove_columns=["messages"], features=TOKEN_FEATURES,
         new_fingerprint=_hash(row_fingerprint, tokenizer_fingerprint(tokenizer), max_length, drop_long),
         desc="tokenising conversations")
-    report = SkipReport.from_outcomes(str(path), tokenized["row"], tokenized["reason"], tokenized["truncated"])
+    report = SkipReport.from_outcomes(str(path), tokenized["row"], tokenized["reason"], tokenized["truncated"],
+                                       tokenized["detail"])
     if report.kept == 0:
         raise ValueError(f"{path}: no usable conversation left; {report.summary()}")
     kept = tokenized.filter(_is_kept, input_columns="reason",

@@ -19,7 +19,8 @@ class SkipReport:
 
     ``kept``: examples kept; ``truncated``: how many of the kept ones were cut to ``max_length``;
     ``skipped``: reason → count (reasons are keys of ``conversations.SKIP_REASONS``);
-    ``example_rows``: reason → the first few source row numbers skipped for it.
+    ``example_rows``: reason → the first few source row numbers skipped for it;
+    ``first_detail``: reason → the detail message of the first row skipped for it (e.g. ``turn 1 has from='robot'``).
     """
 
     path: str
@@ -27,18 +28,23 @@ class SkipReport:
     truncated: int = 0
     skipped: dict[str, int] = field(default_factory=dict)
     example_rows: dict[str, list[int]] = field(default_factory=dict)
+    first_detail: dict[str, str] = field(default_factory=dict)
 
     @classmethod
-    def from_outcomes(cls, path: str, rows: Iterable[int], reasons: Iterable[str], truncated: Iterable[bool]):
+    def from_outcomes(cls, path: str, rows: Iterable[int], reasons: Iterable[str], truncated: Iterable[bool],
+                      details: Iterable[str] | None = None):
         """Build from per-record outcomes: ``reason == ""`` means kept."""
         report = cls(path=str(path))
         counts: Counter[str] = Counter()
-        for row, reason, cut in zip(rows, reasons, truncated):
+        rows, reasons = list(rows), list(reasons)
+        details = [""] * len(rows) if details is None else details
+        for row, reason, cut, detail in zip(rows, reasons, truncated, details):
             if not reason:
                 report.kept += 1
                 report.truncated += int(cut)
                 continue
             counts[reason] += 1
+            report.first_detail.setdefault(reason, detail)
             examples = report.example_rows.setdefault(reason, [])
             if len(examples) < MAX_EXAMPLE_ROWS:
                 examples.append(int(row))
@@ -63,7 +69,7 @@ class SkipReport:
         for reason, count in self.skipped.items():
             rows = ", ".join(map(str, self.example_rows.get(reason, [])))
             table.add_row(f"skipped: {reason}", str(count), f"{count / total:.1%}",
-                          f"{rows} ({SKIP_REASONS.get(reason, '')})")
+                          f"{rows} ({SKIP_REASONS.get(reason, '')}; first: {self.first_detail.get(reason, '')})")
         table.add_row("total", str(self.total), "100.0%", "")
         return table
 
