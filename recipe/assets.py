@@ -137,7 +137,10 @@ def prepare_assets(cache_dir: str | Path | None = None, force: bool = False, dee
     with FileLock(str(cache / ".lock")):
         for name, (output, source, build) in entries.items():
             start = time.perf_counter()
-            manifest, reason = (None, "forced rebuild") if force else assets_cache.check_entry(output, source, deep_check)
+            if force:
+                manifest, reason = None, "forced rebuild"
+            else:
+                manifest, reason = assets_cache.check_entry(output, source, deep_check)
             if manifest is None:
                 reasons[name] = reason
                 manifest = assets_cache.build_entry(output, source, lambda tmp, b=build, s=source: b(s, tmp))
@@ -191,7 +194,7 @@ def _print_summary(assets: Assets, total_seconds: float) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m recipe.assets", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--cache", type=Path, default=None, help="cache folder (default $RECIPE_CACHE or .cache/recipe)")
+    parser.add_argument("--cache", type=Path, help="cache folder (default: $RECIPE_CACHE, else <repo>/.cache/recipe)")
     parser.add_argument("--force", action="store_true", help="rebuild every entry")
     parser.add_argument("--deep-check", action="store_true", help="re-hash cached files against their manifests")
     parser.add_argument("--json", action="store_true", help="end stdout with one JSON line of the three paths")

@@ -211,7 +211,8 @@ def test_interrupted_build_is_never_used(assets, cache_copy, monkeypatch):
 
 
 def test_recover_sharegpt_small(tmp_path):
-    complete = '[\n {"id": "a", "conversations": []},\n {"id": "b", "conversations": [{"from": "human", "value": "é"}]}'
+    complete = '[\n {"id": "a", "conversations": []},\n'
+    complete += ' {"id": "b", "conversations": [{"from": "human", "value": "é"}]}'
     tail = ',\n {"id": "c", "conversations": [{"from": "gpt", "val'
     source = tmp_path / "cut.json"
     source.write_text(complete + tail, encoding="utf-8")
