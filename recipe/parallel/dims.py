@@ -1,0 +1,160 @@
+"""Parallel degrees (dp × cp × tp) and the rank-grid math, as pure code with no processes.
+
+Rank layout (GUIDE §3): tp is the fastest axis, then cp, then dp, i.e.
+``rank = (dp_idx · cp + cp_idx) · tp + tp_idx`` — the same order as DeepSpeed's
+``ProcessTopology(axes=["dp", "cp", "tp"], dims=[dp, cp, tp])`` (its last axis varies fastest).
+
+Our JSON run config carries a section ``"parallelism": {"tp_size": 2, "cp_size": 1}`` next to the DeepSpeed keys;
+:func:`strip_from_ds_config` removes it before the dict goes to ``deepspeed.initialize``. (DeepSpeed 0.19.8 ignores an
+unknown top-level key silently — checked with ``DeepSpeedConfig`` — so stripping keeps the dict clean, not working.)
+"""
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from typing import Mapping, NamedTuple
+
+SECTION = "parallelism"
+_KNOWN_KEYS = ("tp_size", "cp_size", "dp_size")
+AXES = ("dp", "cp", "tp")
+
+
+class RankCoord(NamedTuple):
+    """Coordinates of one global rank in the (dp, cp, tp) grid."""
+    dp: int
+    cp: int
+    tp: int
+
+
+def rank_coords(rank: int, dp: int, cp: int, tp: int) -> RankCoord:
+    """Coordinates of global ``rank`` (tp fastest, then cp, then dp). Raises ValueError when out of range."""
+    if not 0 <= rank < dp * cp * tp:
+        raise ValueError(f"rank {rank} is outside the grid dp={dp} × cp={cp} × tp={tp} = {dp * cp * tp} ranks")
+    return RankCoord(dp=rank // (cp * tp), cp=(rank // tp) % cp, tp=rank % tp)
+
+
+def rank_at(coord: RankCoord, dp: int, cp: int, tp: int) -> int:
+    """Global rank of grid coordinates ``coord`` (inverse of :func:`rank_coords`)."""
+    return (coord.dp * cp + coord.cp) * tp + coord.tp
+
+
+def group_rank_lists(axis: str, dp: int, cp: int, tp: int) -> list[list[int]]:
+    """Global rank lists of every group along ``axis``, ordered by their smallest rank.
+
+    ``axis``: ``"tp"``, ``"cp"``, ``"dp"`` (ranks differing only in that coordinate) or ``"dp_cp"`` (ranks sharing the
+    tp coordinate: the group ZeRO partitions and averages over). Each list is ascending. Raises ValueError for an
+    unknown axis.
+    """
+    world = dp * cp * tp
+    varying = {"tp": ("tp",), "cp": ("cp",), "dp": ("dp",), "dp_cp": ("dp", "cp")}
+    if axis not in varying:
+        raise ValueError(f"unknown axis {axis!r}; expected one of {sorted(varying)}")
+    groups: dict[tuple, list[int]] = {}
+    for rank in range(world):
+        coord = rank_coords(rank, dp, cp, tp)
+        key = tuple(getattr(coord, a) for a in AXES if a not in varying[axis])
+        groups.setdefault(key, []).append(rank)
+    return sorted(groups.values())
+
+
+@dataclass(frozen=True)
+class ParallelDims:
+    """The single source of truth for the parallel degrees of a run.
+
+    Fields: ``world_size`` (processes), ``tp`` (tensor-parallel degree, draft heads/intermediate/vocab split),
+    ``cp`` (context-parallel degree, zigzag sequence split), ``dp`` (data-parallel degree; -1 = infer as
+    world_size / (tp·cp)). Raises ValueError (one message listing every degree) unless every degree ≥ 1 and
+    dp·cp·tp == world_size.
+    """
+    world_size: int
+    tp: int = 1
+    cp: int = 1
+    dp: int = -1
+
+    def __post_init__(self):
+        listing = f"world_size={self.world_size}, dp={self.dp}{' (infer)' if self.dp == -1 else ''}, " \
+                  f"cp={self.cp}, tp={self.tp}"
+        for name in ("world_size", "tp", "cp"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"parallel degree {name} must be an integer >= 1 ({listing})")
+        if not isinstance(self.dp, int) or isinstance(self.dp, bool) or (self.dp < 1 and self.dp != -1):
+            raise ValueError(f"parallel degree dp must be an integer >= 1 or -1 to infer it ({listing})")
+        if self.dp == -1:
+            if self.world_size % (self.cp * self.tp):
+                raise ValueError(f"cannot infer dp: world_size is not divisible by cp·tp = {self.cp * self.tp} "
+                                 f"({listing})")
+            object.__setattr__(self, "dp", self.world_size // (self.cp * self.tp))
+        if self.dp * self.cp * self.tp != self.world_size:
+            raise ValueError(f"dp·cp·tp = {self.dp * self.cp * self.tp} must equal world_size ({listing})")
+
+    # ---- derived facts -------------------------------------------------------------------------------------------
+    @property
+    def dp_cp(self) -> int:
+        """Size of the ZeRO group (parameters are replicated over dp and cp)."""
+        return self.dp * self.cp
+
+    @property
+    def seq_divisor(self) -> int:
+        """Sequence lengths are padded to a multiple of this: 2·cp zigzag chunks, each divisible by tp."""
+        return 2 * self.cp * self.tp
+
+    @property
+    def tp_enabled(self) -> bool:
+        return self.tp > 1
+
+    @property
+    def cp_enabled(self) -> bool:
+        return self.cp > 1
+
+    @property
+    def dp_enabled(self) -> bool:
+        return self.dp > 1
+
+    def coords(self, rank: int) -> RankCoord:
+        """Grid coordinates of global ``rank``."""
+        return rank_coords(rank, self.dp, self.cp, self.tp)
+
+    def group_ranks(self, axis: str) -> list[list[int]]:
+        """Rank lists of every group along ``axis`` ("tp", "cp", "dp" or "dp_cp"); see :func:`group_rank_lists`."""
+        return group_rank_lists(axis, self.dp, self.cp, self.tp)
+
+    # ---- config --------------------------------------------------------------------------------------------------
+    @classmethod
+    def from_config(cls, section: Mapping | None, world_size: int,
+                    overrides: Mapping | None = None) -> "ParallelDims":
+        """Build from our JSON section ``{"tp_size": int, "cp_size": int, "dp_size": int}`` (all optional).
+
+        ``overrides`` (e.g. from the command line) replaces section values; ``None`` values are ignored. Missing
+        degrees default to tp=1, cp=1, dp inferred. Raises ValueError naming unknown keys (and listing the known
+        ones), non-integer or non-positive values, or a product that does not match ``world_size``.
+        """
+        merged = dict(section or {})
+        merged.update({k: v for k, v in (overrides or {}).items() if v is not None})
+        unknown = sorted(set(merged) - set(_KNOWN_KEYS))
+        if unknown:
+            raise ValueError(f"unknown key(s) {unknown} in the '{SECTION}' config section; known keys: "
+                             f"{list(_KNOWN_KEYS)}")
+        for key, value in merged.items():
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"'{SECTION}.{key}' must be an integer >= 1, got {value!r}")
+        return cls(world_size=world_size, tp=merged.get("tp_size", 1), cp=merged.get("cp_size", 1),
+                   dp=merged.get("dp_size", -1))
+
+    def validate_model(self, num_heads: int, num_kv_heads: int, draft_vocab_size: int,
+                       intermediate_size: int) -> None:
+        """Raise ValueError listing every draft dimension that tp does not divide (heads, KV heads, intermediate,
+        draft vocab); the TP layers split each of them into tp equal contiguous shards."""
+        sizes = {"num_attention_heads": num_heads, "num_key_value_heads": num_kv_heads,
+                 "intermediate_size": intermediate_size, "draft_vocab_size": draft_vocab_size}
+        bad = [f"{name}={value}" for name, value in sizes.items() if value % self.tp]
+        if bad:
+            raise ValueError(f"tp={self.tp} must divide every split draft dimension; not divisible: "
+                             f"{', '.join(bad)}")
+
+
+def strip_from_ds_config(cfg: Mapping) -> dict:
+    """A deep copy of the run config without our ``"parallelism"`` section, ready for ``deepspeed.initialize``."""
+    out = copy.deepcopy(dict(cfg))
+    out.pop(SECTION, None)
+    return out
