@@ -4,7 +4,6 @@ Every rank builds the full single-device module from the same seed, runs it as t
 version, and asserts forward values and every gradient. Each rank function returns a short summary that the parent
 also checks, so a rank that skipped its checks fails the test.
 """
-import functools
 import types
 import warnings
 
