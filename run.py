@@ -22,7 +22,7 @@ def main(argv: list[str] | None = None) -> int:
     from recipe.train.distributed import init_distributed
 
     console = Console(stderr=True)
-    device = init_distributed()
+    device, owns_group = init_distributed()
     try:
         from recipe.train.loop import Trainer, plan_summary
         from recipe.train.setup import build_run, write_resolved_config
@@ -39,7 +39,7 @@ def main(argv: list[str] | None = None) -> int:
         console.print(f"[bold red]error[/bold red] (rank {dist.get_rank()}): {exc}")
         return 2
     finally:
-        if dist.is_initialized():
+        if owns_group and dist.is_initialized():
             dist.destroy_process_group()
 
 

@@ -9,6 +9,7 @@ Each rank has the default process group initialised (gloo, a free port on 127.0.
 """
 from __future__ import annotations
 
+import io
 import os
 import socket
 import traceback
@@ -31,7 +32,10 @@ def _worker(rank, world_size, port, fn, args, queue):
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world_size)
         torch.manual_seed(1234)
-        queue.put((rank, "ok", fn(rank, world_size, *args)))
+        # torch.save bytes: tensors sent through the queue as shared-memory handles die with the worker
+        buf = io.BytesIO()
+        torch.save(fn(rank, world_size, *args), buf)
+        queue.put((rank, "ok", buf.getvalue()))
     except BaseException:  # noqa: BLE001 - reported to the parent
         queue.put((rank, "error", traceback.format_exc()))
     finally:
@@ -52,7 +56,7 @@ def run_ranks(world_size: int, fn, *args, timeout: float = 600.0) -> list:
         for _ in range(world_size):
             rank, status, value = queue.get(timeout=timeout)
             if status == "ok":
-                results[rank] = value
+                results[rank] = torch.load(io.BytesIO(value), weights_only=False)
             else:
                 errors.append(f"rank {rank}:\n{value}")
                 break

@@ -36,6 +36,13 @@ def _read(files: dict[str, Path], name: str, folder: Path) -> torch.Tensor:
         return f.get_tensor(name)
 
 
+def _param_name(model: torch.nn.Module, module: torch.nn.Module) -> str:
+    for name, candidate in model.named_modules():
+        if candidate is module:
+            return f"{name}.weight" if name else "weight"
+    raise KeyError(f"{type(module).__name__} is not a submodule of {type(model).__name__}")
+
+
 def load_embedding_and_head(folder: Path, dtype: torch.dtype = torch.float32
                             ) -> tuple[torch.Tensor, torch.Tensor, object]:
     """Return ``(embed_VH, lm_head_VH, hf_config)`` of the target in ``folder``.
@@ -49,12 +56,12 @@ def load_embedding_and_head(folder: Path, dtype: torch.dtype = torch.float32
     config = AutoConfig.from_pretrained(folder)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
-    names = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
-    embed_name = names[id(model.get_input_embeddings().weight)]
-    head_name = names[id(model.get_output_embeddings().weight)]
+    # A tied weight has several names; each module's own attribute path is the one its checkpoint may use.
+    embed_name = _param_name(model, model.get_input_embeddings())
+    head_name = _param_name(model, model.get_output_embeddings())
     files = _weight_files(folder)
     embed = _read(files, embed_name, folder).to(dtype)
-    tied = getattr(config, "tie_word_embeddings", False) or head_name == embed_name
+    tied = getattr(config, "tie_word_embeddings", False)
     if head_name in files:
         head = _read(files, head_name, folder).to(dtype)
     elif tied:

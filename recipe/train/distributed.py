@@ -18,8 +18,9 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def init_distributed() -> torch.device:
-    """Initialise torch.distributed through DeepSpeed and return this rank's device.
+def init_distributed() -> tuple[torch.device, bool]:
+    """Initialise torch.distributed through DeepSpeed; return (this rank's device, whether this call created the
+    default process group — the caller that created it destroys it at exit; an embedding program keeps its own).
 
     Sets ``OMP_NUM_THREADS=1`` when the launcher left it unset and several ranks share the machine (the DeepSpeed
     launcher does not set it; oversubscribed CPU threads make multi-rank runs crawl).
@@ -31,7 +32,9 @@ def init_distributed() -> torch.device:
         os.environ["OMP_NUM_THREADS"] = "1"
         torch.set_num_threads(1)
     import deepspeed
+    import torch.distributed as dist
 
+    created = not dist.is_initialized()
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if torch.cuda.is_available():
         torch.cuda.set_device(local_rank)
@@ -39,7 +42,7 @@ def init_distributed() -> torch.device:
     else:
         device = torch.device("cpu")
     deepspeed.init_distributed()
-    return device
+    return device, created
 
 
 def is_rank0() -> bool:

@@ -30,7 +30,7 @@ def full_draft_state(engine, pstate) -> dict[str, torch.Tensor]:
     """
     import deepspeed
 
-    from recipe.parallel.apply_tp import gather_tp_tensor
+    from recipe.parallel.tp_layers import gather_tensor
 
     draft = engine.module.draft
     state = {}
@@ -39,11 +39,29 @@ def full_draft_state(engine, pstate) -> dict[str, torch.Tensor]:
             continue
         with deepspeed.zero.GatheredParameters([param]):
             local = param.detach().clone()
-        state[name] = gather_tp_tensor(local, param, pstate.tp_group).cpu()
+        if getattr(param, "tensor_model_parallel", False):
+            local = gather_tensor(local, param.partition_dim, pstate.tp_group)
+        state[name] = local.cpu()
     for name, buf in draft.named_buffers():
         if name in ("d2t", "t2d"):
             state[name] = buf.detach().cpu()
     return state
+
+
+def zero0_grad_norm(engine, tp_group) -> float:
+    """Global L2 norm of the (already data-parallel reduced) gradients, for ZeRO stage 0 in fp32 where DeepSpeed
+    clips but does not report the norm. TP-sharded gradients are summed over the tp group; replicated ones count
+    once. Call after the last backward of the step and before ``engine.step()``."""
+    sharded, replicated = [], []
+    for p in engine.module.parameters():
+        if p.grad is not None:
+            (sharded if getattr(p, "tensor_model_parallel", False) else replicated).append(p.grad.float().pow(2).sum())
+    zero = torch.zeros((), device=next(engine.module.parameters()).device)
+    sq_sharded = torch.stack(sharded).sum() if sharded else zero.clone()
+    if tp_group is not None and dist.get_world_size(tp_group) > 1:
+        dist.all_reduce(sq_sharded, group=tp_group)
+    sq = sq_sharded + (torch.stack(replicated).sum() if replicated else zero)
+    return float(sq.sqrt())
 
 
 def _global_sum(t: torch.Tensor, group) -> torch.Tensor:
@@ -85,10 +103,14 @@ class Trainer:
         scale = parts.dims.dp_cp * parts.plan.grad_accum
         loss_sum = torch.zeros(K, dtype=torch.float64)
         correct = torch.zeros(K, dtype=torch.float64)
+        own_norm = self.engine.zero_optimization_stage() == 0 and not self.engine.bfloat16_enabled()
+        grad_norm = None
         for b in batches:
             out = self.engine(b.ttt)
             loss = ttt_objective(out, n_valid.to(out.loss_sum_K.device)) * scale
             self.engine.backward(loss)
+            if own_norm and self.engine.is_gradient_accumulation_boundary():
+                grad_norm = zero0_grad_norm(self.engine, self.pstate.tp_group)
             self.engine.step()
             loss_sum += out.loss_sum_K.detach().double().cpu()
             correct += out.correct_K.detach().double().cpu()
@@ -98,7 +120,8 @@ class Trainer:
                              self.pstate.dp_group)
         n = n_valid.clamp(min=1)
         weights = torch.tensor([0.8 ** k for k in range(K)], dtype=torch.float64)
-        grad_norm = self.engine.get_global_grad_norm()
+        if grad_norm is None:
+            grad_norm = self.engine.get_global_grad_norm()
         return {"loss": float((weights * loss_sum / n).sum()), "loss_k": (loss_sum / n).tolist(),
                 "acc": (correct / n).tolist(), "valid": n_valid.long().tolist(),
                 "grad_norm": float(grad_norm) if grad_norm is not None else None,

@@ -6,7 +6,7 @@ them, so every (tp, cp, dp) layout and ZeRO stage starts from the same weights.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import deepspeed
@@ -165,7 +165,7 @@ def write_resolved_config(args: TrainArgs, parts: RunParts) -> None:
     record = {"args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
               "deepspeed": parts.ds_config,
               "parallelism": {"tp": parts.dims.tp, "cp": parts.dims.cp, "dp": parts.dims.dp},
-              "batch": vars(parts.plan) if hasattr(parts.plan, "__dict__") else parts.plan.__dict__,
+              "batch": asdict(parts.plan),
               "total_steps": parts.total_steps, "draft_config": parts.draft_config.to_hf_dict()}
     args.output.mkdir(parents=True, exist_ok=True)
     (args.output / "run_config.json").write_text(json.dumps(record, indent=2, default=str) + "\n")

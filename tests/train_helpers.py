@@ -1,0 +1,84 @@
+"""Shared set-up for end-to-end training tests: a tiny random Llama target, an fp32 offline store, DeepSpeed
+configs derived from the shipped ones, and a worker that runs ``run.main`` on every rank of a gloo group."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def make_target_and_store(tmp: Path, num_samples: int = 24, seed: int = 0) -> tuple[Path, Path]:
+    """Tiny Llama target (vocab 96, hidden 32, 4/2 heads, 8 layers) and an fp32 store of random chats."""
+    from datasets import Dataset
+
+    from recipe.dump import dump_hidden_states
+    from recipe.model.target import TargetModel
+    from tiny_llama import save_tiny_llama
+
+    target_dir = save_tiny_llama(tmp / "target", vocab=96, hidden=32)
+    gen = torch.Generator().manual_seed(seed)
+    rows = {"input_ids": [], "loss_mask": [], "row": []}
+    for i in range(num_samples):
+        n = int(torch.randint(10, 23, (1,), generator=gen))
+        ids = torch.randint(1, 96, (n,), generator=gen).tolist()
+        start = int(torch.randint(2, n // 2, (1,), generator=gen))
+        rows["input_ids"].append(ids)
+        rows["loss_mask"].append([0] * start + [1] * (n - start))
+        rows["row"].append(i)
+    store = tmp / "store"
+    target = TargetModel(target_dir, dtype=torch.float32, device="cpu")
+    dump_hidden_states(target, Dataset.from_dict(rows), store, max_length=64, dtype="fp32", batch_size=8)
+    return target_dir, store
+
+
+def write_ds_config(path: Path, base: str = "zero0.json", **changes) -> Path:
+    """A copy of ``ds_configs/<base>`` with top-level keys replaced (``None`` removes a key)."""
+    cfg = json.loads((ROOT / "ds_configs" / base).read_text())
+    cfg["optimizer"]["params"]["lr"] = 5e-3  # large steps: a layout bug shows up within a few steps
+    for key, value in changes.items():
+        if value is None:
+            cfg.pop(key, None)
+        else:
+            cfg[key] = value
+    path.write_text(json.dumps(cfg))
+    return path
+
+
+def train_argv(ds_config: Path, target: Path, store: Path, output: Path, *extra: str) -> list[str]:
+    return ["--ds_config", str(ds_config), "--target", str(target), "--hidden-states", str(store),
+            "--output", str(output), "--draft-vocab-size", "64", "--ttt-steps", "3", "--seed", "0",
+            "--lm-head-init", "random", *extra]
+
+
+def run_training(rank: int, world_size: int, argvs: list[list[str]]) -> list[list[dict]]:
+    """``run_ranks`` worker: run ``run.main`` once per argv (sequentially, same process group); rank 0 returns the
+    metrics.jsonl records of each run."""
+    import sys
+
+    sys.path.insert(0, str(ROOT))
+    from run import main
+
+    out = []
+    for argv in argvs:
+        rc = main(argv)
+        assert rc == 0, f"run.py exited with {rc} for {argv}"
+        output = Path(argv[argv.index("--output") + 1])
+        out.append([json.loads(line) for line in (output / "metrics.jsonl").read_text().splitlines()]
+                   if rank == 0 else [])
+    return out
+
+
+def assert_curves_close(ref: list[dict], other: list[dict], rtol: float, label: str,
+                        keys=("loss", "grad_norm")) -> None:
+    assert len(ref) == len(other), f"{label}: {len(other)} steps vs {len(ref)}"
+    for a, b in zip(ref, other):
+        for key in keys:
+            x, y = a[key], b[key]
+            assert x is not None and y is not None, f"{label}: step {a['step']} {key} missing"
+            assert abs(x - y) <= rtol * abs(x), f"{label}: step {a['step']} {key} {y!r} vs reference {x!r}"
+        for k, (x, y) in enumerate(zip(a["acc"], b["acc"])):
+            assert abs(x - y) <= 1e-9, f"{label}: step {a['step']} acc_{k} {y} vs {x}"
+        assert a["tokens"] == b["tokens"] and a["samples"] == b["samples"] and a["valid"] == b["valid"], label
