@@ -1,0 +1,141 @@
+"""Incremental inference of an exported EAGLE-3 draft: loading the export folder, the draft's KV cache, chain drafting.
+
+How EAGLE-3 inference maps onto training-time test (GUIDE §2, docs/architecture.md). Known tokens ``t_0..t_n``, the
+target's aux features ``a_0..a_n`` and its greedy next token ``t_{n+1}``:
+
+- *extend* (TTT step 0): anchor ``j`` reads ``(fc(a_j), t_{j+1})`` at RoPE position ``j``; its key/value go into the
+  cache at position ``j``. Its output hidden at anchor ``n`` gives the first draft token ``d_1`` (lm_head, argmax).
+- *chain* step ``i`` (TTT step ``i``): reads ``(h_{i-1}, d_i)`` where ``h_{i-1}`` is the previous output (before
+  the final norm) at anchor ``n``; RoPE position ``n + i``; its key is cached at position ``n + i``.
+- every query attends all cached keys at positions ``<=`` its own: plain causal attention over one KV cache, as in
+  SGLang/SpecForge. For the chain query of step ``i`` that set is ``{K_0[j] : j <= n} ∪ {K_1[n], ..., K_i[n]}``,
+  exactly the training-time key set of TTT step ``i`` at anchor ``n`` (the causal block plus the diagonal keys).
+- after verification the chain's entries (computed from draft hidden states) are dropped; the accepted tokens are
+  then *extended* with the target's own features, so the cache always holds step-0 entries for positions ``0..n``.
+
+Token ids: the draft's lm_head is over the draft vocabulary; draft id ``i`` is target id ``i + d2t[i]``.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from recipe.export import check_tensors, load_export
+from recipe.model.draft import Eagle3Draft
+from recipe.model.draft_config import Eagle3DraftConfig
+
+
+def load_draft_export(path: str | Path, embed_VH: torch.Tensor, device: str | torch.device = "cpu",
+                      dtype: torch.dtype = torch.float32) -> Eagle3Draft:
+    """Build an ``Eagle3Draft`` from an export folder (``config.json`` + ``model.safetensors``, GUIDE §4).
+
+    ``embed_VH`` [V, H_t] is the target's input embedding (the export has none). Returns the draft in eval mode on
+    ``device`` in ``dtype``. Raises ValueError naming the folder and every problem when the export does not load
+    (missing/unreadable files, wrong keys/shapes/dtypes, d2t/t2d disagreeing) or the embedding shape does not fit.
+    """
+    tensors, cfg = load_export(Path(path))
+    problems = check_tensors(tensors, cfg)
+    if problems:
+        raise ValueError(f"{path}: not a loadable EAGLE-3 export:\n  " + "\n  ".join(problems))
+    config = Eagle3DraftConfig.from_hf_dict(cfg)
+    draft = Eagle3Draft(config, seed=0)
+    try:
+        draft.load_target_embeddings(embed_VH.float())
+    except ValueError as exc:
+        raise ValueError(f"{path}: {exc}") from None
+    state = dict(tensors, **{"embed_tokens.weight": draft.embed_tokens.weight})
+    draft.load_state_dict({k: v.to(torch.float32) if v.is_floating_point() else v for k, v in state.items()})
+    return draft.to(device=device, dtype=dtype).eval().requires_grad_(False)
+
+
+class DraftKVCache:
+    """The draft layer's inference KV cache for one sequence (batch 1): keys/values with their positions.
+
+    Implements the two methods ``Eagle3Draft.step`` talks to: ``rope_positions`` (identity: the RoPE position of a
+    query is its cache position) and ``attend`` (append this call's keys, then causal attention of the new queries
+    over every cached key at a position ``<=`` theirs). ``crop(n)`` keeps the first ``n`` entries.
+    """
+
+    def __init__(self) -> None:
+        self.k_BHkvSD: torch.Tensor | None = None
+        self.v_BHkvSD: torch.Tensor | None = None
+        self.pos_BS: torch.Tensor | None = None
+
+    def __len__(self) -> int:
+        return 0 if self.pos_BS is None else int(self.pos_BS.shape[1])
+
+    def rope_positions(self, position_ids_BS: torch.Tensor) -> torch.Tensor:
+        return position_ids_BS
+
+    def attend(self, causal_attention, q_BHSD, k_BHkvSD, v_BHkvSD, position_ids_BS, key_valid_BS):
+        """Append the keys, then ``causal_attention`` over the whole cache; returns out_BHSD."""
+        if self.pos_BS is None:
+            self.k_BHkvSD, self.v_BHkvSD, self.pos_BS = k_BHkvSD, v_BHkvSD, position_ids_BS
+        else:
+            self.k_BHkvSD = torch.cat([self.k_BHkvSD, k_BHkvSD], dim=2)
+            self.v_BHkvSD = torch.cat([self.v_BHkvSD, v_BHkvSD], dim=2)
+            self.pos_BS = torch.cat([self.pos_BS, position_ids_BS], dim=1)
+        out_BHSD, _ = causal_attention(q_BHSD, self.k_BHkvSD, self.v_BHkvSD, position_ids_BS, self.pos_BS, None)
+        return out_BHSD
+
+    def crop(self, length: int) -> None:
+        """Keep the first ``length`` cached entries (ValueError if the cache holds fewer)."""
+        if length > len(self):
+            raise ValueError(f"cannot crop a draft KV cache of {len(self)} entries to {length}")
+        if self.pos_BS is not None:
+            self.k_BHkvSD = self.k_BHkvSD[:, :, :length]
+            self.v_BHkvSD = self.v_BHkvSD[:, :, :length]
+            self.pos_BS = self.pos_BS[:, :length]
+
+
+class EagleDrafter:
+    """Chain drafting with an exported EAGLE-3 draft; the ``Drafter`` interface of ``recipe.eval.speculative``.
+
+    ``begin()`` starts a sequence. ``propose(aux_SA, next_ids_S, k)`` receives the target features ``a_j`` [m, A] of
+    the ``m`` anchors accepted since the last call (the prompt, at the first call) and the tokens ``t_{j+1}`` [m]
+    that follow them (the last one is the target's newest greedy token), and returns ``k`` proposed target ids.
+    """
+
+    def __init__(self, draft: Eagle3Draft):
+        self.draft = draft
+        self.device = draft.fc.weight.device
+        self.draft_to_target = draft.draft_token_ids()
+        self.cache = DraftKVCache()
+        self.committed = 0  # anchors with step-0 entries in the cache (positions 0..committed-1)
+
+    def begin(self) -> None:
+        self.cache = DraftKVCache()
+        self.committed = 0
+
+    @torch.no_grad()
+    def extend(self, aux_SA: torch.Tensor, next_ids_S: torch.Tensor) -> torch.Tensor:
+        """Drop chain entries, then add step-0 entries for ``m`` new anchors; returns their output hidden [m, H]."""
+        self.cache.crop(self.committed)
+        m = int(aux_SA.shape[0])
+        pos_BS = torch.arange(self.committed, self.committed + m, device=self.device)[None]
+        hidden_BSH = self.draft.project_aux(aux_SA.to(self.device)[None])
+        out_BSH, _ = self.draft.step(hidden_BSH, next_ids_S.to(self.device)[None], pos_BS, kv_cache=self.cache)
+        self.committed += m
+        return out_BSH[0]
+
+    @torch.no_grad()
+    def chain_step(self, hidden_H: torch.Tensor, token_id: int, step: int) -> torch.Tensor:
+        """Chain step ``step`` (>= 1) from the last anchor: input ``(hidden_H, token_id)`` at RoPE position
+        ``committed - 1 + step``; returns the output hidden [H] (before the final norm)."""
+        pos_BS = torch.tensor([[self.committed - 1 + step]], device=self.device)
+        ids_BS = torch.tensor([[token_id]], device=self.device)
+        out_BSH, _ = self.draft.step(hidden_H[None, None], ids_BS, pos_BS, kv_cache=self.cache)
+        return out_BSH[0, 0]
+
+    def _greedy_target_id(self, hidden_H: torch.Tensor) -> int:
+        return int(self.draft_to_target[int(self.draft.logits(hidden_H).argmax())])
+
+    @torch.no_grad()
+    def propose(self, aux_SA: torch.Tensor, next_ids_S: torch.Tensor, k: int) -> list[int]:
+        hidden_H = self.extend(aux_SA, next_ids_S)[-1]
+        tokens = [self._greedy_target_id(hidden_H)]
+        for step in range(1, k):
+            hidden_H = self.chain_step(hidden_H, tokens[-1], step)
+            tokens.append(self._greedy_target_id(hidden_H))
+        return tokens

@@ -1,0 +1,74 @@
+"""Evaluate exported drafts against their target: greedy reference once per prompt, then speculative decoding for
+every (draft, k), each output checked token for token against the reference (lossless check)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from rich.console import Console
+
+from recipe.eval.draft_runtime import EagleDrafter, load_draft_export
+from recipe.eval.prompts import Prompt, prompt_ids
+from recipe.eval.report import summarise_run, tau_table
+from recipe.eval.speculative import Generation, check_lossless, greedy_generate, speculative_generate
+from recipe.eval.target_runtime import CachedTarget
+
+
+def evaluate(target_dir: str | Path, drafts: dict[str, Path], prompts: list[Prompt], ks: list[int],
+             max_new_tokens: int, device: str | torch.device | None = None,
+             console: Console | None = None) -> dict:
+    """τ and speed of each draft export in ``drafts`` (label -> folder) at each k in ``ks``.
+
+    The target runs in float32 (so batched verification and one-token decoding agree to the last bit as far as
+    possible); EOS is the tokenizer's. Returns ``{"target", "num_prompts", "max_new_tokens", "greedy_tokens_per_s",
+    "runs": [summarise_run(...), ...]}`` in ``drafts`` × ``ks`` order. Raises ``MismatchError`` naming the prompt
+    when speculative output differs from greedy decoding; ValueError for an unloadable export (names the folder).
+    """
+    from recipe.model.target import TargetModel
+
+    console = console or Console(stderr=True)
+    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    configs = {label: _aux_ids(path) for label, path in drafts.items()}
+    aux_ids = next(iter(configs.values()))
+    model = TargetModel(target_dir, aux_layer_ids=aux_ids, dtype=torch.float32, device=dev)
+    tokenizer = model.load_tokenizer()
+    eos = tokenizer.eos_token_id
+    ids = [prompt_ids(tokenizer, p) for p in prompts]
+
+    reference: list[Generation] = []
+    plain = CachedTarget(model.model)
+    for p, prompt in zip(prompts, ids):
+        reference.append(greedy_generate(plain, prompt, max_new_tokens, eos))
+    greedy_tps = sum(len(g.tokens) for g in reference) / max(sum(g.seconds for g in reference), 1e-9)
+    console.print(f"greedy reference: {len(prompts)} prompts, {sum(len(g.tokens) for g in reference)} tokens, "
+                  f"{greedy_tps:.1f} tokens/s")
+
+    runs = []
+    for label, path in drafts.items():
+        target = CachedTarget(model.model, configs[label])
+        drafter = EagleDrafter(load_draft_export(path, model.embed_tokens_weight, device=dev))
+        for k in ks:
+            gens = []
+            for p, prompt, ref in zip(prompts, ids, reference):
+                gen = speculative_generate(target, drafter, prompt, k, max_new_tokens, eos)
+                check_lossless(p.name, ref, gen)
+                gens.append(gen)
+            runs.append(summarise_run(label, k, prompts, gens, reference))
+            console.print(f"{label} k={k}: τ = {runs[-1]['tau']:.3f}")
+    console.print(tau_table(runs))
+    return {"target": str(target_dir), "num_prompts": len(prompts), "max_new_tokens": max_new_tokens,
+            "greedy_tokens_per_s": greedy_tps, "runs": runs}
+
+
+def _aux_ids(path: Path) -> list[int]:
+    """The aux layer ids of an export's ``config.json``; ValueError naming the file when unreadable."""
+    import json
+
+    from recipe.export import CONFIG_FILE
+    from recipe.model.draft_config import Eagle3DraftConfig
+
+    file = Path(path) / CONFIG_FILE
+    try:
+        return Eagle3DraftConfig.from_hf_dict(json.loads(file.read_text())).aux_layer_ids
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ValueError(f"{file}: cannot read the draft config ({exc})") from None

@@ -1,0 +1,65 @@
+"""Summaries of speculative-decoding runs: τ overall and per prompt category, per-position acceptance, speed;
+as JSON-ready dicts and rich tables."""
+from __future__ import annotations
+
+from collections import defaultdict
+
+from rich.table import Table
+
+from recipe.eval.prompts import Prompt
+from recipe.eval.speculative import Generation
+
+
+def position_counts(generations: list[Generation], k: int) -> tuple[list[int], list[int]]:
+    """``(drafted, accepted)`` per draft position i = 1..k over all verification steps: position i is drafted in
+    every step and accepted in the steps that accepted at least i draft tokens."""
+    steps = sum(g.verify_steps for g in generations)
+    accepted = [sum(1 for g in generations for a in g.accepted if a >= i) for i in range(1, k + 1)]
+    return [steps] * k, accepted
+
+
+def _tau(generations: list[Generation]) -> float:
+    steps = sum(g.verify_steps for g in generations)
+    emitted = sum(sum(g.accepted) + g.verify_steps for g in generations)
+    return emitted / steps if steps else float("nan")
+
+
+def summarise_run(label: str, k: int, prompts: list[Prompt], generations: list[Generation],
+                  greedy: list[Generation]) -> dict:
+    """One draft at one k over all prompts.
+
+    Keys: ``draft``, ``num_draft_tokens``, ``tau`` (emitted tokens / verification steps over all prompts),
+    ``tau_by_category``, ``verify_steps``, ``new_tokens``, ``drafted_per_position`` / ``accepted_per_position``
+    (position 1..k), ``acceptance_rate_per_position`` (accepted/drafted), ``seconds``, ``tokens_per_s``,
+    ``greedy_tokens_per_s``, ``speedup`` (speculative over greedy tokens/s, same prompts and tokens).
+    """
+    by_cat: dict[str, list[Generation]] = defaultdict(list)
+    for prompt, gen in zip(prompts, generations):
+        by_cat[prompt.category].append(gen)
+    drafted, accepted = position_counts(generations, k)
+    tokens = sum(len(g.tokens) for g in generations)
+    seconds = sum(g.seconds for g in generations)
+    greedy_seconds = sum(g.seconds for g in greedy)
+    tps, greedy_tps = tokens / max(seconds, 1e-9), tokens / max(greedy_seconds, 1e-9)
+    return {
+        "draft": label, "num_draft_tokens": k, "tau": _tau(generations),
+        "tau_by_category": {cat: _tau(gens) for cat, gens in sorted(by_cat.items())},
+        "verify_steps": sum(g.verify_steps for g in generations), "new_tokens": tokens,
+        "drafted_per_position": drafted, "accepted_per_position": accepted,
+        "acceptance_rate_per_position": [a / d if d else float("nan") for a, d in zip(accepted, drafted)],
+        "seconds": seconds, "tokens_per_s": tps, "greedy_tokens_per_s": greedy_tps, "speedup": tps / greedy_tps,
+    }
+
+
+def tau_table(runs: list[dict]) -> Table:
+    """τ per draft and k, overall and per category, with per-position acceptance and speed."""
+    cats = sorted({c for r in runs for c in r["tau_by_category"]})
+    table = Table(title="Acceptance length τ (chain drafting, greedy verification)")
+    for col in ["draft", "k", "τ", *cats, "accept rate by position", "tok/s spec", "tok/s greedy", "speedup"]:
+        table.add_column(col, justify="left" if col in ("draft", "accept rate by position") else "right")
+    for r in runs:
+        rates = " ".join(f"{x:.2f}" for x in r["acceptance_rate_per_position"])
+        table.add_row(r["draft"], str(r["num_draft_tokens"]), f"{r['tau']:.3f}",
+                      *[f"{r['tau_by_category'].get(c, float('nan')):.2f}" for c in cats], rates,
+                      f"{r['tokens_per_s']:.1f}", f"{r['greedy_tokens_per_s']:.1f}", f"{r['speedup']:.2f}x")
+    return table

@@ -1,0 +1,154 @@
+"""Greedy decoding and chain speculative decoding with greedy verification (temperature 0), one prompt at a time.
+
+Round of speculative decoding (known tokens ``t_0..t_n``, target cache holding positions ``0..n``, target's greedy
+next token ``t_{n+1}`` not yet in its cache):
+
+1. the drafter receives the aux features of the anchors accepted since its last call and the tokens after them,
+   and proposes ``k`` target ids ``d_1..d_k``;
+2. the target runs once over ``[t_{n+1}, d_1, ..., d_k]``; draft token ``d_i`` is accepted while it equals the
+   target's argmax at the previous position; with ``a`` accepted, the target's argmax after the last accepted one
+   is the bonus token; ``a + 1`` tokens are emitted (``d_1..d_a`` and the bonus) and the target cache is cropped
+   to ``0..n+1+a``; positions ``n+1..n+1+a`` become the drafter's next anchors, with the target's features.
+
+Acceptance length τ = emitted tokens / verification steps (GUIDE §5). Tokens past ``max_new_tokens`` or the EOS token
+are not emitted and not counted. With greedy verification the output equals plain greedy decoding of the target
+token for token (lossless); ``check_lossless`` turns a mismatch into an error naming the prompt.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+from recipe.eval.target_runtime import CachedTarget
+
+
+class Drafter(Protocol):
+    """What speculative decoding needs from a draft (``EagleDrafter``, ``OracleDrafter``)."""
+
+    def begin(self) -> None:
+        """Start a new sequence."""
+
+    def propose(self, aux_SA: torch.Tensor, next_ids_S: torch.Tensor, k: int) -> list[int]:
+        """New anchors' aux features [m, A] and the tokens that follow them [m] -> k proposed target ids."""
+
+
+@dataclass
+class Generation:
+    """Output of one decoding run: ``tokens`` (new ids only), ``seconds`` (wall), and for speculative decoding
+    ``accepted`` (draft tokens accepted per verification step, after truncation) and ``k``."""
+
+    tokens: list[int]
+    seconds: float
+    accepted: list[int] = field(default_factory=list)
+    k: int = 0
+
+    @property
+    def verify_steps(self) -> int:
+        return len(self.accepted)
+
+    @property
+    def tau(self) -> float:
+        """Mean tokens emitted per verification step (accepted + 1); nan without verification steps."""
+        return (sum(self.accepted) + len(self.accepted)) / len(self.accepted) if self.accepted else float("nan")
+
+
+class MismatchError(RuntimeError):
+    """Speculative output differs from greedy decoding (the decoder is not lossless)."""
+
+
+def _stop_index(tokens: list[int], budget: int, eos_token_id: int | None) -> int:
+    """How many of ``tokens`` to emit: up to ``budget``, and up to and including the first EOS."""
+    n = min(len(tokens), budget)
+    if eos_token_id is not None and eos_token_id in tokens[:n]:
+        n = tokens.index(eos_token_id) + 1
+    return n
+
+
+@torch.no_grad()
+def greedy_generate(target: CachedTarget, prompt_ids: list[int], max_new_tokens: int,
+                    eos_token_id: int | None = None) -> Generation:
+    """Plain greedy decoding with the target's KV cache: one forward per token. Returns the new tokens."""
+    start = time.perf_counter()
+    target.begin()
+    logits = target.forward(prompt_ids).logits_SV
+    tokens: list[int] = []
+    while True:
+        tokens.append(int(logits[-1].argmax()))
+        if len(tokens) >= max_new_tokens or tokens[-1] == eos_token_id:
+            break
+        logits = target.forward([tokens[-1]]).logits_SV
+    return Generation(tokens=tokens, seconds=time.perf_counter() - start)
+
+
+@torch.no_grad()
+def speculative_generate(target: CachedTarget, drafter: Drafter, prompt_ids: list[int], k: int,
+                         max_new_tokens: int, eos_token_id: int | None = None) -> Generation:
+    """Chain speculative decoding with greedy verification; ``k`` >= 1 draft tokens per round.
+
+    The target's first token comes from the prompt's forward pass (no verification step); every later token is
+    emitted by a verification step. Raises ValueError for ``k < 1`` or an empty prompt.
+    """
+    if k < 1:
+        raise ValueError(f"num_draft_tokens must be >= 1, got {k}")
+    if not prompt_ids:
+        raise ValueError("empty prompt")
+    start = time.perf_counter()
+    target.begin()
+    drafter.begin()
+    prefill = target.forward(prompt_ids)
+    tokens = [int(prefill.logits_SV[-1].argmax())]
+    # Anchors not yet given to the drafter: their aux features and the token after each.
+    new_aux, new_next = prefill.aux_SA, torch.tensor(list(prompt_ids[1:]) + tokens)
+    accepted: list[int] = []
+    while len(tokens) < max_new_tokens and tokens[-1] != eos_token_id:
+        proposal = drafter.propose(new_aux, new_next, k)
+        if len(proposal) != k:
+            raise ValueError(f"drafter proposed {len(proposal)} tokens, expected k={k}")
+        cached = len(target)
+        step = target.forward([tokens[-1], *proposal])
+        greedy = step.logits_SV.argmax(dim=-1).tolist()  # greedy[i]: target's token after input i
+        a = 0
+        while a < k and proposal[a] == greedy[a]:
+            a += 1
+        emitted = _stop_index(proposal[:a] + [greedy[a]], max_new_tokens - len(tokens), eos_token_id)
+        accepted.append(emitted - 1)
+        # Positions cached..cached+a hold tokens[-1], d_1..d_a: they are now anchors with target features.
+        target.crop(cached + a + 1)
+        new_aux = step.aux_SA[: a + 1]
+        tokens.extend(proposal[:a] + [greedy[a]])
+        new_next = torch.tensor(tokens[-(a + 1):])
+        tokens = tokens[: len(tokens) - (a + 1) + emitted]
+    return Generation(tokens=tokens, seconds=time.perf_counter() - start, accepted=accepted, k=k)
+
+
+def check_lossless(name: str, reference: Generation, speculative: Generation) -> None:
+    """Raise ``MismatchError`` naming the prompt and the first differing position when the token lists differ."""
+    if reference.tokens == speculative.tokens:
+        return
+    ref, spec = reference.tokens, speculative.tokens
+    i = next((j for j, (x, y) in enumerate(zip(ref, spec)) if x != y), min(len(ref), len(spec)))
+    raise MismatchError(f"prompt {name!r}: speculative output differs from greedy decoding at new token {i} "
+                        f"(greedy {ref[i:i + 5]}, speculative {spec[i:i + 5]}; lengths {len(ref)} vs {len(spec)})")
+
+
+class OracleDrafter:
+    """A drafter that proposes a known continuation (e.g. the target's own greedy output): τ = k + 1 when it is
+    right. ``continuation`` are the new tokens after the prompt; ``prompt_len`` the prompt's length. Proposals
+    past the end of the continuation are token 0."""
+
+    def __init__(self, prompt_len: int, continuation: list[int]):
+        self.prompt_len, self.continuation = prompt_len, list(continuation)
+        self.anchors = 0
+
+    def begin(self) -> None:
+        self.anchors = 0
+
+    def propose(self, aux_SA: torch.Tensor, next_ids_S: torch.Tensor, k: int) -> list[int]:
+        self.anchors += int(next_ids_S.shape[0])
+        # Anchors 0..anchors-1 are known and so is the token after the last one: new token index anchors - prompt_len.
+        first = self.anchors - self.prompt_len + 1
+        padded = self.continuation + [0] * (first + k)
+        return padded[first:first + k]

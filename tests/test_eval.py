@@ -1,0 +1,169 @@
+"""Speculative decoding with exported drafts: inference/TTT equivalence of the draft cache, lossless decoding,
+τ of an oracle and of a random draft, per-position counts, the export loader, prompts and the CLI."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from recipe.eval.draft_runtime import EagleDrafter, load_draft_export
+from recipe.eval.prompts import Prompt, read_prompts
+from recipe.eval.report import summarise_run
+from recipe.eval.speculative import (Generation, MismatchError, OracleDrafter, check_lossless, greedy_generate,
+                                     speculative_generate)
+from recipe.eval.target_runtime import CachedTarget
+from recipe.export import export_tensors, write_export
+from recipe.model.draft import Eagle3Draft, TTTKVCache
+from recipe.model.draft_config import Eagle3DraftConfig
+from recipe.model.target import TargetModel
+from tiny_llama import save_tiny_llama
+
+VOCAB, DRAFT_VOCAB = 96, 64
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """A tiny random Llama target, loaded, and a random-weights draft export for it."""
+    tmp = tmp_path_factory.mktemp("eval")
+    target_dir = save_tiny_llama(tmp / "target", vocab=VOCAB, hidden=32)
+    target = TargetModel(target_dir, dtype=torch.float32, device="cpu")
+    config = Eagle3DraftConfig.from_target_config(target.config, DRAFT_VOCAB)
+    draft = Eagle3Draft(config, seed=1)
+    draft.load_target_embeddings(target.embed_tokens_weight)
+    draft_ids = torch.randperm(VOCAB, generator=torch.Generator().manual_seed(0))[:DRAFT_VOCAB].sort().values
+    t2d = torch.zeros(VOCAB, dtype=torch.bool)
+    t2d[draft_ids] = True
+    draft.set_vocab_map(draft_ids - torch.arange(DRAFT_VOCAB), t2d)
+    export = write_export(export_tensors(draft.state_dict()), config.to_hf_dict(), tmp / "export")
+    return target, export, draft
+
+
+def _prompts(n: int, seed: int = 0) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, VOCAB, (int(torch.randint(4, 12, (1,), generator=gen)),), generator=gen).tolist()
+            for _ in range(n)]
+
+
+def test_loader_round_trip_and_errors(tiny, tmp_path):
+    target, export, draft = tiny
+    loaded = load_draft_export(export, target.embed_tokens_weight)
+    for name, value in draft.state_dict().items():
+        assert torch.equal(loaded.state_dict()[name], value), name
+    with pytest.raises(ValueError, match="missing"):
+        load_draft_export(tmp_path, target.embed_tokens_weight)
+    with pytest.raises(ValueError, match=str(export)):
+        load_draft_export(export, torch.zeros(VOCAB + 1, 32))
+
+
+def test_draft_cache_reproduces_ttt_attention(tiny):
+    """Chain drafting from the last anchor n equals TTT steps 0..K-1 at anchor n, also after a rejected chain is
+    cropped and the anchors are extended in two pieces (float64, so differences are rounding only)."""
+    _, _, draft = tiny
+    draft = Eagle3Draft(draft.config, seed=3).double().eval()
+    n, steps = 9, 4
+    gen = torch.Generator().manual_seed(0)
+    aux_SA = torch.randn(n + 1, 3 * draft.config.target_hidden_size, generator=gen, dtype=torch.float64)
+    x = torch.randint(0, VOCAB, (n + 1 + steps,), generator=gen)
+    with torch.no_grad():  # training path: anchors 0..n, step k reads t[p+1+k]
+        pos_BS = torch.arange(n + 1)[None]
+        hidden, cache = draft.project_aux(aux_SA[None]), TTTKVCache()
+        expected = []
+        for k in range(steps):
+            hidden, cache = draft.step(hidden, x[1 + k: n + 2 + k][None], pos_BS, kv_cache=cache)
+            expected.append(hidden[0, n])
+    drafter = EagleDrafter(draft)
+    drafter.extend(aux_SA[:6], x[1:7])
+    drafter.chain_step(torch.randn(draft.config.hidden_size, dtype=torch.float64), 5, 1)  # a chain to be dropped
+    hidden = drafter.extend(aux_SA[6:], x[7:n + 2])[-1]
+    assert len(drafter.cache) == n + 1
+    got = [hidden]
+    for k in range(1, steps):
+        got.append(drafter.chain_step(got[-1], int(x[n + 1 + k]), k))
+    for k in range(steps):
+        torch.testing.assert_close(got[k], expected[k], rtol=1e-12, atol=1e-12, msg=f"step {k}")
+
+
+def test_oracle_reaches_k_plus_one_and_is_lossless(tiny):
+    target, _, _ = tiny
+    cached = CachedTarget(target.model, target.aux_layer_ids)
+    k, rounds = 3, 5
+    for prompt in _prompts(3):
+        ref = greedy_generate(cached, prompt, 1 + rounds * (k + 1))
+        spec = speculative_generate(cached, OracleDrafter(len(prompt), ref.tokens), prompt, k, len(ref.tokens))
+        check_lossless("oracle", ref, spec)
+        assert spec.accepted == [k] * rounds
+        assert spec.tau == k + 1
+
+
+def test_partial_oracle_counts_per_position(tiny):
+    """An oracle wrong from draft position 3 on: every step accepts exactly 2 (τ = 3), positions 3..k never."""
+    target, _, _ = tiny
+    cached = CachedTarget(target.model, target.aux_layer_ids)
+    k, rounds = 4, 4
+    prompt = _prompts(1, seed=5)[0]
+    ref = greedy_generate(cached, prompt, 1 + rounds * 3)
+    oracle = OracleDrafter(len(prompt), ref.tokens)
+
+    class Wrong:
+        def begin(self):
+            oracle.begin()
+
+        def propose(self, aux, nxt, k):
+            good = oracle.propose(aux, nxt, k)
+            return good[:2] + [(t + 1) % VOCAB for t in good[2:]]
+
+    spec = speculative_generate(cached, Wrong(), prompt, k, len(ref.tokens))
+    check_lossless("partial", ref, spec)
+    assert spec.accepted == [2] * rounds and spec.tau == 3.0
+    run = summarise_run("partial", k, [Prompt("p", "c", "")], [spec], [ref])
+    assert run["drafted_per_position"] == [rounds] * k
+    assert run["accepted_per_position"] == [rounds, rounds, 0, 0]
+    assert run["tau_by_category"] == {"c": 3.0}
+
+
+def test_random_export_is_lossless_with_tau_near_one(tiny):
+    target, export, _ = tiny
+    cached = CachedTarget(target.model, target.aux_layer_ids)
+    drafter = EagleDrafter(load_draft_export(export, target.embed_tokens_weight))
+    gens = []
+    for i, prompt in enumerate(_prompts(6, seed=1)):
+        ref = greedy_generate(cached, prompt, 40, eos_token_id=None)
+        spec = speculative_generate(cached, drafter, prompt, 4, 40, eos_token_id=None)
+        check_lossless(f"prompt {i}", ref, spec)
+        gens.append(spec)
+    steps = sum(g.verify_steps for g in gens)
+    tau = (sum(sum(g.accepted) for g in gens) + steps) / steps
+    assert steps > 150 and 1.0 <= tau < 1.2
+
+
+def test_eos_stops_both_decoders(tiny):
+    target, _, _ = tiny
+    cached = CachedTarget(target.model, target.aux_layer_ids)
+    prompt = _prompts(1, seed=2)[0]
+    free = greedy_generate(cached, prompt, 12)
+    eos = free.tokens[5]
+    ref = greedy_generate(cached, prompt, 12, eos)
+    assert ref.tokens == free.tokens[: free.tokens.index(eos) + 1]
+    spec = speculative_generate(cached, OracleDrafter(len(prompt), free.tokens), prompt, 3, 12, eos)
+    assert spec.tokens == ref.tokens
+
+
+def test_check_lossless_names_prompt():
+    with pytest.raises(MismatchError, match=r"prompt 'q7'.*new token 2"):
+        check_lossless("q7", Generation([1, 2, 3, 4], 0.0), Generation([1, 2, 5, 4], 0.0, [1], 2))
+    with pytest.raises(ValueError, match="num_draft_tokens"):
+        speculative_generate(None, None, [1], 0, 4)
+
+
+def test_read_prompts(tmp_path):
+    f = tmp_path / "p.jsonl"
+    f.write_text('{"question_id": 81, "category": "writing", "turns": ["a", "b"]}\n\n{"prompt": "c"}\n')
+    assert read_prompts(f) == [Prompt("81", "writing", "a"), Prompt(f"{f}:3", "all", "c")]
+    assert len(read_prompts(f, limit=1)) == 1
+    f.write_text('{"prompt": "c"}\n{"turns": []}\n')
+    with pytest.raises(ValueError, match=f"{f}:2"):
+        read_prompts(f)
+    f.write_text('{"prompt": "c"}\n{bad\n')
+    with pytest.raises(ValueError, match=f"{f}:2: invalid JSON"):
+        read_prompts(f)
