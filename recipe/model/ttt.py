@@ -14,6 +14,10 @@ from typing import Callable, ClassVar
 import torch
 from torch import nn
 
+from torch.utils.checkpoint import checkpoint
+
+from kernels.ttt_attention import TTTKVCache
+from recipe.model.chunked_loss import chunked_soft_ce
 from recipe.model.draft import Eagle3Draft
 from recipe.model.loss import soft_ce
 
@@ -143,12 +147,29 @@ class TTTModel(nn.Module):
     ``target_head_d`` [Vd, H_t] is a non-persistent buffer: the target lm_head rows of the draft ids (a function of the
     target and the vocab map; refresh it with ``set_target_head`` after changing the map). ``loss_fn`` has the
     signature of ``loss.soft_ce`` (TP swaps in a vocab-parallel one).
+
+    Memory switches (plain attributes, changeable after construction; neither changes the numbers beyond float
+    summation order):
+        loss_chunk_size: None computes each step's logits for all B·S positions at once; an int computes the loss
+            ``loss_chunk_size`` flattened positions at a time and recomputes the chunk's logits in backward
+            (``chunked_loss.chunked_soft_ce``), so one chunk's [c, Vd] logits live instead of K·[B·S, Vd].
+        checkpoint_steps: True runs each TTT step's decoder layer under ``torch.utils.checkpoint`` (non-reentrant);
+            only the step's inputs and its new K/V are kept, the layer's intermediates (attention scores, MLP
+            activations) are recomputed in backward. Under CP the recomputation re-runs the ring's forward
+            communication, identically on every rank.
+    Raises ValueError on a loss_chunk_size that is not None or a positive integer.
     """
 
-    def __init__(self, draft: Eagle3Draft, target_lm_head_weight: torch.Tensor, loss_fn: Callable = soft_ce):
+    def __init__(self, draft: Eagle3Draft, target_lm_head_weight: torch.Tensor, loss_fn: Callable = soft_ce,
+                 loss_chunk_size: int | None = None, checkpoint_steps: bool = False):
         super().__init__()
         self.draft = draft
         self.loss_fn = loss_fn
+        if loss_chunk_size is not None and (isinstance(loss_chunk_size, bool) or not isinstance(loss_chunk_size, int)
+                                            or loss_chunk_size < 1):
+            raise ValueError(f"loss_chunk_size={loss_chunk_size!r} must be None or a positive integer")
+        self.loss_chunk_size = loss_chunk_size
+        self.checkpoint_steps = bool(checkpoint_steps)
         self.register_buffer("target_head_d", torch.empty(0), persistent=False)
         self.set_target_head(target_lm_head_weight)
 
@@ -178,17 +199,74 @@ class TTTModel(nn.Module):
         kv_cache = None
         losses, corrects = [], []
         for k in range(batch.num_steps):
-            hidden_BSH, kv_cache = self.draft.step(hidden_BSH, batch.input_ids_KBS[k], batch.position_ids_BS,
-                                                   batch.key_valid_BS, kv_cache)
-            logits_BSV = self.draft.logits(hidden_BSH)
-            with torch.no_grad():
-                rows_BSH = batch.target_hidden_BLH[:, batch.target_row_KS[k]].to(self.target_head_d.dtype)
-                target_logits_BSV = rows_BSH @ self.target_head_d.T
-            loss_sum, correct = self.loss_fn(logits_BSV, target_logits_BSV, batch.valid_KBS[k])
+            step = self._checkpointed_step if self.checkpoint_steps and torch.is_grad_enabled() else self.draft.step
+            hidden_BSH, kv_cache = step(hidden_BSH, batch.input_ids_KBS[k], batch.position_ids_BS,
+                                        batch.key_valid_BS, kv_cache)
+            loss_sum, correct = self._step_loss(hidden_BSH, batch, k)
             losses.append(loss_sum.float())
             corrects.append(correct.to(torch.int64))
         valid_K = batch.valid_KBS.sum(dim=(1, 2)).to(torch.int64)
         return TTTOutput(loss_sum_K=torch.stack(losses), correct_K=torch.stack(corrects), valid_K=valid_K)
+
+    def _step_loss(self, hidden_BSH: torch.Tensor, batch: TTTBatch, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(loss_sum, correct) of step k, all positions at once or in chunks of ``loss_chunk_size``."""
+        if self.loss_chunk_size is not None:
+            return chunked_soft_ce(self.draft.logits, self.loss_fn, hidden_BSH, batch.target_hidden_BLH,
+                                   batch.target_row_KS[k], self.target_head_d, batch.valid_KBS[k],
+                                   self.loss_chunk_size)
+        logits_BSV = self.draft.logits(hidden_BSH)
+        with torch.no_grad():
+            rows_BSH = batch.target_hidden_BLH[:, batch.target_row_KS[k]].to(self.target_head_d.dtype)
+            target_logits_BSV = rows_BSH @ self.target_head_d.T
+        return self.loss_fn(logits_BSV, target_logits_BSV, batch.valid_KBS[k])
+
+    def _checkpointed_step(self, hidden_BSH, input_ids_BS, position_ids_BS, key_valid_BS, kv_cache):
+        """``draft.step`` under ``torch.utils.checkpoint``; returns ``(hidden_out_BSH, kv_cache)`` like it.
+
+        The cache is mutated by ``step`` (it appends the step's K/V), so it cannot be closed over: a recomputation in
+        backward would see the later steps' keys. Instead the cache's tensors enter the checkpointed function as
+        inputs, a fresh ``TTTKVCache`` is rebuilt from them on every (re)computation, and the step's new K/V leave
+        as outputs; the caller's cache is then extended with them.
+        """
+        if kv_cache is not None and not isinstance(kv_cache, TTTKVCache):
+            raise TypeError(f"checkpoint_steps needs a TTTKVCache, got {type(kv_cache).__name__}")
+        state = _cache_tensors(kv_cache)
+        block_meta = (position_ids_BS, key_valid_BS) if kv_cache is None or kv_cache.block is None \
+            else kv_cache.block[2:]
+
+        def run(hidden, ids, positions, key_valid, block_pos, block_valid, *cache_state):
+            cache = _cache_from_tensors(cache_state, block_pos, block_valid)
+            hidden_out, cache = self.draft.step(hidden, ids, positions, key_valid, cache)
+            new_k, new_v = (cache.block[0], cache.block[1]) if not cache.diag_k else (cache.diag_k[-1],
+                                                                                       cache.diag_v[-1])
+            return hidden_out, new_k, new_v
+
+        hidden_out, new_k, new_v = checkpoint(run, hidden_BSH, input_ids_BS, position_ids_BS, key_valid_BS, *block_meta,
+                                              *state, use_reentrant=False, preserve_rng_state=False)
+        cache = TTTKVCache() if kv_cache is None else kv_cache
+        if cache.block is None:
+            cache.block = (new_k, new_v, position_ids_BS, key_valid_BS)
+        else:
+            cache.diag_k.append(new_k)
+            cache.diag_v.append(new_v)
+        return hidden_out, cache
+
+
+def _cache_tensors(cache: TTTKVCache | None) -> tuple[torch.Tensor, ...]:
+    """(K_0, V_0, K_1, V_1, ...) of a TTT cache (empty before step 0)."""
+    if cache is None or cache.block is None:
+        return ()
+    pairs = [(cache.block[0], cache.block[1])] + list(zip(cache.diag_k, cache.diag_v))
+    return tuple(t for pair in pairs for t in pair)
+
+
+def _cache_from_tensors(state, block_pos_BS, block_valid_BS) -> TTTKVCache:
+    """Inverse of ``_cache_tensors``, given the causal block's key positions [B, S] and validity ([B, S] or None)."""
+    cache = TTTKVCache()
+    if state:
+        cache.block = (state[0], state[1], block_pos_BS, block_valid_BS)
+        cache.diag_k, cache.diag_v = list(state[2::2]), list(state[3::2])
+    return cache
 
 
 def ttt_objective(out: TTTOutput, n_valid_K, decay: float = 0.8) -> torch.Tensor:

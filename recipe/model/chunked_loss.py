@@ -1,0 +1,77 @@
+"""One TTT step's soft cross-entropy without materialising the [B·S, Vd] logits.
+
+The flattened B·S positions are cut into chunks of ``chunk_size``. Per chunk: draft logits ``logits_fn(h_chunk)``
+(``Eagle3Draft.logits`` = lm_head(norm(h))), target logits ``rows_chunk @ target_head_d.T`` (no grad; the rows are
+gathered inside the chunk), and ``loss_fn(logits, target_logits, valid)`` → (loss sum, correct count). Each chunk
+runs under ``torch.utils.checkpoint`` (non-reentrant): autograd keeps only the chunk's inputs (a view of the hidden state and
+[c] position indices) and recomputes the chunk's logits during backward, so at most one chunk's [c, Vd] logits (and
+their softmax temporaries) are alive at a time instead of K·[B·S, Vd].
+
+Tensor parallelism needs nothing special: ``logits_fn`` may return this rank's vocab shard (``VocabParallelLMHead``),
+``target_head_d`` is then the matching shard and ``loss_fn`` the vocab-parallel soft CE; the recomputation re-runs the
+loss's all-reduces in backward, in the same chunk order on every rank of the TP group (which holds identical data).
+Every chunk is computed, even one without valid positions, so every rank produces gradients for the same parameters.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+from torch.utils.checkpoint import checkpoint
+
+
+def target_rows(target_hidden_BLH: torch.Tensor, target_row_S: torch.Tensor, flat_index_N: torch.Tensor,
+                seq_len: int) -> torch.Tensor:
+    """Target hidden rows of flattened positions: ``target_hidden[n // S, target_row[n % S]]`` → [N, H_t]."""
+    b_idx = torch.div(flat_index_N, seq_len, rounding_mode="floor")
+    return target_hidden_BLH[b_idx, target_row_S[flat_index_N % seq_len]]
+
+
+def chunked_soft_ce(logits_fn: Callable[[torch.Tensor], torch.Tensor], loss_fn: Callable,
+                    hidden_BSH: torch.Tensor, target_hidden_BLH: torch.Tensor, target_row_S: torch.Tensor,
+                    target_head_VdH: torch.Tensor, valid_BS: torch.Tensor,
+                    chunk_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Soft CE sum and argmax-match count of one TTT step, ``chunk_size`` flattened positions at a time.
+
+    Args:
+        logits_fn: hidden [1, c, H] → draft logits [1, c, Vd or Vd/tp] (differentiable in its parameters).
+        loss_fn: ``soft_ce(logits, target_logits, valid) -> (loss_sum, correct)`` or its vocab-parallel version.
+        hidden_BSH: [B, S, H] the step's draft output (before the final norm).
+        target_hidden_BLH: [B, L, H_t] target last hidden rows; target_row_S: [S] int64, the row of each anchor's
+            label (``TTTBatch.target_row_KS[k]``).  target_head_VdH: [Vd (or Vd/tp), H_t] target head rows.
+        valid_BS: [B, S] bool.  chunk_size: positions per chunk (>= 1).
+    Returns:
+        (loss_sum 0-d float32 (float64 for float64 inputs) with grad, correct 0-d int64): the same values as
+        ``loss_fn`` over all positions at once, up to float summation order.
+    Raises ValueError on a chunk size < 1 or shapes that disagree.
+    """
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
+        raise ValueError(f"loss chunk size {chunk_size!r} must be a positive integer")
+    b, s, h = hidden_BSH.shape
+    if tuple(valid_BS.shape) != (b, s) or tuple(target_row_S.shape) != (s,) or target_hidden_BLH.shape[0] != b:
+        raise ValueError(f"chunked_soft_ce: hidden {tuple(hidden_BSH.shape)}, valid {tuple(valid_BS.shape)}, "
+                         f"target_row {tuple(target_row_S.shape)}, target hidden {tuple(target_hidden_BLH.shape)} "
+                         "disagree (expected [B, S, H], [B, S], [S], [B, L, H_t])")
+    hidden_NH = hidden_BSH.reshape(b * s, h)
+    valid_N = valid_BS.reshape(b * s).bool()
+    head = target_head_VdH.detach()
+
+    row_S = target_row_S.to(hidden_BSH.device)
+
+    def chunk_loss(hidden_CH: torch.Tensor, flat_C: torch.Tensor, valid_C: torch.Tensor):
+        logits_1CV = logits_fn(hidden_CH.unsqueeze(0))
+        with torch.no_grad():  # gathered here, not passed in: checkpoint keeps its inputs alive until backward
+            rows_CH = target_rows(target_hidden_BLH, row_S, flat_C, s).to(head.dtype)
+            target_1CV = (rows_CH @ head.T).unsqueeze(0)
+        return loss_fn(logits_1CV, target_1CV, valid_C.unsqueeze(0))
+
+    losses, corrects = [], []
+    for start in range(0, b * s, chunk_size):
+        stop = min(start + chunk_size, b * s)
+        flat_C = torch.arange(start, stop, device=hidden_BSH.device)
+        # preserve_rng_state=False: the draft has no dropout, and skipping the RNG stash avoids device syncs.
+        loss_sum, correct = checkpoint(chunk_loss, hidden_NH[start:stop], flat_C, valid_N[start:stop],
+                                       use_reentrant=False, preserve_rng_state=False)
+        losses.append(loss_sum)
+        corrects.append(correct.to(torch.int64))
+    return torch.stack(losses).sum(), torch.stack(corrects).sum()
