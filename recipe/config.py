@@ -49,6 +49,7 @@ class TrainArgs:
     cache_dir: Path | None = None
     log_every: int = 1
     no_export: bool = False
+    skip_nonfinite: bool = False
     extra: dict = field(default_factory=dict)
 
 
@@ -63,6 +64,20 @@ def _positive(text: str) -> int:
     value = int(text)
     if value <= 0:
         raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
+    return value
+
+
+def _non_negative(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be a non-negative integer, got {value}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a positive finite number, got {text}")
     return value
 
 
@@ -84,12 +99,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--draft-vocab-size", type=_positive, default=32000,
                    help="draft vocabulary size V_d (capped at the target vocabulary)")
     p.add_argument("--draft-config", type=Path, help="JSON of draft config overrides, e.g. head counts")
-    p.add_argument("--epochs", type=float, default=1.0, help="passes over the data (fractions allowed)")
+    p.add_argument("--epochs", type=_positive_float, default=1.0, help="passes over the data (fractions allowed)")
     p.add_argument("--max-steps", type=_positive, help="stop after this many optimizer steps")
     p.add_argument("--seed", type=int, default=0, help="seed for weights, data order and dropout-free RNG")
     p.add_argument("--limit", type=_positive, help="use only the first N conversations / stored samples")
     p.add_argument("--num-proc", type=_positive, default=1, help="processes for tokenisation (datasets.map)")
-    p.add_argument("--save-every", type=int, default=0, help="checkpoint every N optimizer steps (0: only at the end)")
+    p.add_argument("--save-every", type=_non_negative, default=0,
+                   help="checkpoint every N optimizer steps (0: only at the end)")
     p.add_argument("--keep-checkpoints", type=_positive, default=2, help="how many checkpoints to keep")
     p.add_argument("--resume", nargs="?", const="latest", default=None,
                    help="resume from OUTPUT/checkpoints/latest, or from the given checkpoint folder")
@@ -101,6 +117,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cache-dir", type=Path, help="cache for tokenised data and vocab maps (default OUTPUT/cache)")
     p.add_argument("--log-every", type=_positive, default=1, help="progress refresh every N steps")
     p.add_argument("--no-export", action="store_true", help="skip writing OUTPUT/export at the end")
+    p.add_argument("--skip-nonfinite", action="store_true",
+                   help="skip (and count) optimizer steps whose loss is NaN/inf instead of stopping with an error "
+                   "naming the step and samples; needs gradient_accumulation_steps = 1")
     p.add_argument("--local_rank", "--local-rank", type=int, default=-1, help=argparse.SUPPRESS)
     return p
 

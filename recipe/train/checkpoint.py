@@ -6,7 +6,8 @@ Layout under ``OUTPUT/checkpoints/``::
         draft.safetensors        the full draft (ZeRO-gathered, TP-consolidated) -> `python -m recipe.export`
         draft_config.json        the export config.json
         vocab_map.safetensors    d2t / t2d, reused on resume (never regenerated)
-        run_state.json           step, data position, seed, layout, data fingerprint
+        run_state.json           step (= data position, see recipe.train.sampler), seed, layout, data fingerprint
+        run_config.json          the resolved run configuration (flags, DeepSpeed JSON, layout)
         rng-rank00000.pt         every rank's RNG states
     latest                   name of the newest complete checkpoint
 
@@ -60,32 +61,114 @@ def _write_text_atomic(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
+class CheckpointError(RuntimeError):
+    """A checkpoint could not be written on some rank; the previous checkpoint (``latest``) is untouched."""
+
+
+class InjectedFault(RuntimeError):
+    """Raised on every rank by :func:`fault_point` to test crash safety (never in normal runs)."""
+
+
+FAULT_ENV = "RECIPE_CHECKPOINT_FAULT"
+FAULT_STAGES = ("written", "renamed")
+
+
+def fault_point(stage: str, step: int) -> None:
+    """Crash injection for tests: raise :class:`InjectedFault` when ``$RECIPE_CHECKPOINT_FAULT`` is ``stage`` or
+    ``stage@step``. Stages: ``written`` (all files in ``.partial``, nothing renamed) and ``renamed`` (the folder is in
+    place, ``latest`` not yet updated). Every rank passes the same fault points, so all ranks raise together."""
+    want = os.environ.get(FAULT_ENV)
+    if want and (want == stage or want == f"{stage}@{step}"):
+        raise InjectedFault(f"injected fault at checkpoint stage '{stage}' (step {step}, ${FAULT_ENV}={want})")
+
+
+def _agree(error: str | None, what: str, latest: str | None) -> None:
+    """Collective: raise CheckpointError on every rank if any rank reports ``error`` (each failing rank named)."""
+    errors = [None] * dist.get_world_size()
+    dist.all_gather_object(errors, error)
+    failed = [f"rank {r}: {e}" for r, e in enumerate(errors) if e is not None]
+    if failed:
+        kept = f"the previous checkpoint {latest} is intact" if latest else "no earlier checkpoint exists"
+        raise CheckpointError(f"{what} failed ({'; '.join(failed)}); {kept}")
+
+
+def _attempt(fn) -> str | None:
+    try:
+        fn()
+    except OSError as exc:
+        return f"{exc.strerror or exc} ({exc.filename})" if exc.filename else str(exc)
+    return None
+
+
+def latest_tag(root: Path) -> str | None:
+    marker = Path(root) / LATEST
+    return marker.read_text().strip() if marker.is_file() else None
+
+
 def save(engine, root: Path, step: int, run_state: dict, draft_state: dict[str, torch.Tensor] | None,
-         draft_config: dict, vocab_files: dict[str, torch.Tensor], keep: int) -> Path:
-    """Collective: every rank calls it. ``draft_state`` (full tensors) is only needed on global rank 0."""
+         draft_config: dict, vocab_files: dict[str, torch.Tensor], keep: int,
+         extra_files: dict[str, Path] | None = None) -> Path:
+    """Write checkpoint ``step-{step:08d}`` atomically; collective, every rank calls it.
+
+    ``draft_state`` (full tensors) is only needed on global rank 0; ``extra_files`` (name -> existing file, e.g. the
+    resolved run config) are copied in by rank 0. Order: write into ``.partial/<tag>`` (DeepSpeed's files from every
+    rank, our files from rank 0), agree, rename to ``<tag>``, agree, replace ``latest``, prune beyond ``keep``.
+    Raises CheckpointError on every rank when any rank fails to write (e.g. ENOSPC), naming the rank and file;
+    ``latest`` then still names the previous complete checkpoint.
+    """
     root = Path(root)
     tag = tag_for(step)
     partial, final = root / PARTIAL, root / tag
     rank = dist.get_rank()
-    if rank == 0:
-        shutil.rmtree(partial / tag, ignore_errors=True)
-        partial.mkdir(parents=True, exist_ok=True)
-    dist.barrier()
+    previous = latest_tag(root)
+    what = f"saving checkpoint {final}"
+
+    def prepare():  # also clears debris of an earlier interrupted save
+        shutil.rmtree(partial, ignore_errors=True)
+        (partial / tag).mkdir(parents=True, exist_ok=True)
+
+    _agree(_attempt(prepare) if rank == 0 else None, what, previous)
     engine.save_checkpoint(str(partial), tag=tag, client_state={"run_state": run_state}, save_latest=False)
-    torch.save(rng_state(), partial / tag / f"rng-rank{rank:05d}.pt")
-    if rank == 0:
+
+    def write_ours():
+        torch.save(rng_state(), partial / tag / f"rng-rank{rank:05d}.pt")
+        if rank != 0:
+            return
         save_file({k: v.contiguous() for k, v in draft_state.items()}, str(partial / tag / CHECKPOINT_DRAFT))
         (partial / tag / CHECKPOINT_CONFIG).write_text(json.dumps(draft_config, indent=2, sort_keys=True) + "\n")
         save_file(vocab_files, str(partial / tag / VOCAB_FILE))
+        for name, src in (extra_files or {}).items():
+            if Path(src).is_file():
+                shutil.copyfile(src, partial / tag / name)
         (partial / tag / RUN_STATE).write_text(json.dumps(run_state, indent=2, sort_keys=True) + "\n")
-    dist.barrier()
-    if rank == 0:
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(partial / tag, final)
+
+    error = _attempt(write_ours)
+    try:
+        _agree(error, what, previous)
+    except CheckpointError:
+        if rank == 0:
+            shutil.rmtree(partial / tag, ignore_errors=True)
+        raise
+    fault_point("written", step)
+
+    def publish():
+        if final.exists():  # re-saving a step (e.g. after resuming from an older checkpoint): swap, then delete
+            old = partial / f"{tag}.old"
+            shutil.rmtree(old, ignore_errors=True)
+            os.replace(final, old)
+            os.replace(partial / tag, final)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(partial / tag, final)
+
+    _agree(_attempt(publish) if rank == 0 else None, what, previous)
+    fault_point("renamed", step)
+
+    def update_latest():
         _write_text_atomic(root / LATEST, tag + "\n")
         prune(root, keep)
-    dist.barrier()
+
+    _agree(_attempt(update_latest) if rank == 0 else None, what, previous)
     return final
 
 
@@ -117,24 +200,44 @@ def resolve(resume: str, root: Path) -> Path:
     return path
 
 
+COMPAT_KEYS = ("world_size", "tp", "cp", "dp", "global_batch", "zero_stage", "data_fingerprint", "ttt_steps",
+               "draft_vocab_size", "aux_layer_ids", "max_length", "seed")
+
+
+def read_run_state(path: Path) -> dict:
+    """The ``run_state.json`` of checkpoint folder ``path``; ValueError naming the file when it is unreadable."""
+    file = Path(path) / RUN_STATE
+    try:
+        return json.loads(file.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ValueError(f"--resume: cannot read {file} ({exc})") from None
+
+
 def check_compatible(saved: dict, current: dict, path: Path) -> None:
-    """Refuse to resume when the layout, world size, data or key settings differ; the message lists each one."""
-    keys = ("world_size", "tp", "cp", "dp", "global_batch", "data_fingerprint", "ttt_steps", "draft_vocab_size",
-            "max_length", "seed")
-    diffs = [f"{k}: checkpoint {saved.get(k)!r}, now {current.get(k)!r}" for k in keys if saved.get(k) != current.get(k)]
+    """Refuse to resume when the layout, world size, ZeRO stage, data or key settings differ.
+
+    Raises ValueError listing every differing key (checkpoint value, current value) of :data:`COMPAT_KEYS`.
+    """
+    diffs = [f"{k}: checkpoint {saved.get(k)!r}, now {current.get(k)!r}" for k in COMPAT_KEYS
+             if saved.get(k) != current.get(k)]
     if diffs:
         raise ValueError(f"cannot resume from {path}: the run differs from the checkpoint in\n  " + "\n  ".join(diffs)
                          + "\n(resharding to another layout is not supported; start a new run or match these)")
 
 
 def load(engine, path: Path) -> dict:
-    """Load engine state (model, optimizer, scheduler) and this rank's RNG; return the saved run state."""
+    """Load engine state (model, optimizer, scheduler, loss scaler) and this rank's RNG; return the saved run state.
+
+    Call :func:`check_compatible` first: DeepSpeed fails deep inside on a checkpoint of another layout.
+    Raises FileNotFoundError naming the folder when DeepSpeed finds nothing or this rank's RNG file is missing.
+    """
     path = Path(path)
     load_path, _ = engine.load_checkpoint(str(path.parent), tag=path.name, load_optimizer_states=True,
                                           load_lr_scheduler_states=True)
     if load_path is None:
         raise FileNotFoundError(f"DeepSpeed could not load the checkpoint in {path}")
     rng_file = path / f"rng-rank{dist.get_rank():05d}.pt"
-    if rng_file.is_file():
-        set_rng_state(torch.load(rng_file, weights_only=False))
-    return json.loads((path / RUN_STATE).read_text())
+    if not rng_file.is_file():
+        raise FileNotFoundError(f"--resume: {rng_file} is missing (checkpoint written by another world size?)")
+    set_rng_state(torch.load(rng_file, weights_only=False))
+    return read_run_state(path)

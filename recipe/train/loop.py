@@ -14,6 +14,7 @@ from dataclasses import asdict
 import torch
 import torch.distributed as dist
 from rich.console import Console
+from rich.markup import escape
 
 from recipe.export import export_tensors, write_export
 from recipe.model.ttt import ttt_objective
@@ -21,6 +22,11 @@ from recipe.train import checkpoint
 from recipe.train.metrics import MetricsLog, TrainProgress
 from recipe.train.sampler import rank_micro_batches
 from recipe.train.setup import RunParts
+from recipe.train.signals import EXIT_INTERRUPTED, StopRequest
+
+
+class NonFiniteLossError(ValueError):
+    """A step's loss was NaN/inf on some rank; the message names the step, the ranks and the sample indices."""
 
 
 def full_draft_state(engine, pstate) -> dict[str, torch.Tensor]:
@@ -76,13 +82,33 @@ class Trainer:
         self.engine, self.pstate = parts.engine, parts.pstate
         self.rank0 = dist.get_rank() == 0
         self.step = 0
+        self.skipped_steps: list[int] = []
+        self._check_settings()
         if parts.resume_from is not None:
+            # compare first: DeepSpeed fails deep inside on a checkpoint of another layout
+            checkpoint.check_compatible(checkpoint.read_run_state(parts.resume_from), self.run_state(0),
+                                        parts.resume_from)
             saved = checkpoint.load(self.engine, parts.resume_from)
-            checkpoint.check_compatible(saved, self.run_state(0), parts.resume_from)
             self.step = saved["step"]
             if self.rank0:
                 console.print(f"resumed from {parts.resume_from} at step {self.step}")
         self.metrics = MetricsLog(args.output / "metrics.jsonl", self.rank0, resume_step=self.step)
+
+    def _check_settings(self) -> None:
+        """ValueError for settings that only make sense together with the layout and the data."""
+        parts, args = self.parts, self.args
+        store = parts.builder.store
+        length = min(args.max_length, store.meta.max_length) if store is not None else args.max_length
+        if length < parts.dims.seq_divisor:
+            source = f"the store's max_length ({store.path})" if store is not None and length < args.max_length \
+                else "--max-length"
+            raise ValueError(f"{source} = {length} is shorter than 2·cp·tp = {parts.dims.seq_divisor} (cp={parts.dims.cp}"
+                             f", tp={parts.dims.tp}): every context-parallel chunk needs at least one token per "
+                             "tp rank; lower cp/tp or use longer sequences")
+        if args.skip_nonfinite and parts.plan.grad_accum != 1:
+            raise ValueError(f"--skip-nonfinite needs gradient_accumulation_steps = 1 (got {parts.plan.grad_accum} in "
+                             f"{args.ds_config}): a step cannot be dropped once some of its micro-batches have "
+                             "back-propagated")
 
     def run_state(self, step: int) -> dict:
         d, p = self.parts.dims, self.parts.plan
@@ -90,7 +116,31 @@ class Trainer:
                 "world_size": d.world_size, "tp": d.tp, "cp": d.cp, "dp": d.dp, "global_batch": p.global_batch,
                 "data_fingerprint": self.parts.data_fingerprint, "ttt_steps": self.args.ttt_steps,
                 "draft_vocab_size": self.parts.draft_config.draft_vocab_size, "max_length": self.args.max_length,
-                "seed": self.args.seed, "total_steps": self.parts.total_steps}
+                "seed": self.args.seed, "total_steps": self.parts.total_steps,
+                "zero_stage": self.engine.zero_optimization_stage(),
+                "aux_layer_ids": list(self.parts.draft_config.aux_layer_ids)}
+
+    def _nonfinite(self, loss_sum_K: torch.Tensor, micro: int, indices: list[int]) -> str | None:
+        """Collective over the world: None if every rank's loss is finite, else a description naming the step,
+        the ranks and their samples (dataset indices; source rows in online mode)."""
+        flags = torch.zeros(dist.get_world_size(), dtype=torch.int32)
+        flags[dist.get_rank()] = int(not torch.isfinite(loss_sum_K.detach()).all())
+        dist.all_reduce(flags)
+        bad_ranks = flags.nonzero().flatten().tolist()
+        if not bad_ranks:
+            return None
+        parts = self.parts
+        samples = set()
+        for r in bad_ranks:
+            dp_rank = parts.dims.coords(r).dp
+            samples.update(rank_micro_batches(indices, parts.plan.micro_batch, parts.plan.grad_accum, parts.dims.dp,
+                                              dp_rank)[micro])
+        samples = sorted(samples)
+        rows = ""
+        if parts.builder.examples is not None:
+            rows = f" (source rows {[parts.builder.examples[i]['row'] for i in samples]})"
+        return (f"non-finite loss at step {self.step + 1} (micro-batch {micro}) on rank(s) {bad_ranks}; "
+                f"samples {samples}{rows}")
 
     def train_step(self) -> dict:
         parts, K = self.parts, self.args.ttt_steps
@@ -105,8 +155,15 @@ class Trainer:
         correct = torch.zeros(K, dtype=torch.float64)
         own_norm = self.engine.zero_optimization_stage() == 0 and not self.engine.bfloat16_enabled()
         grad_norm = None
-        for b in batches:
+        for m, b in enumerate(batches):
             out = self.engine(b.ttt)
+            problem = self._nonfinite(out.loss_sum_K, m, indices)
+            if problem is not None:
+                if not self.args.skip_nonfinite:
+                    raise NonFiniteLossError(f"{problem}; stopped before the optimizer step (pass --skip-nonfinite "
+                                             "to skip such steps)")
+                # grad_accum == 1 (checked at start): nothing was back-propagated, the engine is untouched
+                return {"skipped": problem, "samples": len(indices)}
             loss = ttt_objective(out, n_valid.to(out.loss_sum_K.device)) * scale
             self.engine.backward(loss)
             if own_norm and self.engine.is_gradient_accumulation_boundary():
@@ -135,33 +192,55 @@ class Trainer:
         vocab = {"d2t": self.parts.vocab.d2t, "t2d": self.parts.vocab.t2d}
         checkpoint.save(self.engine, self.args.output / "checkpoints", self.step, self.run_state(self.step),
                         state if self.rank0 else None, self.parts.draft_config.to_hf_dict(), vocab,
-                        keep=self.args.keep_checkpoints)
+                        keep=self.args.keep_checkpoints,
+                        extra_files={"run_config.json": self.args.output / "run_config.json"})
 
-    def train(self) -> None:
+    def train(self) -> int:
+        """Train to the last step, save and export; return 0. On SIGTERM/SIGINT (any rank) every rank stops after
+        the same step and saves a checkpoint; return :data:`recipe.train.signals.EXIT_INTERRUPTED`."""
         parts, args = self.parts, self.args
         progress = TrainProgress(parts.total_steps, self.step, self.rank0, self.console)
         epoch = parts.sampler.epoch_of(self.step)
-        try:
-            while self.step < parts.total_steps:
-                lr = self.lr()
-                t0 = time.perf_counter()
-                record = self.train_step()
-                self.step += 1
-                record = {"step": self.step, "epoch": epoch, **record, "lr": lr,
-                          "time_s": round(time.perf_counter() - t0, 4)}
-                self.metrics.write(record)
-                progress.update(record)
-                if args.save_every and self.step % args.save_every == 0 and self.step < parts.total_steps:
-                    self.save()
-                new_epoch = parts.sampler.epoch_of(self.step)
-                if new_epoch != epoch or self.step == parts.total_steps:
-                    progress.end_epoch(epoch)
-                    epoch = new_epoch
-        finally:
-            progress.close()
-        self.save()
+        interrupted = False
+        with StopRequest() as stop:
+            try:
+                while self.step < parts.total_steps:
+                    lr = self.lr()
+                    t0 = time.perf_counter()
+                    record = self.train_step()
+                    self.step += 1
+                    record = {"step": self.step, "epoch": epoch, **record, "lr": lr,
+                              "time_s": round(time.perf_counter() - t0, 4)}
+                    self.metrics.write(record)
+                    if "skipped" in record:
+                        self.skipped_steps.append(self.step)
+                        if self.rank0:
+                            self.console.print(f"[yellow]skipped step[/yellow] {escape(record['skipped'])}")
+                    else:
+                        progress.update(record)
+                    if stop.agreed() and self.step < parts.total_steps:
+                        interrupted = True
+                        break
+                    if args.save_every and self.step % args.save_every == 0 and self.step < parts.total_steps:
+                        self.save()
+                    new_epoch = parts.sampler.epoch_of(self.step)
+                    if new_epoch != epoch or self.step == parts.total_steps:
+                        progress.end_epoch(epoch)
+                        epoch = new_epoch
+            finally:
+                progress.close()
+            self.save()
+        if self.rank0 and self.skipped_steps:
+            self.console.print(f"skipped {len(self.skipped_steps)} step(s) with a non-finite loss: "
+                               f"{self.skipped_steps}")
+        if interrupted:
+            if self.rank0:
+                self.console.print(f"interrupted: checkpoint of step {self.step} saved in "
+                                   f"{args.output / 'checkpoints'}; continue with --resume")
+            return EXIT_INTERRUPTED
         if not args.no_export:
             self.export()
+        return 0
 
     def export(self) -> None:
         state = full_draft_state(self.engine, self.pstate)

@@ -1,0 +1,115 @@
+"""A ``run_ranks`` worker that runs several ``run.main`` jobs in one process group, each optionally with a fault:
+a SIGTERM to rank 0 after a given step, NaN hidden states for one sample, ENOSPC on rank 0's checkpoint write, or
+environment variables (e.g. ``RECIPE_CHECKPOINT_FAULT``). Returns per job: exit code (or the exception's class
+name), the captured stderr and, on rank 0, the metrics.jsonl records."""
+from __future__ import annotations
+
+import contextlib
+import errno
+import io
+import json
+import os
+import signal
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from train_helpers import ROOT
+
+
+@dataclass
+class Job:
+    argv: list[str]
+    sigterm_after: int | None = None    # rank 0 sends itself SIGTERM when this step has finished
+    nan_sample: int | None = None       # aux hidden states of this dataset index become NaN
+    enospc: bool = False                # rank 0's checkpoint writes fail with ENOSPC
+    env: dict = field(default_factory=dict)
+
+
+@dataclass
+class Outcome:
+    rc: int | str
+    stderr: str
+    metrics: list[dict]
+
+
+def _metrics(argv: list[str]) -> list[dict]:
+    path = Path(argv[argv.index("--output") + 1]) / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
+
+
+@contextlib.contextmanager
+def _faults(job: Job, rank: int):
+    from recipe.train import batches, checkpoint, loop
+
+    saved = {}
+
+    def patch(obj, name, value):
+        saved[(obj, name)] = getattr(obj, name)
+        setattr(obj, name, value)
+
+    if job.sigterm_after is not None:
+        train_step = loop.Trainer.train_step
+
+        def step_then_signal(self):
+            out = train_step(self)
+            if rank == 0 and self.step + 1 == job.sigterm_after:
+                os.kill(os.getpid(), signal.SIGTERM)
+            return out
+        patch(loop.Trainer, "train_step", step_then_signal)
+    if job.nan_sample is not None:
+        build = batches.BatchBuilder.build
+
+        def build_nan(self, indices):
+            micro = build(self, indices)
+            if job.nan_sample in indices:
+                micro.ttt.aux_hidden_BSA[indices.index(job.nan_sample)] = float("nan")
+            return micro
+        patch(batches.BatchBuilder, "build", build_nan)
+    if job.enospc and rank == 0:
+        def full_disk(tensors, filename, *args, **kwargs):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), filename)
+        patch(checkpoint, "save_file", full_disk)
+    old_env = {k: os.environ.get(k) for k in job.env}
+    os.environ.update(job.env)
+    try:
+        yield
+    finally:
+        for (obj, name), value in saved.items():
+            setattr(obj, name, value)
+        for k, v in old_env.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def run_jobs(rank: int, world_size: int, jobs: list[Job]) -> list[Outcome]:
+    """``run_ranks`` worker: run each job's ``run.main`` in turn on every rank; see the module docstring."""
+    import sys
+
+    sys.path.insert(0, str(ROOT))
+    os.environ["COLUMNS"] = "400"  # rich wraps error lines at 80 columns otherwise
+    from recipe.train.checkpoint import InjectedFault
+    from run import main
+
+    out = []
+    for job in jobs:
+        err = io.StringIO()
+        with _faults(job, rank), contextlib.redirect_stderr(err):
+            try:
+                rc = main(job.argv)
+            except InjectedFault:
+                rc = "InjectedFault"
+            except SystemExit as exc:
+                rc = f"SystemExit({exc.code})"
+        out.append(Outcome(rc, err.getvalue(), _metrics(job.argv) if rank == 0 else []))
+    return out
+
+
+def same_curve(a: list[dict], b: list[dict]) -> None:
+    """Assert two metrics.jsonl record lists are identical except for wall time (bit-identical floats)."""
+    strip = [{k: v for k, v in r.items() if k != "time_s"} for r in a]
+    other = [{k: v for k, v in r.items() if k != "time_s"} for r in b]
+    assert [r["step"] for r in other] == [r["step"] for r in strip]
+    for x, y in zip(strip, other):
+        assert x == y, f"step {x['step']}: {y} != {x}"
