@@ -167,3 +167,33 @@ def test_read_prompts(tmp_path):
     f.write_text('{"prompt": "c"}\n{bad\n')
     with pytest.raises(ValueError, match=f"{f}:2: invalid JSON"):
         read_prompts(f)
+
+
+def test_cli_on_real_target(assets, tmp_path, monkeypatch):
+    """``python -m recipe.eval`` with the SmolLM2 target, MT-Bench prompts through the chat template, a random
+    export: exit 0, JSON with τ per (draft, k); a bad export folder exits 2; a lossless failure exits 1."""
+    from transformers import AutoConfig
+
+    from recipe.eval import __main__ as cli
+    from recipe.eval.speculative import MismatchError
+
+    config = Eagle3DraftConfig.from_target_config(AutoConfig.from_pretrained(assets.target), 512)
+    export = write_export(export_tensors(Eagle3Draft(config, seed=0).state_dict()), config.to_hf_dict(),
+                          tmp_path / "export")
+    out = tmp_path / "eval.json"
+    argv = ["--target", str(assets.target), "--draft", str(export), "--num-draft-tokens", "2,1",
+            "--max-new-tokens", "5", "--limit", "2", "--output", str(out), "--device", "cpu"]
+    assert cli.main(argv) == 0
+    result = json.loads(out.read_text())
+    assert result["num_prompts"] == 2 and result["num_draft_tokens"] == 2
+    assert [(r["draft"], r["num_draft_tokens"]) for r in result["runs"]] == [(str(export), 2), (str(export), 1)]
+    for run in result["runs"]:
+        assert 1.0 <= run["tau"] <= 1 + run["num_draft_tokens"]
+        assert run["new_tokens"] == 10 and set(run["tau_by_category"]) == {"writing"}
+    assert result["tau"] == result["runs"][0]["tau"]
+    assert cli.main(["--target", str(assets.target), "--draft", str(tmp_path), "--limit", "1"]) == 2
+
+    def mismatch(*_a, **_k):
+        raise MismatchError("prompt 'x'")
+    monkeypatch.setattr("recipe.eval.harness.evaluate", mismatch)
+    assert cli.main(argv) == 1
