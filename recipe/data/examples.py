@@ -106,10 +106,15 @@ def build_examples(path: str | Path, tokenizer, max_length: int, num_proc: int =
         (list[int] of 0/1, same length, at least one 1) and ``row`` (source line number for .jsonl, 0-based index
         for .json).
     Raises:
-        ValueError: naming the file — missing/empty/unknown extension, or no usable example left (with the reasons).
+        ValueError: naming the file — missing/empty/unknown extension, or no usable example left (with the reasons);
+            naming the tokenizer when it has no chat template.
     """
     if max_length <= 0:
         raise ValueError(f"max_length must be positive, got {max_length}")
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError(f"{getattr(tokenizer, 'name_or_path', 'tokenizer')}: the target's tokenizer has no chat "
+                         "template (chat_template.jinja or tokenizer_config.json 'chat_template'); the loss mask "
+                         "needs it to find the assistant turns")
     path = check_file(path)
     digest = file_digest(path)
     row_fingerprint = _hash(PIPELINE_VERSION, digest, limit)
