@@ -1,0 +1,265 @@
+"""Measure one TTT training step (forward + backward on random aux states) in fresh processes, one per rank.
+
+Memory per rank: on CUDA ``torch.cuda.max_memory_allocated`` (exact allocator peak); on CPU, where torch keeps no
+allocator statistics, the resident-set high-water mark ``VmHWM`` of the process, reset to the current RSS just before
+the step through ``/proc/self/clear_refs`` (Linux >= 4.0; without it, the lifetime peak ``ru_maxrss``). Every
+measurement runs in fresh processes, so memory that the C allocator kept from an earlier measurement cannot hide
+part of this one's peak. Ranks (tp·cp > 1) run on gloo (nccl on CUDA) with the groups of ``ParallelState``.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import resource
+import socket
+import time
+import traceback
+from dataclasses import dataclass
+
+import torch
+
+from recipe.bench.estimate import StepShape
+
+LAYOUTS = {"full": (False, False), "chunked": (True, False), "ckpt": (False, True), "chunked+ckpt": (True, True)}
+"""Layout name -> (chunked loss, checkpointed TTT steps)."""
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+@dataclass(frozen=True)
+class BenchSpec:
+    """One measurement: draft geometry, sequence length, layout and parallel degrees (see ``StepShape``)."""
+
+    seq_len: int
+    layout: str = "full"
+    hidden: int = 256
+    heads: int = 4
+    kv_heads: int = 4
+    head_dim: int = 64
+    intermediate: int = 896
+    draft_vocab: int = 32000
+    vocab: int = 32000
+    target_hidden: int = 256
+    ttt_steps: int = 7
+    batch: int = 1
+    tp: int = 1
+    cp: int = 1
+    dtype: str = "fp32"
+    device: str = "cpu"
+    loss_chunk_size: int = 1024
+    steps: int = 1
+    seed: int = 0
+
+    def __post_init__(self):
+        if self.layout not in LAYOUTS:
+            raise ValueError(f"unknown layout {self.layout!r}; choose from {sorted(LAYOUTS)}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"unknown dtype {self.dtype!r}; choose from {sorted(DTYPES)}")
+        split = {"heads": self.heads, "kv_heads": self.kv_heads, "intermediate": self.intermediate,
+                 "draft_vocab": self.draft_vocab}
+        bad = [f"{k}={v}" for k, v in split.items() if v % self.tp]
+        if bad:
+            raise ValueError(f"tp={self.tp} must divide {', '.join(bad)}")
+        divisor = 2 * self.cp * self.tp if self.cp > 1 else self.tp
+        if self.seq_len % divisor:
+            raise ValueError(f"length {self.seq_len} is not a multiple of {divisor} (2·cp·tp with cp={self.cp}, "
+                             f"tp={self.tp})")
+
+    @property
+    def world_size(self) -> int:
+        return self.tp * self.cp
+
+    def shape(self) -> StepShape:
+        chunked, ckpt = LAYOUTS[self.layout]
+        return StepShape(seq_len=self.seq_len, hidden=self.hidden, heads=self.heads, kv_heads=self.kv_heads,
+                         head_dim=self.head_dim, intermediate=self.intermediate, draft_vocab=self.draft_vocab,
+                         vocab=self.vocab, target_hidden=self.target_hidden, ttt_steps=self.ttt_steps,
+                         batch=self.batch, tp=self.tp, cp=self.cp, dtype_bytes=DTYPES[self.dtype].itemsize,
+                         loss_chunk_size=self.loss_chunk_size if chunked else None, checkpoint_steps=ckpt)
+
+
+# ---- memory probes ---------------------------------------------------------------------------------------------
+def _status_kib(field: str) -> int:
+    with open("/proc/self/status") as fh:
+        return int(re.search(rf"^{field}:\s+(\d+) kB", fh.read(), re.M).group(1))
+
+
+class CpuPeak:
+    """RSS high-water mark of this process since ``reset()`` (bytes)."""
+
+    def reset(self) -> None:
+        try:
+            with open("/proc/self/clear_refs", "w") as fh:
+                fh.write("5")
+            self.method = "VmHWM"
+        except OSError:
+            self.method = "ru_maxrss"
+        self.base = self.current()
+
+    @staticmethod
+    def current() -> int:
+        try:
+            return _status_kib("VmRSS") * 1024
+        except (OSError, AttributeError):
+            return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+    def peak(self) -> int:
+        if self.method == "VmHWM":
+            return _status_kib("VmHWM") * 1024
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+class CudaPeak:
+    """``torch.cuda`` allocator peak since ``reset()`` (bytes)."""
+
+    method = "max_memory_allocated"
+
+    def reset(self) -> None:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        self.base = torch.cuda.memory_allocated()
+
+    def peak(self) -> int:
+        torch.cuda.synchronize()
+        return torch.cuda.max_memory_allocated()
+
+
+# ---- one step ----------------------------------------------------------------------------------------------------
+def build_model(spec: BenchSpec, device: torch.device, pstate=None):
+    """A random-weight TTTModel for ``spec`` (TP/CP applied when ``pstate`` has them)."""
+    from recipe.model.draft import Eagle3Draft, Eagle3DraftConfig
+    from recipe.model.ttt import TTTModel
+
+    config = Eagle3DraftConfig(
+        hidden_size=spec.hidden, intermediate_size=spec.intermediate, num_attention_heads=spec.heads,
+        num_key_value_heads=spec.kv_heads, head_dim=spec.head_dim, vocab_size=spec.vocab,
+        draft_vocab_size=spec.draft_vocab, target_hidden_size=spec.target_hidden, aux_layer_ids=[1, 2, 3],
+        max_position_embeddings=max(2048, spec.seq_len + spec.ttt_steps))
+    draft = Eagle3Draft(config, seed=spec.seed)
+    head = torch.randn(spec.draft_vocab, spec.target_hidden, generator=torch.Generator().manual_seed(spec.seed + 1))
+    chunked, ckpt = LAYOUTS[spec.layout]
+    model = TTTModel(draft, head, loss_chunk_size=spec.loss_chunk_size if chunked else None, checkpoint_steps=ckpt)
+    if pstate is not None and pstate.tp_size > 1:
+        from recipe.parallel.apply_tp import apply_tensor_parallel
+
+        apply_tensor_parallel(model, pstate.tp_group)
+    if pstate is not None and pstate.cp_size > 1:
+        from kernels.ring_attention import make_ring_causal_attention
+
+        draft.midlayer.self_attn.causal_attention = make_ring_causal_attention(pstate.cp_group)
+    return model.to(device=device, dtype=DTYPES[spec.dtype])
+
+
+def random_batch(spec: BenchSpec, device: torch.device, cp_rank: int = 0):
+    """A TTT batch of random tokens and aux states, every position a valid label; zigzag-split under CP."""
+    from recipe.model.ttt import make_ttt_batch
+    from recipe.parallel.cp_shard import shard_ttt_batch
+
+    g = torch.Generator().manual_seed(spec.seed + 2)
+    b, s, dt = spec.batch, spec.seq_len, DTYPES[spec.dtype]
+    ones = torch.ones(b, s, dtype=torch.bool)
+    batch = make_ttt_batch(torch.randint(0, spec.vocab, (b, s), generator=g), ones, ones,
+                           torch.randn(b, s, 3 * spec.target_hidden, generator=g).to(dt),
+                           torch.randn(b, s, spec.target_hidden, generator=g).to(dt), ones, spec.ttt_steps)
+    if spec.cp > 1:
+        batch = shard_ttt_batch(batch, spec.cp, cp_rank)
+    return batch.to(device)
+
+
+def measure_step(spec: BenchSpec, pstate=None) -> dict:
+    """Peak memory and seconds of ``spec.steps`` forward+backward steps on this rank (call inside the rank)."""
+    from recipe.model.ttt import ttt_objective
+
+    device = torch.device(spec.device)
+    model = build_model(spec, device, pstate)
+    batch = random_batch(spec, device, 0 if pstate is None else pstate.cp_rank)
+    probe = CudaPeak() if device.type == "cuda" else CpuPeak()
+    probe.reset()
+    seconds = []
+    for _ in range(spec.steps):
+        model.zero_grad(set_to_none=True)
+        start = time.perf_counter()
+        out = model(batch)
+        ttt_objective(out, out.valid_K).backward()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        seconds.append(time.perf_counter() - start)
+    peak = probe.peak()
+    timed = seconds[1:] or seconds
+    return {"peak_bytes": int(peak), "step_bytes": int(peak - probe.base), "base_bytes": int(probe.base),
+            "seconds": sum(timed) / len(timed), "method": probe.method,
+            "tokens_per_s": spec.batch * spec.seq_len / (sum(timed) / len(timed))}
+
+
+# ---- processes ---------------------------------------------------------------------------------------------------
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _rank_main(rank: int, spec_fields: dict, port: int, queue) -> None:
+    spec = BenchSpec(**spec_fields)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+    pstate = None
+    try:
+        if spec.world_size > 1:
+            import torch.distributed as dist
+
+            from recipe.parallel.dims import ParallelDims
+            from recipe.parallel.topology import ParallelState
+
+            os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                              WORLD_SIZE=str(spec.world_size), LOCAL_RANK=str(rank))
+            if spec.device == "cuda":
+                torch.cuda.set_device(rank)
+                spec = dataclasses.replace(spec, device=f"cuda:{rank}")
+            dist.init_process_group("nccl" if spec.device.startswith("cuda") else "gloo", rank=rank,
+                                    world_size=spec.world_size)
+            pstate = ParallelState(ParallelDims(world_size=spec.world_size, tp=spec.tp, cp=spec.cp))
+        queue.put((rank, "ok", measure_step(spec, pstate)))
+    except torch.OutOfMemoryError as exc:
+        queue.put((rank, "oom", str(exc).splitlines()[0]))
+    except BaseException:  # noqa: BLE001 - reported to the parent
+        queue.put((rank, "error", traceback.format_exc()[-2000:]))
+
+
+def run_measurement(spec: BenchSpec, timeout: float = 900.0) -> dict:
+    """Run ``spec`` on ``tp·cp`` fresh spawned processes. Returns ``{"status": "ok" | "oom" | "killed" |
+    "timeout" | "error", "ranks": [per-rank measure_step dicts], "detail": str}``; never raises for a failed run."""
+    import queue as queue_mod
+
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    results_q = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_rank_main, args=(r, dataclasses.asdict(spec), port, results_q))
+             for r in range(spec.world_size)]
+    for proc in procs:
+        proc.start()
+    ranks, status, detail = {}, "ok", ""
+    deadline = time.monotonic() + timeout
+    while len(ranks) < spec.world_size and status == "ok":
+        try:
+            rank, kind, value = results_q.get(timeout=1.0)
+        except queue_mod.Empty:
+            dead = [p for p in procs if p.exitcode not in (None, 0)]
+            if dead:
+                status, detail = "killed", f"a rank exited with code {dead[0].exitcode} (out of memory?)"
+            elif time.monotonic() > deadline:
+                status, detail = "timeout", f"no result within {timeout:.0f} s"
+            continue
+        if kind == "ok":
+            ranks[rank] = value
+        else:
+            status, detail = kind, value
+    for proc in procs:
+        proc.join(timeout=30 if status == "ok" else 1)
+        if proc.is_alive():
+            proc.kill()
+            proc.join()
+    return {"status": status, "ranks": [ranks[r] for r in sorted(ranks)] if status == "ok" else [],
+            "detail": detail}

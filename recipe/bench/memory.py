@@ -1,0 +1,255 @@
+"""Memory report: peak memory per rank and time of a TTT training step vs sequence length, per layout.
+
+``python -m recipe.bench.memory --lengths 2k,4k,8k [--tp N --cp N] [--draft-vocab V] [--hidden H] [--budget-gib X]
+[--json OUT] [--plot OUT.png]`` measures forward + backward of ``TTTModel`` on random aux states (no target) for
+each length and layout (``full`` logits, ``chunked`` loss, ``ckpt`` per-step checkpointing, ``chunked+ckpt``), each
+in fresh processes (``recipe.bench.measure``), prints the measurement beside the static estimate
+(``recipe.bench.estimate``), and the longest length per layout whose peak fits the budget. Once a layout exceeds
+the budget, or its estimate exceeds ``--skip-estimate-gib``, its longer lengths are not run (so the report cannot
+exhaust the machine).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+from recipe.bench.estimate import COMPONENTS, bytes_per_token, estimate_step_bytes
+from recipe.bench.measure import LAYOUTS, BenchSpec, run_measurement
+
+GIB = 1024 ** 3
+
+
+def parse_length(text: str) -> int:
+    """``"4k"`` -> 4096, ``"1.5k"`` -> 1536, ``"512"`` -> 512; ValueError naming the text otherwise."""
+    t = text.strip().lower()
+    try:
+        value = float(t[:-1]) * 1024 if t.endswith("k") else float(t)
+    except ValueError:
+        raise ValueError(f"bad length {text!r}: expected an integer or a number followed by k (e.g. 4k)") from None
+    if value < 1 or value != int(value):
+        raise ValueError(f"bad length {text!r}: must be a positive whole number of tokens")
+    return int(value)
+
+
+def _lengths(text: str) -> list[int]:
+    try:
+        return sorted({parse_length(x) for x in text.split(",") if x.strip()})
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _layouts(text: str) -> list[str]:
+    names = [x.strip() for x in text.split(",") if x.strip()]
+    bad = [n for n in names if n not in LAYOUTS]
+    if bad or not names:
+        raise argparse.ArgumentTypeError(f"unknown layout(s) {bad}; choose from {list(LAYOUTS)}")
+    return names
+
+
+def _available_gib() -> float | None:
+    try:
+        with open("/proc/meminfo") as fh:
+            for line in fh:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) / 1024 ** 2
+    except OSError:
+        return None
+    return None
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m recipe.bench.memory", description=__doc__.split("\n\n")[0])
+    p.add_argument("--lengths", type=_lengths, default=_lengths("1k,2k,4k"), help="e.g. 2k,4k,8k (k = 1024)")
+    p.add_argument("--layouts", type=_layouts, default=list(LAYOUTS), help=f"subset of {','.join(LAYOUTS)}")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (spawned, gloo on CPU)")
+    p.add_argument("--cp", type=int, default=1, help="context-parallel ranks (spawned, gloo on CPU)")
+    p.add_argument("--hidden", type=int, default=256, help="draft hidden size H")
+    p.add_argument("--heads", type=int, help="attention heads (default H/64)")
+    p.add_argument("--kv-heads", type=int, help="key/value heads (default = heads)")
+    p.add_argument("--head-dim", type=int, help="head dim (default H/heads)")
+    p.add_argument("--intermediate", type=int, help="MLP width (default 3.5·H)")
+    p.add_argument("--draft-vocab", type=int, default=32000, help="draft vocabulary Vd")
+    p.add_argument("--vocab", type=int, help="target vocabulary V (embedding rows; default Vd)")
+    p.add_argument("--target-hidden", type=int, help="target hidden size H_t (default H)")
+    p.add_argument("--ttt-steps", type=int, default=7, help="TTT steps K")
+    p.add_argument("--batch", type=int, default=1, help="sequences per micro-batch")
+    p.add_argument("--loss-chunk-size", type=int, default=1024, help="positions per loss chunk (chunked layouts)")
+    p.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
+    p.add_argument("--device", choices=["cpu", "cuda"], help="default: cuda when available")
+    p.add_argument("--steps", type=int, default=1, help="steps per measurement (time: mean after the first)")
+    p.add_argument("--budget-gib", type=float, help="per-rank memory budget; default: none (all lengths run)")
+    p.add_argument("--skip-estimate-gib", type=float,
+                   help="do not run a measurement whose estimate exceeds this (default on CPU: 60%% of MemAvailable)")
+    p.add_argument("--timeout", type=float, default=900.0, help="seconds per measurement")
+    p.add_argument("--json", type=Path, help="write the results as JSON here")
+    p.add_argument("--plot", type=Path, help="write a PNG of peak memory vs length per layout (needs matplotlib)")
+    return p
+
+
+def make_spec(args, length: int, layout: str) -> BenchSpec:
+    heads = args.heads or max(1, args.hidden // 64)
+    return BenchSpec(seq_len=length, layout=layout, hidden=args.hidden, heads=heads,
+                     kv_heads=args.kv_heads or heads, head_dim=args.head_dim or args.hidden // heads,
+                     intermediate=args.intermediate or int(3.5 * args.hidden), draft_vocab=args.draft_vocab,
+                     vocab=args.vocab or args.draft_vocab, target_hidden=args.target_hidden or args.hidden,
+                     ttt_steps=args.ttt_steps, batch=args.batch, tp=args.tp, cp=args.cp, dtype=args.dtype,
+                     device=args.device, loss_chunk_size=args.loss_chunk_size, steps=args.steps)
+
+
+def run_report(args, console: Console) -> dict:
+    """Measure every (layout, length); returns the JSON-ready report."""
+    results, max_length = [], {}
+    for layout in args.layouts:
+        stopped = None
+        max_length[layout] = None
+        for length in args.lengths:
+            spec = make_spec(args, length, layout)
+            est = estimate_step_bytes(spec.shape())
+            row = {"layout": layout, "length": length, "estimate": est,
+                   "bytes_per_token": bytes_per_token(spec.shape())}
+            if stopped:
+                row.update(status="not run", detail=stopped)
+            elif args.skip_estimate_gib and est["total"] > args.skip_estimate_gib * GIB:
+                row.update(status="not run", detail=f"estimate {est['total'] / GIB:.1f} GiB > "
+                                                    f"--skip-estimate-gib {args.skip_estimate_gib:g}")
+                stopped = "a shorter length was not run"
+            else:
+                console.print(f"[dim]measuring {layout} at {length} tokens ...[/dim]")
+                row.update(run_measurement(spec, args.timeout))
+            if row["status"] == "ok":
+                row["peak_bytes"] = max(r["peak_bytes"] for r in row["ranks"])
+                row["step_bytes"] = max(r["step_bytes"] for r in row["ranks"])
+                row["seconds"] = max(r["seconds"] for r in row["ranks"])
+                row["fits"] = args.budget_gib is None or row["peak_bytes"] <= args.budget_gib * GIB
+                if row["fits"]:
+                    max_length[layout] = length
+                elif not stopped:
+                    stopped = f"a shorter length exceeded the {args.budget_gib:g} GiB budget"
+            elif row["status"] in ("oom", "killed") and not stopped:
+                stopped = "a shorter length ran out of memory"
+            results.append(row)
+    return {"config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+            "results": results, "max_length": max_length, "chunked_vs_full": chunked_vs_full(results)}
+
+
+def chunked_vs_full(results: list[dict]) -> dict | None:
+    """Peak and step-Δ ratios full / chunked at the longest length where both ran, or None."""
+    ok = {(r["layout"], r["length"]): r for r in results if r["status"] == "ok"}
+    common = [n for n in sorted({r["length"] for r in results}) if ("full", n) in ok and ("chunked", n) in ok]
+    if not common:
+        return None
+    full, chunked = ok[("full", common[-1])], ok[("chunked", common[-1])]
+    return {"length": common[-1], "peak_ratio": full["peak_bytes"] / chunked["peak_bytes"],
+            "step_ratio": full["step_bytes"] / max(chunked["step_bytes"], 1)}
+
+
+def _estimated_step(est: dict) -> float:
+    """What the step itself adds (the measured "step Δ"): gradients and activations, not weights or optimizer."""
+    return est["total"] - est["weights"] - est["optimizer"]
+
+
+def print_report(report: dict, console: Console) -> None:
+    cfg = report["config"]
+    table = Table(title=f"TTT step memory per rank (K={cfg['ttt_steps']}, Vd={cfg['draft_vocab']}, H={cfg['hidden']}, "
+                        f"tp={cfg['tp']}, cp={cfg['cp']}, {cfg['dtype']}, {cfg['device']})")
+    for col in ("length", "layout", "peak GiB", "step Δ GiB", "est. step GiB", "est. total GiB", "s/step", "tok/s",
+                "status"):
+        table.add_column(col, justify="left" if col in ("layout", "status") else "right", no_wrap=True)
+    for row in report["results"]:
+        ok = row["status"] == "ok"
+        status = ("fits" if row.get("fits") else "over budget") if ok else f"{row['status']}"
+        table.add_row(str(row["length"]), row["layout"], f"{row['peak_bytes'] / GIB:.2f}" if ok else "-",
+                      f"{row['step_bytes'] / GIB:.2f}" if ok else "-", f"{_estimated_step(row['estimate']) / GIB:.2f}",
+                      f"{row['estimate']['total'] / GIB:.2f}",
+                      f"{row['seconds']:.2f}" if ok else "-", f"{row['length'] * cfg['batch'] / row['seconds']:.0f}"
+                      if ok else "-", status)
+    console.print(table)
+    for row in report["results"]:
+        if row["status"] not in ("ok", "not run"):
+            console.print(f"[red]{row['layout']} at {row['length']}: {row['status']}: "
+                          f"{row['detail'].strip().splitlines()[-1] if row['detail'].strip() else ''}[/red]")
+    est = Table(title="Static estimate at the longest length, GiB by component (recipe.bench.estimate)")
+    est.add_column("layout", no_wrap=True)
+    for c in COMPONENTS:
+        est.add_column(c, justify="right", no_wrap=True)
+    longest = max(r["length"] for r in report["results"])
+    for row in report["results"]:
+        if row["length"] == longest:
+            est.add_row(row["layout"], *(f"{row['estimate'][c] / GIB:.3f}" for c in COMPONENTS))
+    console.print(est)
+    summary = Table(title=f"Longest length within the budget ({cfg['budget_gib'] or 'none'} GiB)")
+    summary.add_column("layout", no_wrap=True)
+    summary.add_column("max length", justify="right")
+    for layout, length in report["max_length"].items():
+        summary.add_row(layout, str(length) if length else "none measured")
+    console.print(summary)
+    ratio = report.get("chunked_vs_full")
+    if ratio:
+        console.print(f"chunked loss vs full logits at {ratio['length']} tokens: peak ×{ratio['peak_ratio']:.2f}, "
+                      f"step Δ ×{ratio['step_ratio']:.2f}")
+
+
+def write_plot(report: dict, path: Path, console: Console) -> bool:
+    """PNG of peak GiB vs length per layout; False (and a note) when matplotlib is not installed."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        console.print("[yellow]--plot skipped: matplotlib is not installed (pip install matplotlib)[/yellow]")
+        return False
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for layout in report["max_length"]:
+        rows = [r for r in report["results"] if r["layout"] == layout and r["status"] == "ok"]
+        ax.plot([r["length"] for r in rows], [r["peak_bytes"] / GIB for r in rows], marker="o", label=layout)
+    if report["config"]["budget_gib"]:
+        ax.axhline(report["config"]["budget_gib"], color="grey", linestyle="--", label="budget")
+    ax.set(xscale="log", xlabel="sequence length (tokens)", ylabel="peak GiB per rank", title="TTT step memory")
+    ax.legend()
+    fig.savefig(path, dpi=120, bbox_inches="tight")
+    plt.close(fig)
+    return True
+
+
+def main(argv: list[str] | None = None) -> int:
+    """CLI entry (also ``python -m recipe.bench memory``). Returns the exit status: 0, or 2 on bad flags."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.device is None:
+        import torch
+
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    if args.skip_estimate_gib is None and args.device == "cpu":
+        available = _available_gib()
+        args.skip_estimate_gib = round(0.6 * available, 1) if available else None
+    for name in ("tp", "cp", "hidden", "ttt_steps", "batch", "loss_chunk_size", "steps", "draft_vocab"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be >= 1")
+    try:
+        make_spec(args, args.lengths[0], args.layouts[0])
+        for n in args.lengths:
+            make_spec(args, n, "full")
+    except ValueError as exc:
+        parser.error(str(exc))
+    console = Console(width=None if sys.stdout.isatty() else 150)
+    report = run_report(args, console)
+    print_report(report, console)
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(report, indent=1))
+        console.print(f"wrote {args.json}")
+    if args.plot and write_plot(report, args.plot, console):
+        console.print(f"wrote {args.plot}")
+    return 0
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    sys.exit(main())
