@@ -54,7 +54,7 @@ def test_sigterm_to_torchrun_saves_a_checkpoint_that_resumes_exactly(tiny, tmp_p
             proc.kill()
     steps = len((cut / "metrics.jsonl").read_text().splitlines())
     assert 3 <= steps < 1000, log
-    # both workers got the relayed SIGTERM, agreed on the step, saved it and (the in-process exit code is checked in test_resume)
+    # both workers got the relayed SIGTERM, agreed on the step and saved it (exit code: see test_resume)
     assert log.count("SIGTERM received") == 2, log
     assert f"interrupted: checkpoint of step {steps} saved" in log, log
     assert (cut / "checkpoints" / LATEST).read_text().strip() == f"step-{steps:08d}"

@@ -5,6 +5,13 @@ cross-entropy over every valid position of the step (all ranks, all micro-batche
 averages gradients over its data-parallel group (dp×cp ranks, see ``recipe.parallel.topology``) and divides each
 micro-batch's loss by the accumulation steps, so each rank back-propagates its local sums scaled by
 ``dp·cp·grad_accum / N_k``; the result is the global objective's gradient whatever the layout.
+
+Reliability. Resume continues exactly: the step counter is the data position (``recipe.train.sampler``), and the
+checkpoint holds the engine state, every rank's RNG and the vocabulary map; a checkpoint of another layout or data is
+refused before DeepSpeed touches it. SIGTERM/SIGINT stop all ranks after the same step, save and return
+``EXIT_INTERRUPTED`` (``recipe.train.signals``). A NaN/inf loss on any rank (checked before backward, agreed over the
+world) stops with the step and sample indices, or with ``--skip-nonfinite`` skips the step (engine untouched) and is
+counted in metrics.jsonl (``"skipped"``) and at the end.
 """
 from __future__ import annotations
 
@@ -102,9 +109,10 @@ class Trainer:
         if length < parts.dims.seq_divisor:
             source = f"the store's max_length ({store.path})" if store is not None and length < args.max_length \
                 else "--max-length"
-            raise ValueError(f"{source} = {length} is shorter than 2·cp·tp = {parts.dims.seq_divisor} (cp={parts.dims.cp}"
-                             f", tp={parts.dims.tp}): every context-parallel chunk needs at least one token per "
-                             "tp rank; lower cp/tp or use longer sequences")
+            d = parts.dims
+            raise ValueError(f"{source} = {length} is shorter than 2·cp·tp = {d.seq_divisor} (cp={d.cp}, tp={d.tp}): "
+                             "every context-parallel chunk needs at least one token per tp rank; lower cp/tp or use "
+                             "longer sequences")
         if args.skip_nonfinite and parts.plan.grad_accum != 1:
             raise ValueError(f"--skip-nonfinite needs gradient_accumulation_steps = 1 (got {parts.plan.grad_accum} in "
                              f"{args.ds_config}): a step cannot be dropped once some of its micro-batches have "
