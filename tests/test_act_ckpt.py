@@ -103,6 +103,7 @@ def _cp_worker(rank, world_size):
     return results
 
 
+@pytest.mark.slow
 def test_checkpointing_under_context_parallel_ring_attention():
     draft, head_VH, batch = build_case(seed=21, K=K, seq_len=CP_SEQ, lengths=(CP_SEQ, 11))
     ref = run_model(TTTModel(draft, head_VH), batch)

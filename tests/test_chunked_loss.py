@@ -77,6 +77,7 @@ def _tp_worker(rank, world_size):
     return results
 
 
+@pytest.mark.slow
 def test_chunked_loss_under_tensor_parallelism_matches_single_process():
     """tp=2 with the vocab-parallel lm_head and loss, chunked (with and without step checkpointing) vs one process
     with full logits."""

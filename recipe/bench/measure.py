@@ -167,29 +167,39 @@ def random_batch(spec: BenchSpec, device: torch.device, cp_rank: int = 0):
     return batch.to(device)
 
 
-def measure_step(spec: BenchSpec, pstate=None) -> dict:
-    """Peak memory and seconds of ``spec.steps`` forward+backward steps on this rank (call inside the rank)."""
+def time_step(model, batch, steps: int = 1) -> dict:
+    """Peak memory (since just before the first step) and mean seconds of ``steps`` forward+backward steps of
+    ``model`` on ``batch`` (the first step is excluded from the time when steps > 1). Memory on the model's device.
+    Returns ``{"peak_bytes", "step_bytes" (peak minus memory in use before the step), "base_bytes", "seconds",
+    "method"}``. Raises torch.OutOfMemoryError as torch does."""
     from recipe.model.ttt import ttt_objective
 
-    device = torch.device(spec.device)
-    model = build_model(spec, device, pstate)
-    batch = random_batch(spec, device, 0 if pstate is None else pstate.cp_rank)
+    device = next(model.parameters()).device
     probe = CudaPeak() if device.type == "cuda" else CpuPeak()
     probe.reset()
     seconds = []
-    for _ in range(spec.steps):
+    for _ in range(steps):
         model.zero_grad(set_to_none=True)
         start = time.perf_counter()
         out = model(batch)
         ttt_objective(out, out.valid_K).backward()
+        del out
         if device.type == "cuda":
             torch.cuda.synchronize()
         seconds.append(time.perf_counter() - start)
     peak = probe.peak()
     timed = seconds[1:] or seconds
+    model.zero_grad(set_to_none=True)
     return {"peak_bytes": int(peak), "step_bytes": int(peak - probe.base), "base_bytes": int(probe.base),
-            "seconds": sum(timed) / len(timed), "method": probe.method,
-            "tokens_per_s": spec.batch * spec.seq_len / (sum(timed) / len(timed))}
+            "seconds": sum(timed) / len(timed), "method": probe.method}
+
+
+def measure_step(spec: BenchSpec, pstate=None) -> dict:
+    """Build the model and batch of ``spec`` on this rank and ``time_step`` them (call inside the rank)."""
+    device = torch.device(spec.device)
+    model = build_model(spec, device, pstate)
+    batch = random_batch(spec, device, 0 if pstate is None else pstate.cp_rank)
+    return time_step(model, batch, spec.steps)
 
 
 # ---- processes ---------------------------------------------------------------------------------------------------
