@@ -1,0 +1,27 @@
+"""``python -m recipe.bench {tp,cp,memory} ...``: run one benchmark (each subcommand has its own ``--help``)."""
+from __future__ import annotations
+
+import importlib
+import sys
+
+COMMANDS = {"tp": "recipe.bench.tp", "cp": "recipe.bench.cp", "memory": "recipe.bench.memory"}
+USAGE = ("usage: python -m recipe.bench {tp,cp,memory} [options]\n"
+         "  tp      per-rank parameter/gradient/optimizer bytes and step peak memory for tp = 1, 2, 4\n"
+         "  cp      per-rank activation memory, step time, longest length in a budget and attention work per cp\n"
+         "  memory  peak memory and time of a TTT step vs sequence length, per loss/checkpointing layout")
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(USAGE)
+        return 0 if argv else 2
+    if argv[0] not in COMMANDS:
+        print(f"error: unknown benchmark {argv[0]!r}\n{USAGE}", file=sys.stderr)
+        return 2
+    module = importlib.import_module(COMMANDS[argv[0]])  # lazily: memory is another module's CLI
+    return module.main(argv[1:])
+
+
+if __name__ == "__main__":
+    sys.exit(main())
