@@ -35,6 +35,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--conversations", type=int, default=240, help="ShareGPT conversations to dump and train on")
     p.add_argument("--max-length", type=int, default=256, help="tokens per training sample")
     p.add_argument("--epochs", type=float, default=2.0, help="passes over the dumped samples")
+    p.add_argument("--max-steps", type=int, help="stop training after this many optimizer steps")
+    p.add_argument("--save-every", type=int, default=20, help="checkpoint every N steps (a rerun resumes)")
     p.add_argument("--ttt-steps", type=int, default=4, help="training-time-test unroll steps K")
     p.add_argument("--draft-vocab-size", type=int, default=4096, help="draft vocabulary size")
     p.add_argument("--lr", type=float, default=2e-3, help="peak learning rate (written into the DeepSpeed JSON)")
@@ -118,7 +120,10 @@ def stage_train(args, assets, store: Path, console: Console) -> None:
     argv = ["run.py", "--ds_config", str(_ds_config(args)), "--target", str(assets.target),
             "--hidden-states", str(store), "--output", str(args.output), "--max-length", str(args.max_length),
             "--ttt-steps", str(args.ttt_steps), "--draft-vocab-size", str(args.draft_vocab_size),
-            "--epochs", str(args.epochs), "--seed", str(args.seed), "--cache-dir", str(args.output / "cache")]
+            "--epochs", str(args.epochs), "--seed", str(args.seed), "--cache-dir", str(args.output / "cache"),
+            "--save-every", str(args.save_every)]
+    if args.max_steps:
+        argv += ["--max-steps", str(args.max_steps)]
     if (args.output / "checkpoints" / "latest").is_file():
         argv.append("--resume")
     env = _env(1)
