@@ -11,7 +11,7 @@ from kernels.ring_attention import make_ring_causal_attention
 from kernels.ttt_attention import TTTKVCache
 from recipe.model.ttt import TTTModel
 from recipe.parallel.cp_shard import shard_ttt_batch, zigzag_unsplit
-from ttt_cases import assert_same_run, build_case, model_pair, run_model
+from ttt_cases import assert_same_run, build_case, model_pair, run_model, step_weights
 
 K = 4
 
@@ -103,11 +103,21 @@ def _cp_worker(rank, world_size):
     return results
 
 
+def _two_rank_worker(rank, world_size):
+    return _cp_worker(rank, world_size), _zero3_worker(rank, world_size)
+
+
+@pytest.fixture(scope="module")
+def two_rank_results():
+    """Both 2-rank workers in one spawn (process start-up dominates their cost)."""
+    return run_ranks(2, _two_rank_worker)
+
+
 @pytest.mark.slow
-def test_checkpointing_under_context_parallel_ring_attention():
+def test_checkpointing_under_context_parallel_ring_attention(two_rank_results):
     draft, head_VH, batch = build_case(seed=21, K=K, seq_len=CP_SEQ, lengths=(CP_SEQ, 11))
     ref = run_model(TTTModel(draft, head_VH), batch)
-    ranks = run_ranks(2, _cp_worker)
+    ranks = [cp for cp, _ in two_rank_results]
     for mode in ((False, None), (True, None), (True, 6)):
         aux_grad = zigzag_unsplit([r[mode][2] for r in ranks], 2, dim=1)
         out, grads = ranks[0][mode][:2]
@@ -118,3 +128,40 @@ def test_checkpointing_under_context_parallel_ring_attention():
                       ckpt[:2] + (zigzag_unsplit([r[(True, None)][2] for r in ranks], 2, dim=1),))
     # forward K steps + backward K steps, plus K recomputed forwards: the ring really ran again in backward
     assert plain[3] == 2 * K and ckpt[3] == 3 * K
+
+
+def _zero3_worker(rank, world_size):
+    """Two optimizer steps under DeepSpeed ZeRO-3 (parameters partitioned over 2 ranks and re-gathered by ZeRO's
+    hooks during the recomputation), plain vs both memory switches; returns the losses and the full parameters."""
+    import deepspeed
+
+    results = {}
+    for chunk, ckpt in ((None, False), (4, True)):
+        draft, head_VH, batch = build_case(seed=3, K=3)
+        model = TTTModel(draft, head_VH, loss_chunk_size=chunk, checkpoint_steps=ckpt)
+        config = {"train_batch_size": world_size, "train_micro_batch_size_per_gpu": 1,
+                  "zero_optimization": {"stage": 3}, "steps_per_print": 10 ** 6,
+                  "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "torch_adam": True}}}
+        engine, *_ = deepspeed.initialize(model=model, config=config,
+                                          model_parameters=[p for p in model.parameters() if p.requires_grad])
+        losses = []
+        for _ in range(2):
+            out = engine(batch)
+            loss = (step_weights(3).float() * out.loss_sum_K).sum()
+            engine.backward(loss)
+            engine.step()
+            losses.append(loss.detach())
+        with deepspeed.zero.GatheredParameters(list(engine.module.parameters())):
+            params = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
+        results[(chunk, ckpt)] = (torch.stack(losses), params)
+    return results
+
+
+@pytest.mark.slow
+def test_memory_switches_under_deepspeed_zero3(two_rank_results):
+    for _, result in two_rank_results:
+        (plain_loss, plain_params), (loss, params) = result[(None, False)], result[(4, True)]
+        assert not torch.equal(plain_loss[0], plain_loss[1])  # the first step changed the weights
+        torch.testing.assert_close(loss, plain_loss, rtol=1e-6, atol=0)
+        for name, value in plain_params.items():
+            torch.testing.assert_close(params[name], value, rtol=1e-5, atol=1e-7, msg=name)
