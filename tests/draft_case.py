@@ -132,7 +132,7 @@ def max_rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def assert_parity(result: dict, rtol: float, label: str) -> int:
-    """Loss sums rel ≤ rtol, correct/valid counts exact, every gradient rel ≤ rtol; returns the number of gradients."""
+    """Loss sums rel ≤ rtol, correct/valid counts exact, every gradient rel ≤ rtol; returns the gradient count."""
     loss_r, correct_r, valid_r, grads_r = result["ref"]
     loss_p, correct_p, valid_p, grads_p = result["par"]
     assert valid_r.min() > 0 and correct_r.sum() > 0, f"{label}: vacuous case (no valid or correct positions)"

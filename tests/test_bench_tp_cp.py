@@ -34,7 +34,8 @@ def test_cp_bench_json(tmp_path):
 
     out = tmp_path / "cp.json"
     assert main(["cp", "--cp", "2", "--length", "32", "--ttt-steps", "2", *TINY, "--budget-gib", "8",
-                 "--search-step", "32", "--max-length", "32", "--json", str(out), "--plot", str(tmp_path / "p.png")]) == 0
+                 "--search-step", "32", "--max-length", "32", "--json", str(out),
+                 "--plot", str(tmp_path / "p.png")]) == 0
     res = json.loads(out.read_text())
     assert res["benchmark"] == "cp" and res["spec"]["seq_len"] == 32
     (fixed,) = res["fixed"]

@@ -14,7 +14,8 @@ from draft_case import assert_parity, run_layout
 SEQ = 24  # rows of 19 and 14 tokens padded to a multiple of 2·cp·tp = 8
 SEED = 2  # a case where the draft already matches a few target argmaxes, so the correct counts are not all 0
 # (tp, cp, K, dtype); few cases per launch: process start-up and the 2 shared cores dominate the run time
-WORLD2 = {"cp2-K1": (1, 2, 1, torch.float64), "cp2-K7": (1, 2, 7, torch.float64), "cp2-K3-fp32": (1, 2, 3, torch.float32)}
+WORLD2 = {"cp2-K1": (1, 2, 1, torch.float64), "cp2-K7": (1, 2, 7, torch.float64),
+          "cp2-K3-fp32": (1, 2, 3, torch.float32)}
 WORLD4 = {"cp4-K3": (1, 4, 3, torch.float64), "tp2cp2-K3": (2, 2, 3, torch.float64)}
 
 

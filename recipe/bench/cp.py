@@ -46,7 +46,8 @@ def attention_work(seq_len: int, cp: int, split) -> dict:
 
 
 def measure(spec: BenchSpec) -> dict:
-    """One measurement (fresh processes); maxima over ranks. Raises RuntimeError when the run fails."""
+    """One measurement (fresh processes): ``status`` ("ok", or run_measurement's failure status with ``detail``) and,
+    when ok, the maxima over ranks of activation/peak/base bytes and step seconds."""
     result = run_measurement(spec)
     if result["status"] != "ok":
         return {"status": result["status"], "detail": result["detail"]}
