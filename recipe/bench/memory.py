@@ -6,7 +6,7 @@ each length and layout (``full`` logits, ``chunked`` loss, ``ckpt`` per-step che
 in fresh processes (``recipe.bench.measure``), prints the measurement beside the static estimate
 (``recipe.bench.estimate``), and the longest length per layout whose peak fits the budget. Once a layout exceeds
 the budget, or its estimate exceeds ``--skip-estimate-gib``, its longer lengths are not run (so the report cannot
-exhaust the machine).
+exhaust the machine; ``--run-over-budget`` keeps measuring past the budget).
 """
 from __future__ import annotations
 
@@ -84,6 +84,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", choices=["cpu", "cuda"], help="default: cuda when available")
     p.add_argument("--steps", type=int, default=1, help="steps per measurement (time: mean after the first)")
     p.add_argument("--budget-gib", type=float, help="per-rank memory budget; default: none (all lengths run)")
+    p.add_argument("--run-over-budget", action="store_true",
+                   help="keep measuring a layout's longer lengths after one exceeded the budget")
     p.add_argument("--skip-estimate-gib", type=float,
                    help="do not run a measurement whose estimate exceeds this (default on CPU: 60%% of MemAvailable)")
     p.add_argument("--timeout", type=float, default=900.0, help="seconds per measurement")
@@ -129,7 +131,7 @@ def run_report(args, console: Console) -> dict:
                 row["fits"] = args.budget_gib is None or row["peak_bytes"] <= args.budget_gib * GIB
                 if row["fits"]:
                     max_length[layout] = length
-                elif not stopped:
+                elif not stopped and not args.run_over_budget:
                     stopped = f"a shorter length exceeded the {args.budget_gib:g} GiB budget"
             elif row["status"] in ("oom", "killed") and not stopped:
                 stopped = "a shorter length ran out of memory"
