@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 PARALLEL_SECTION = "parallelism"
+MEMORY_SECTION = "memory"
 
 
 class ConfigError(ValueError):
@@ -153,6 +154,40 @@ def load_ds_config(path: Path) -> tuple[dict, dict]:
     if not isinstance(section, dict):
         raise ConfigError(f"{path}: '{PARALLEL_SECTION}' must be an object like {{\"tp_size\": 2, \"cp_size\": 1}}")
     return cfg, section
+
+
+@dataclass(frozen=True)
+class MemoryOptions:
+    """Our ``"memory"`` section of the DeepSpeed JSON (removed before DeepSpeed sees the config).
+
+    ``loss_chunk_size``: positions per chunk of the soft cross-entropy (None: whole sequence at once); one chunk's
+    [chunk, Vd] logits are alive at a time and are recomputed in backward. ``checkpoint_ttt_steps``: recompute each
+    TTT step's draft layer in backward (activation checkpointing). DeepSpeed's own ``activation_checkpointing``
+    section configures ``deepspeed.checkpointing`` only, which this recipe does not use, so it is not read.
+    """
+
+    loss_chunk_size: int | None = None
+    checkpoint_ttt_steps: bool = False
+
+    @classmethod
+    def pop_from(cls, cfg: dict, path: Path | str) -> "MemoryOptions":
+        """Remove and parse the ``memory`` section of ``cfg``; ConfigError names the file and field."""
+        section = cfg.pop(MEMORY_SECTION, {}) or {}
+        if not isinstance(section, dict):
+            raise ConfigError(f"{path}: '{MEMORY_SECTION}' must be an object like "
+                              '{"loss_chunk_size": 4096, "checkpoint_ttt_steps": true}')
+        known = ("loss_chunk_size", "checkpoint_ttt_steps")
+        unknown = sorted(set(section) - set(known))
+        if unknown:
+            raise ConfigError(f"{path}: unknown key(s) {unknown} in '{MEMORY_SECTION}'; known keys: {list(known)}")
+        chunk = section.get("loss_chunk_size")
+        if chunk is not None and (not isinstance(chunk, int) or isinstance(chunk, bool) or chunk <= 0):
+            raise ConfigError(f"{path}: '{MEMORY_SECTION}.loss_chunk_size' must be a positive integer or null, "
+                              f"got {chunk!r}")
+        ckpt = section.get("checkpoint_ttt_steps", False)
+        if not isinstance(ckpt, bool):
+            raise ConfigError(f"{path}: '{MEMORY_SECTION}.checkpoint_ttt_steps' must be true or false, got {ckpt!r}")
+        return cls(loss_chunk_size=chunk, checkpoint_ttt_steps=ckpt)
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 from rich.console import Console
 
-from recipe.config import BatchPlan, TrainArgs, load_ds_config, resolve_batch, resolve_scheduler
+from recipe.config import BatchPlan, MemoryOptions, TrainArgs, load_ds_config, resolve_batch, resolve_scheduler
 from recipe.data.vocab import VocabMap, build_vocab_map
 from recipe.model.draft import Eagle3Draft
 from recipe.model.draft_config import Eagle3DraftConfig, load_draft_config_overrides
@@ -93,6 +93,7 @@ def _token_rows(examples, store):
 
 def build_run(args: TrainArgs, device: torch.device, console: Console) -> RunParts:
     ds_cfg, section = load_ds_config(args.ds_config)
+    memory = MemoryOptions.pop_from(ds_cfg, args.ds_config)
     world = dist.get_world_size()
     dims = ParallelDims.from_config(section, world, {"tp_size": args.tp_size, "cp_size": args.cp_size})
     pstate = ParallelState(dims)
@@ -128,7 +129,8 @@ def build_run(args: TrainArgs, device: torch.device, console: Console) -> RunPar
     draft.set_vocab_map(vocab.d2t, vocab.t2d)
     if args.lm_head_init == "target":
         draft.init_lm_head_from_target(lm_head_VH, vocab.draft_ids)
-    model = TTTModel(draft, lm_head_VH[vocab.draft_ids].clone())
+    model = TTTModel(draft, lm_head_VH[vocab.draft_ids].clone(), loss_chunk_size=memory.loss_chunk_size,
+                     checkpoint_steps=memory.checkpoint_ttt_steps)
     if dims.tp_enabled:
         from recipe.parallel.apply_tp import apply_tensor_parallel
 

@@ -1,0 +1,55 @@
+"""Run configuration: our JSON sections (parallelism, memory), batch arithmetic and scheduler 'auto' values."""
+import pytest
+
+from recipe.config import ConfigError, MemoryOptions, load_ds_config, resolve_batch, resolve_scheduler
+
+
+def test_memory_section_parsed_and_removed():
+    cfg = {"train_batch_size": 4, "memory": {"loss_chunk_size": 512, "checkpoint_ttt_steps": True}}
+    opts = MemoryOptions.pop_from(cfg, "x.json")
+    assert opts == MemoryOptions(loss_chunk_size=512, checkpoint_ttt_steps=True)
+    assert "memory" not in cfg
+    assert MemoryOptions.pop_from({}, "x.json") == MemoryOptions(None, False)
+
+
+@pytest.mark.parametrize("section, message", [
+    ({"loss_chunk": 4}, "unknown key(s) ['loss_chunk']"),
+    ({"loss_chunk_size": 0}, "memory.loss_chunk_size' must be a positive integer"),
+    ({"loss_chunk_size": True}, "memory.loss_chunk_size' must be a positive integer"),
+    ({"checkpoint_ttt_steps": "yes"}, "memory.checkpoint_ttt_steps' must be true or false"),
+    ([1], "'memory' must be an object"),
+])
+def test_memory_section_errors_name_file_and_field(section, message):
+    with pytest.raises(ConfigError) as err:
+        MemoryOptions.pop_from({"memory": section}, "cfg.json")
+    assert "cfg.json" in str(err.value) and message in str(err.value)
+
+
+def test_shipped_configs_parse(tmp_path):
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent / "ds_configs"
+    for path in sorted(root.glob("*.json")):
+        cfg, section = load_ds_config(path)
+        MemoryOptions.pop_from(cfg, path)
+        assert set(section) <= {"tp_size", "cp_size", "dp_size"}, path
+        assert "zero_optimization" in cfg and "optimizer" in cfg, path
+
+
+def test_batch_plan_counts_samples_and_scales_deepspeed_view_by_cp():
+    cfg = {"train_batch_size": 8, "train_micro_batch_size_per_gpu": 2}
+    plan = resolve_batch(cfg, dp=2, cp=2)
+    assert (plan.global_batch, plan.micro_batch, plan.grad_accum) == (8, 2, 2)
+    assert cfg == {"train_batch_size": 16, "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2}
+    with pytest.raises(ConfigError, match="not divisible"):
+        resolve_batch({"train_batch_size": 6, "train_micro_batch_size_per_gpu": 4}, dp=1, cp=1)
+
+
+def test_scheduler_auto_values(tmp_path):
+    cfg = {"scheduler": {"type": "WarmupCosineLR", "params": {"total_num_steps": "auto", "warmup_num_steps": "auto"}}}
+    resolve_scheduler(cfg, 100)
+    assert cfg["scheduler"]["params"] == {"total_num_steps": 100, "warmup_num_steps": 3}
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"a": 1,\n "b": }')
+    with pytest.raises(ConfigError, match=r"bad.json: invalid JSON at line 2"):
+        load_ds_config(bad)
