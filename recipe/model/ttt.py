@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Callable, ClassVar
+from typing import Callable, ClassVar, NamedTuple
 
 import torch
 from torch import nn
@@ -132,9 +132,11 @@ def target_in_draft_vocab(last_hidden_BSH: torch.Tensor, target_lm_head_weight_V
     return t2d.to(argmax_N.device)[argmax_N].view(last_hidden_BSH.shape[:2])
 
 
-@dataclass
-class TTTOutput:
-    """Per-step sums of one forward: ``loss_sum_K`` [K] float32 (with grad), ``correct_K`` and ``valid_K`` [K] int64."""
+class TTTOutput(NamedTuple):
+    """Per-step sums of one forward: ``loss_sum_K`` [K] float32 (with grad), ``correct_K`` and ``valid_K`` [K] int64.
+
+    A NamedTuple so DeepSpeed ZeRO-3 sees the output tensors and attaches its backward hooks to them.
+    """
 
     loss_sum_K: torch.Tensor
     correct_K: torch.Tensor
