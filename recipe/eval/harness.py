@@ -9,7 +9,7 @@ from rich.console import Console
 
 from recipe.eval.draft_runtime import EagleDrafter, load_draft_export
 from recipe.eval.prompts import Prompt, prompt_ids
-from recipe.eval.report import summarise_run, tau_table
+from recipe.eval.report import category_table, summarise_run, tau_table
 from recipe.eval.speculative import Generation, check_lossless, greedy_generate, speculative_generate
 from recipe.eval.target_runtime import CachedTarget
 
@@ -56,6 +56,7 @@ def evaluate(target_dir: str | Path, drafts: dict[str, Path], prompts: list[Prom
             runs.append(summarise_run(label, k, prompts, gens, reference))
             console.print(f"{label} k={k}: τ = {runs[-1]['tau']:.3f}")
     console.print(tau_table(runs))
+    console.print(category_table(runs))
     return {"target": str(target_dir), "num_prompts": len(prompts), "max_new_tokens": max_new_tokens,
             "greedy_tokens_per_s": greedy_tps, "runs": runs}
 

@@ -3,6 +3,7 @@ as JSON-ready dicts and rich tables."""
 from __future__ import annotations
 
 from collections import defaultdict
+from pathlib import Path
 
 from rich.table import Table
 
@@ -52,14 +53,23 @@ def summarise_run(label: str, k: int, prompts: list[Prompt], generations: list[G
 
 
 def tau_table(runs: list[dict]) -> Table:
-    """τ per draft and k, overall and per category, with per-position acceptance and speed."""
-    cats = sorted({c for r in runs for c in r["tau_by_category"]})
+    """τ per draft and k with per-position acceptance and speed (one row per run)."""
     table = Table(title="Acceptance length τ (chain drafting, greedy verification)")
-    for col in ["draft", "k", "τ", *cats, "accept rate by position", "tok/s spec", "tok/s greedy", "speedup"]:
+    for col in ("draft", "k", "τ", "accept rate by position", "tok/s spec", "tok/s greedy", "speedup"):
         table.add_column(col, justify="left" if col in ("draft", "accept rate by position") else "right")
     for r in runs:
         rates = " ".join(f"{x:.2f}" for x in r["acceptance_rate_per_position"])
-        table.add_row(r["draft"], str(r["num_draft_tokens"]), f"{r['tau']:.3f}",
-                      *[f"{r['tau_by_category'].get(c, float('nan')):.2f}" for c in cats], rates,
+        table.add_row(Path(r["draft"]).name or r["draft"], str(r["num_draft_tokens"]), f"{r['tau']:.3f}", rates,
                       f"{r['tokens_per_s']:.1f}", f"{r['greedy_tokens_per_s']:.1f}", f"{r['speedup']:.2f}x")
+    return table
+
+
+def category_table(runs: list[dict]) -> Table:
+    """τ per prompt category (rows) for each draft and k (columns)."""
+    table = Table(title="τ by prompt category")
+    table.add_column("category")
+    for r in runs:
+        table.add_column(f"{Path(r['draft']).name or r['draft']} k={r['num_draft_tokens']}", justify="right")
+    for cat in sorted({c for r in runs for c in r["tau_by_category"]}):
+        table.add_row(cat, *[f"{r['tau_by_category'].get(cat, float('nan')):.3f}" for r in runs])
     return table
