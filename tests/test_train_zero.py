@@ -51,7 +51,10 @@ def test_export_round_trip_and_check(tiny, tmp_path):
     target, store = tiny
     cfg = write_ds_config(tmp_path / "z3.json", base="zero3.json", train_batch_size=4,
                           train_micro_batch_size_per_gpu=2)
-    run_ranks(1, run_training, [train_argv(cfg, target, store, tmp_path / "run", "--max-steps", "2")])
+    ((first, second),) = run_ranks(1, run_training, [train_argv(cfg, target, store, tmp_path / "run", "--max-steps",
+                                                                  "2")])[0]
+    # the scheduler starts at iteration 0: step 1 trains at warmup_min_ratio·lr, not at DeepSpeed's initial lr 0
+    assert 0 < first["lr"] < second["lr"]
     export = tmp_path / "run" / "export"
     assert check_export(export) == []
     tensors, config = load_export(export)

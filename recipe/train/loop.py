@@ -99,7 +99,21 @@ class Trainer:
             self.step = saved["step"]
             if self.rank0:
                 console.print(f"resumed from {parts.resume_from} at step {self.step}")
+        else:
+            self._start_scheduler()
         self.metrics = MetricsLog(args.output / "metrics.jsonl", self.rank0, resume_step=self.step)
+
+    def _start_scheduler(self) -> None:
+        """Advance a fresh DeepSpeed LR scheduler from iteration -1 to 0 before the first step.
+
+        DeepSpeed's warmup schedulers (WarmupLR, WarmupDecayLR, WarmupCosineLR) set lr = 0 at iteration -1 and step
+        after each optimizer step, so the first optimizer step would always run at lr 0 (and, with
+        ``warmup_min_ratio`` 0, the second too). Starting at iteration 0 makes step 1 use ``warmup_min_ratio · lr``.
+        The scheduler state is checkpointed, so a resumed run continues from where it was.
+        """
+        scheduler = self.engine.lr_scheduler
+        if scheduler is not None and getattr(scheduler, "last_batch_iteration", None) == -1:
+            scheduler.step()
 
     def _check_settings(self) -> None:
         """ValueError for settings that only make sense together with the layout and the data."""
