@@ -12,6 +12,10 @@ from __future__ import annotations
 import copy
 from contextlib import contextmanager
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
 
 CHATML_MARKER = "<|im_start|>"
 _CHECK_MESSAGES = [{"role": "user", "content": "What is speculative decoding?"}]

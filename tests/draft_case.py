@@ -13,13 +13,14 @@ import torch
 import torch.distributed as dist
 
 from kernels.ring_attention import make_ring_causal_attention
-from recipe.model.draft import Eagle3Draft, Eagle3DraftConfig
+from recipe.model.draft import Eagle3DraftConfig
 from recipe.model.ttt import TTTModel, make_ttt_batch, target_in_draft_vocab, ttt_objective
 from recipe.parallel.apply_tp import apply_tensor_parallel
 from recipe.parallel.cp_shard import pad_to_multiple, shard_ttt_batch
 from recipe.parallel.dims import ParallelDims
 from recipe.parallel.topology import ParallelState
 from recipe.parallel.tp_layers import gather_tensor
+from ttt_cases import random_draft
 
 V, VD, H, HT = 96, 64, 32, 24
 LENGTHS = (19, 14)  # two rows of different length: right padding in row 1 (and in row 0 once S is rounded up)
@@ -36,15 +37,7 @@ def build_case(seed: int, K: int, seq_len: int, dtype: torch.dtype = torch.float
     """(TTTModel with full weights, full TTTBatch) for ``seed``: random vocab map, scaled embeddings/lm_head so the
     soft CE is far from uniform, a target head favouring draft ids, and rows of ``LENGTHS`` padded to ``seq_len``."""
     g = torch.Generator().manual_seed(seed)
-    draft = Eagle3Draft(tiny_config(), seed=seed)
-    draft.embed_tokens.weight.data.normal_(0, 1.0, generator=g)
-    draft.lm_head.weight.data.normal_(0, 0.3, generator=g)
-    ids = torch.sort(torch.randperm(V, generator=g)[:VD]).values
-    t2d = torch.zeros(V, dtype=torch.bool)
-    t2d[ids] = True
-    draft.set_vocab_map(ids - torch.arange(VD), t2d)
-    head_VH = torch.randn(V, HT, generator=g)
-    head_VH[ids] *= 3.0
+    draft, head_VH, t2d = random_draft(seed, tiny_config(), g)
     b, s = len(LENGTHS), max(LENGTHS)
     if seq_len < s:
         raise ValueError(f"seq_len={seq_len} is shorter than the longest row ({s})")

@@ -9,43 +9,18 @@ import torch
 import torch.nn.functional as F
 
 from kernels.block_attention import block_attention
-from recipe.model.draft import Eagle3Draft, Eagle3DraftConfig
+from recipe.model.draft import Eagle3Draft
 from recipe.model.loss import soft_ce
 from recipe.model.ttt import TTTBatch, TTTModel, make_ttt_batch, target_in_draft_vocab, ttt_objective
 
-V, VD, H, HT, S = 100, 8, 32, 24, 13
+import ttt_cases
 
-
-def tiny_config(**kw) -> Eagle3DraftConfig:
-    base = dict(hidden_size=H, intermediate_size=48, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
-                vocab_size=V, draft_vocab_size=VD, target_hidden_size=HT, aux_layer_ids=[1, 2, 4], rope_theta=500.0)
-    base.update(kw)
-    return Eagle3DraftConfig(**base)
+S = 13
 
 
 def build_case(seed: int, K: int, lengths=(S, 9)):
     """A draft with a random vocab map, its target head, and a TTT batch with padding (rows of different length)."""
-    g = torch.Generator().manual_seed(seed)
-    draft = Eagle3Draft(tiny_config(), seed=seed)
-    draft.embed_tokens.weight.data.normal_(0, 1.0, generator=g)
-    draft.lm_head.weight.data.normal_(0, 0.3, generator=g)
-    ids = torch.sort(torch.randperm(V, generator=g)[:VD]).values
-    t2d = torch.zeros(V, dtype=torch.bool)
-    t2d[ids] = True
-    draft.set_vocab_map(ids - torch.arange(VD), t2d)
-    head_VH = torch.randn(V, HT, generator=g)
-    head_VH[ids] *= 3.0  # most target argmaxes fall in the draft vocab
-    b = len(lengths)
-    attention = torch.zeros(b, S, dtype=torch.bool)
-    for row, n in enumerate(lengths):
-        attention[row, :n] = True
-    loss_mask = (torch.rand(b, S, generator=g) < 0.8) & attention
-    input_ids = torch.randint(0, V, (b, S), generator=g) * attention
-    aux = torch.randn(b, S, 3 * HT, generator=g)
-    last = torch.randn(b, S, HT, generator=g)
-    in_vocab = target_in_draft_vocab(last, head_VH, t2d, chunk_size=5)
-    batch = make_ttt_batch(input_ids, loss_mask, attention, aux, last, in_vocab, K)
-    return draft, head_VH, batch
+    return ttt_cases.build_case(seed, K, seq_len=S, lengths=lengths)
 
 
 # ---------------------------------------------------------------- dense reference (independent of the model code)

@@ -18,18 +18,27 @@ def tiny_config(**kw) -> Eagle3DraftConfig:
     return Eagle3DraftConfig(**base)
 
 
+def random_draft(seed: int, config: Eagle3DraftConfig, g: torch.Generator):
+    """(draft, target head [V, H_t], t2d): a draft of ``config`` initialised from ``seed`` with embeddings and lm_head
+    redrawn larger from ``g`` (so the soft CE is far from uniform), a random sorted vocab map, and a target head whose
+    draft-id rows are scaled up so most target argmaxes fall in the draft vocab."""
+    v, vd = config.vocab_size, config.draft_vocab_size
+    draft = Eagle3Draft(config, seed=seed)
+    draft.embed_tokens.weight.data.normal_(0, 1.0, generator=g)
+    draft.lm_head.weight.data.normal_(0, 0.3, generator=g)
+    ids = torch.sort(torch.randperm(v, generator=g)[:vd]).values
+    t2d = torch.zeros(v, dtype=torch.bool)
+    t2d[ids] = True
+    draft.set_vocab_map(ids - torch.arange(vd), t2d)
+    head_VH = torch.randn(v, config.target_hidden_size, generator=g)
+    head_VH[ids] *= 3.0
+    return draft, head_VH, t2d
+
+
 def build_case(seed: int, K: int, seq_len: int = 13, lengths=(13, 9), dtype=torch.float32):
     """A draft with a random vocab map, the full target head [V, H_t] and a padded TTT batch (rows of ``lengths``)."""
     g = torch.Generator().manual_seed(seed)
-    draft = Eagle3Draft(tiny_config(), seed=seed)
-    draft.embed_tokens.weight.data.normal_(0, 1.0, generator=g)
-    draft.lm_head.weight.data.normal_(0, 0.3, generator=g)
-    ids = torch.sort(torch.randperm(V, generator=g)[:VD]).values
-    t2d = torch.zeros(V, dtype=torch.bool)
-    t2d[ids] = True
-    draft.set_vocab_map(ids - torch.arange(VD), t2d)
-    head_VH = torch.randn(V, HT, generator=g)
-    head_VH[ids] *= 3.0  # most target argmaxes fall in the draft vocab
+    draft, head_VH, t2d = random_draft(seed, tiny_config(), g)
     b = len(lengths)
     attention = torch.zeros(b, seq_len, dtype=torch.bool)
     for row, n in enumerate(lengths):

@@ -145,7 +145,7 @@ class _VocabParallelSoftCE(torch.autograd.Function):
         if parallel:
             dist.all_reduce(sums, op=dist.ReduceOp.SUM, group=group)
         sum_x, sum_y, sum_yx = sums
-        lse_x, lse_y = max_x + sum_x.log(), max_y + sum_y.log()
+        lse_x = max_x + sum_x.log()
         mean_x = sum_yx / sum_y                                           # E_p[x], [B, S]
         loss_sum = torch.where(valid, lse_x - mean_x, torch.zeros_like(lse_x)).sum()
 
