@@ -70,6 +70,7 @@ def test_report_finds_the_longest_length_within_budget_and_stops_after(monkeypat
     peaks = {("full", 1024): 1.0, ("full", 2048): 3.0, ("chunked", 1024): 0.5, ("chunked", 2048): 1.0,
              ("chunked", 4096): 2.0}
     monkeypatch.setattr(memory, "run_measurement", _fake_measurement(peaks))  # ("full", 4096) would raise KeyError
+    monkeypatch.setattr(memory, "_available_gib", lambda: 1000.0)  # the machine's free memory must not decide
     out = tmp_path / "r.json"
     assert memory.main(["--lengths", "1k,2k,4k", "--layouts", "full,chunked", "--budget-gib", "2.5", "--device",
                         "cpu", "--json", str(out), "--plot", str(tmp_path / "p.png")]) == 0
