@@ -55,16 +55,31 @@ class BatchBuilder:
     def __len__(self) -> int:
         return len(self.examples) if self.examples is not None else len(self.store)
 
-    def _load(self, index: int) -> dict[str, torch.Tensor]:
+    def _tokens(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         if self.examples is not None:
             row = self.examples[index]
-            return {"input_ids": torch.tensor(row["input_ids"]), "loss_mask": torch.tensor(row["loss_mask"])}
-        return self.store.get(index)
+            return torch.tensor(row["input_ids"]), torch.tensor(row["loss_mask"])
+        sample = self.store.get(index, fields=("input_ids", "loss_mask"))
+        return sample["input_ids"], sample["loss_mask"]
+
+    def rows_needed(self, seq: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """(aux rows, target rows) this rank reads of a padded length-``seq`` sample; (None, None): all rows.
+
+        Under CP a rank needs the aux states of its zigzag positions P only, and the target's last hidden state at
+        the label positions ``P + 1 + k`` (k < K, clamped to the end) — its chunks plus K rows after each.
+        """
+        if self.cp_size == 1:
+            return None, None
+        from recipe.parallel.cp_shard import zigzag_indices
+
+        pos = zigzag_indices(seq, self.cp_size, self.cp_rank)
+        label = (pos[None, :] + 1 + torch.arange(self.ttt_steps)[:, None]).clamp(max=seq - 1)
+        return pos, torch.unique(label)
 
     def build(self, indices: list[int]) -> MicroBatch:
         """The TTT micro-batch of samples ``indices`` for this rank."""
-        samples = [self._load(i) for i in indices]
-        tokens = [(s["input_ids"].long(), s["loss_mask"].long()) for s in samples]
+        tokens = [self._tokens(i) for i in indices]
+        tokens = [(ids.long(), mask.long()) for ids, mask in tokens]
         seq = round_up(max(len(ids) for ids, _ in tokens), self.seq_divisor)
         b = len(indices)
         input_ids = torch.zeros(b, seq, dtype=torch.long)
@@ -72,7 +87,7 @@ class BatchBuilder:
         attention = torch.zeros(b, seq, dtype=torch.long)
         for row, (ids, mask) in enumerate(tokens):
             input_ids[row, :len(ids)], loss_mask[row, :len(ids)], attention[row, :len(ids)] = ids, mask, 1
-        aux, last = self._hidden(samples, input_ids, attention, seq)
+        aux, last = self._hidden(indices, [len(ids) for ids, _ in tokens], input_ids, attention, seq)
         in_vocab = target_in_draft_vocab(last, self.lm_head_VH.to(last.device, last.dtype), self.t2d.to(last.device),
                                          self.vocab_chunk)
         ttt = make_ttt_batch(input_ids.to(aux.device), loss_mask.to(aux.device), attention.to(aux.device),
@@ -86,13 +101,22 @@ class BatchBuilder:
         ttt.target_hidden_BLH = ttt.target_hidden_BLH.to(self.dtype)
         return MicroBatch(ttt=ttt, samples=b, supervised_tokens=int(loss_mask.sum()))
 
-    def _hidden(self, samples, input_ids, attention, seq) -> tuple[torch.Tensor, torch.Tensor]:
+    def _hidden(self, indices, lengths, input_ids, attention, seq) -> tuple[torch.Tensor, torch.Tensor]:
+        """[B, seq, A] aux and [B, seq, H_t] last hidden states. Offline, only the rows this rank needs are read from
+        the store (``rows_needed``); the others stay zero and are never used by this rank's shard."""
         if self.target is not None:
             cap = self.target.capture(input_ids.to(self.target.device), attention.to(self.target.device))
             return cap.aux_hidden_BSA, cap.last_hidden_BSH
-        aux_rows, last_rows = [], []
-        for sample in samples:
-            pad = seq - sample["aux_hidden"].shape[0]
-            aux_rows.append(torch.nn.functional.pad(sample["aux_hidden"].float(), (0, 0, 0, pad)))
-            last_rows.append(torch.nn.functional.pad(sample["last_hidden"].float(), (0, 0, 0, pad)))
-        return torch.stack(aux_rows), torch.stack(last_rows)
+        aux_rows, label_rows = self.rows_needed(seq)
+        meta = self.store.meta
+        aux = torch.zeros(len(indices), seq, meta.aux_width)
+        last = torch.zeros(len(indices), seq, meta.hidden_size)
+        for b, (index, n) in enumerate(zip(indices, lengths)):
+            if aux_rows is None:
+                sample = self.store.get(index, fields=("aux_hidden", "last_hidden"))
+                aux[b, :n], last[b, :n] = sample["aux_hidden"].float(), sample["last_hidden"].float()
+                continue
+            rows_a, rows_l = aux_rows[aux_rows < n], label_rows[label_rows < n]
+            aux[b, rows_a] = self.store.get(index, rows=rows_a, fields=("aux_hidden",))["aux_hidden"].float()
+            last[b, rows_l] = self.store.get(index, rows=rows_l, fields=("last_hidden",))["last_hidden"].float()
+        return aux, last

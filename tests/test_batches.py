@@ -1,0 +1,60 @@
+"""Micro-batch building: offline under CP a rank reads only its rows of the store, and its TTT batch equals the
+zigzag shard of the single-rank batch exactly."""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from recipe.data.store import HiddenStateStore
+from recipe.data.vocab import VocabMap
+from recipe.model.target_head import load_embedding_and_head
+from recipe.parallel.cp_shard import shard_ttt_batch
+from recipe.train.batches import BatchBuilder
+from train_helpers import make_target_and_store
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return make_target_and_store(tmp_path_factory.mktemp("tiny"), num_samples=6)
+
+
+class CountingStore(HiddenStateStore):
+    """Records the rows read per field."""
+
+    def __init__(self, path):
+        super().__init__(path)
+        self.reads: list[tuple[str, int]] = []
+
+    def get(self, i, rows=None, fields=("input_ids", "loss_mask", "aux_hidden", "last_hidden")):
+        out = super().get(i, rows=rows, fields=fields)
+        self.reads += [(f, out[f].shape[0]) for f in fields]
+        return out
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+def test_cp_rank_reads_only_its_rows_and_equals_the_shard(tiny, cp):
+    target, store_dir = tiny
+    _, lm_head, _ = load_embedding_and_head(target)
+    vocab = VocabMap.from_draft_ids(torch.arange(0, 96, 2), 96)
+    K, divisor = 3, 2 * cp
+
+    def builder(store, cp_size, cp_rank):
+        return BatchBuilder(store=store, lm_head_VH=lm_head, t2d=vocab.t2d, ttt_steps=K, seq_divisor=divisor,
+                            cp_size=cp_size, cp_rank=cp_rank)
+
+    full = builder(HiddenStateStore(store_dir), 1, 0).build([0, 3, 5]).ttt
+    seq = full.input_ids_KBS.shape[-1]
+    rows_read = 0
+    for rank in range(cp):
+        store = CountingStore(store_dir)
+        local = builder(store, cp, rank).build([0, 3, 5]).ttt
+        expected = shard_ttt_batch(full, cp, rank)
+        for field in dataclasses.fields(local):
+            assert torch.equal(getattr(local, field.name), getattr(expected, field.name)), (rank, field.name)
+        aux_rows = sum(n for f, n in store.reads if f == "aux_hidden")
+        assert aux_rows <= 3 * seq // cp  # its zigzag positions only
+        rows_read += aux_rows
+    lengths = HiddenStateStore(store_dir).lengths
+    assert rows_read == sum(lengths[i] for i in (0, 3, 5))  # every real aux row read exactly once over the cp ranks
