@@ -34,7 +34,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--output", type=Path, default=REPO / "runs" / "demo", help="run folder")
     p.add_argument("--conversations", type=int, default=240, help="ShareGPT conversations to dump and train on")
     p.add_argument("--max-length", type=int, default=256, help="tokens per training sample")
-    p.add_argument("--epochs", type=float, default=2.0, help="passes over the dumped samples")
+    p.add_argument("--epochs", type=float, default=4.0, help="passes over the dumped samples")
     p.add_argument("--max-steps", type=int, help="stop training after this many optimizer steps")
     p.add_argument("--save-every", type=int, default=20, help="checkpoint every N steps (a rerun resumes)")
     p.add_argument("--ttt-steps", type=int, default=4, help="training-time-test unroll steps K")
