@@ -8,6 +8,8 @@ from dataclasses import dataclass
 import torch
 from transformers import DynamicCache
 
+from recipe.model.target import capture_layer_outputs
+
 
 @dataclass
 class TargetStep:
@@ -51,19 +53,8 @@ class CachedTarget:
     def forward(self, input_ids: list[int] | torch.Tensor) -> TargetStep:
         """Run the target over ``input_ids`` (m new tokens at positions ``len(self) ..``), extending the cache."""
         ids_BS = torch.as_tensor(input_ids, dtype=torch.long, device=self.device).view(1, -1)
-        captured: dict[int, torch.Tensor] = {}
-
-        def hook_for(layer_id):
-            def hook(_module, _args, output):
-                captured[layer_id] = output[0] if isinstance(output, tuple) else output
-            return hook
-
-        handles = [self.layers[i].register_forward_hook(hook_for(i)) for i in self.aux_layer_ids]
-        try:
+        with capture_layer_outputs(self.layers, self.aux_layer_ids) as captured:
             out = self.model(input_ids=ids_BS, past_key_values=self.cache, use_cache=True)
-        finally:
-            for handle in handles:
-                handle.remove()
         aux = (torch.cat([captured[i] for i in self.aux_layer_ids], dim=-1)[0] if self.aux_layer_ids
                else torch.empty(ids_BS.shape[1], 0, device=self.device))
         return TargetStep(logits_SV=out.logits[0].float(), aux_SA=aux)

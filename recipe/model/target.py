@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -100,6 +101,25 @@ def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
     return AutoTokenizer.from_pretrained(folder, **kwargs)
 
 
+@contextmanager
+def capture_layer_outputs(layers, layer_ids):
+    """Forward hooks on ``layers[i]`` for i in ``layer_ids``, removed on exit; yields ``{i: output [B, S, H_t]}``
+    filled by the forward run inside the ``with`` block (a decoder layer's output, or its first element)."""
+    captured: dict[int, torch.Tensor] = {}
+
+    def hook_for(layer_id):
+        def hook(_module, _args, output):
+            captured[layer_id] = output[0] if isinstance(output, tuple) else output
+        return hook
+
+    handles = [layers[i].register_forward_hook(hook_for(i)) for i in layer_ids]
+    try:
+        yield captured
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
 @dataclass
 class TargetCapture:
     """What the draft needs from one target forward pass.
@@ -181,21 +201,10 @@ class TargetModel:
         input_ids_BS: [B, S] int64 token ids; attention_mask_BS: [B, S] 1 = token, 0 = padding (default all ones).
         Rows at padded positions hold whatever the model computes there; callers strip them.
         """
-        captured: dict[int, torch.Tensor] = {}
-
-        def hook_for(layer_id):
-            def hook(_module, _args, output):
-                captured[layer_id] = output[0] if isinstance(output, tuple) else output
-            return hook
-
-        handles = [self.layers[i].register_forward_hook(hook_for(i)) for i in self.aux_layer_ids]
-        try:
+        with capture_layer_outputs(self.layers, self.aux_layer_ids) as captured:
             out = self.decoder(input_ids=input_ids_BS.to(self.device),
                                attention_mask=None if attention_mask_BS is None else attention_mask_BS.to(self.device),
                                use_cache=False)
-        finally:
-            for handle in handles:
-                handle.remove()
         aux = torch.cat([captured[i] for i in self.aux_layer_ids], dim=-1)
         return TargetCapture(aux_hidden_BSA=aux, last_hidden_BSH=out.last_hidden_state)
 
