@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -25,6 +24,8 @@ from pathlib import Path
 
 from rich.console import Console
 from rich.table import Table
+
+from recipe.parallel.spawn import free_port
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -98,12 +99,6 @@ def _ds_config(args) -> Path:
     return path
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def stage_train(args, assets, store: Path, console: Console) -> None:
     export = args.output / "export"
     if (export / "config.json").is_file():
@@ -111,7 +106,7 @@ def stage_train(args, assets, store: Path, console: Console) -> None:
         return
     gpus = _cuda_count()
     ranks = min(args.ranks, gpus) if gpus else args.ranks
-    port = str(_free_port())
+    port = str(free_port())
     if args.launcher == "deepspeed":
         launch = [str(Path(sys.executable).parent / "deepspeed"), "--num_gpus", str(ranks), "--master_port", port]
     else:

@@ -1,16 +1,12 @@
-"""Helpers shared by the TP and CP benchmarks: fresh gloo process groups, byte formatting, int-list flags, JSON."""
+"""Helpers shared by the TP and CP benchmarks: byte formatting, int-list flags, JSON (process launch lives in
+``recipe.parallel.spawn``)."""
 from __future__ import annotations
 
 import argparse
-import io
 import json
-import os
-import socket
-import time
-import traceback
 from pathlib import Path
 
-import torch
+from recipe.parallel.spawn import spawn_gloo_ranks as spawn_ranks  # noqa: F401 - used by the tp benchmark
 
 MIB, GIB = 1024 ** 2, 1024 ** 3
 
@@ -24,75 +20,6 @@ def int_list(text: str) -> list[int]:
     if not values or min(values) < 1:
         raise argparse.ArgumentTypeError(f"expected integers >= 1, got {text!r}")
     return values
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def _worker(rank, world, port, fn, args, queue):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
-                      WORLD_SIZE=str(world))
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
-    import torch.distributed as dist
-
-    try:
-        dist.init_process_group("gloo", rank=rank, world_size=world)
-        buf = io.BytesIO()
-        torch.save(fn(rank, world, *args), buf)
-        queue.put((rank, "ok", buf.getvalue()))
-    except BaseException:  # noqa: BLE001 - reported to the parent
-        queue.put((rank, "error", traceback.format_exc()[-3000:]))
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-
-
-def spawn_ranks(world: int, fn, *args, timeout: float = 900.0) -> list:
-    """Run ``fn(rank, world, *args)`` on ``world`` fresh spawned processes with a gloo group; results by rank.
-
-    ``fn`` must be a module-level function. Raises RuntimeError with the failing rank's traceback, or on a rank
-    that dies without a result (e.g. killed for memory) or a timeout.
-    """
-    import queue as queue_mod
-
-    import torch.multiprocessing as mp
-
-    ctx = mp.get_context("spawn")
-    results_q = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_worker, args=(r, world, port, fn, args, results_q)) for r in range(world)]
-    for proc in procs:
-        proc.start()
-    results, error = {}, None
-    deadline = time.monotonic() + timeout
-    try:
-        while len(results) < world and error is None:
-            try:
-                rank, status, value = results_q.get(timeout=1.0)
-            except queue_mod.Empty:
-                dead = [p for p in procs if p.exitcode not in (None, 0)]
-                if dead:
-                    error = f"a rank exited with code {dead[0].exitcode} without a result (out of memory?)"
-                elif time.monotonic() > deadline:
-                    error = f"no result within {timeout:.0f} s"
-                continue
-            if status == "ok":
-                results[rank] = torch.load(io.BytesIO(value), weights_only=False)
-            else:
-                error = f"rank {rank}:\n{value}"
-    finally:
-        for proc in procs:
-            proc.join(timeout=30 if error is None else 1)
-            if proc.is_alive():
-                proc.kill()
-                proc.join()
-    if error is not None:
-        raise RuntimeError(error)
-    return [results[r] for r in range(world)]
 
 
 def tensor_bytes(tensors) -> int:

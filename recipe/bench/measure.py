@@ -15,7 +15,6 @@ import dataclasses
 import os
 import re
 import resource
-import socket
 import time
 import traceback
 from dataclasses import dataclass
@@ -23,6 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from recipe.bench.estimate import StepShape
+from recipe.parallel.spawn import free_port
 
 LAYOUTS = {"full": (False, False), "chunked": (True, False), "ckpt": (False, True), "chunked+ckpt": (True, True)}
 """Layout name -> (chunked loss, checkpointed TTT steps)."""
@@ -208,12 +208,6 @@ def measure_step(spec: BenchSpec, pstate=None) -> dict:
 
 
 # ---- processes ---------------------------------------------------------------------------------------------------
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def _rank_main(rank: int, spec_fields: dict, port: int, queue) -> None:
     spec = BenchSpec(**spec_fields)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -250,7 +244,7 @@ def run_measurement(spec: BenchSpec, timeout: float = 900.0) -> dict:
 
     ctx = mp.get_context("spawn")
     results_q = ctx.Queue()
-    port = _free_port()
+    port = free_port()
     procs = [ctx.Process(target=_rank_main, args=(r, dataclasses.asdict(spec), port, results_q))
              for r in range(spec.world_size)]
     saved_env = os.environ.get(MALLOC_ENV)

@@ -7,15 +7,10 @@ The launchers export RANK/WORLD_SIZE/LOCAL_RANK/MASTER_ADDR/MASTER_PORT; a plain
 from __future__ import annotations
 
 import os
-import socket
 
 import torch
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from recipe.parallel.spawn import free_port
 
 
 def init_distributed() -> tuple[torch.device, bool]:
@@ -27,7 +22,7 @@ def init_distributed() -> tuple[torch.device, bool]:
     """
     if "RANK" not in os.environ:
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
-                          MASTER_PORT=str(_free_port()))
+                          MASTER_PORT=str(free_port()))
     if int(os.environ.get("WORLD_SIZE", "1")) > 1 and "OMP_NUM_THREADS" not in os.environ:
         os.environ["OMP_NUM_THREADS"] = "1"
         torch.set_num_threads(1)

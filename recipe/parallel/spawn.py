@@ -1,0 +1,87 @@
+"""Local multi-process launch on one machine: a free rendezvous port and ``fn`` run on N spawned gloo ranks.
+
+Used by the benchmarks (a fresh process per layout, so peak memory is per measurement) and by the multi-rank tests.
+Training itself is launched by ``deepspeed``/``torchrun``, not from here.
+"""
+from __future__ import annotations
+
+import io
+import os
+import socket
+import time
+import traceback
+
+import torch
+
+
+def free_port() -> int:
+    """A free TCP port on 127.0.0.1 for a local rendezvous."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _worker(rank, world, port, fn, args, queue, seed):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
+                      WORLD_SIZE=str(world), LOCAL_SIZE=str(world))
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+    import torch.distributed as dist
+
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=world)
+        if seed is not None:
+            torch.manual_seed(seed)
+        buf = io.BytesIO()
+        torch.save(fn(rank, world, *args), buf)
+        queue.put((rank, "ok", buf.getvalue()))
+    except BaseException:  # noqa: BLE001 - reported to the parent
+        queue.put((rank, "error", traceback.format_exc()[-3000:]))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def spawn_gloo_ranks(world: int, fn, *args, timeout: float = 900.0, seed: int | None = None) -> list:
+    """Run ``fn(rank, world, *args)`` on ``world`` fresh spawned processes with a gloo group; results by rank.
+
+    ``fn`` must be a module-level function; results travel as ``torch.save`` bytes (tensors sent as shared-memory
+    handles would die with the worker). ``seed``: ``torch.manual_seed`` on every rank after the group is up. Raises RuntimeError with the failing rank's traceback, or on a rank
+    that dies without a result (e.g. killed for memory) or a timeout.
+    """
+    import queue as queue_mod
+
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    results_q = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_worker, args=(r, world, port, fn, args, results_q, seed)) for r in range(world)]
+    for proc in procs:
+        proc.start()
+    results, error = {}, None
+    deadline = time.monotonic() + timeout
+    try:
+        while len(results) < world and error is None:
+            try:
+                rank, status, value = results_q.get(timeout=1.0)
+            except queue_mod.Empty:
+                dead = [p for p in procs if p.exitcode not in (None, 0)]
+                if dead:
+                    error = f"a rank exited with code {dead[0].exitcode} without a result (out of memory?)"
+                elif time.monotonic() > deadline:
+                    error = f"no result within {timeout:.0f} s"
+                continue
+            if status == "ok":
+                results[rank] = torch.load(io.BytesIO(value), weights_only=False)
+            else:
+                error = f"rank {rank}:\n{value}"
+    finally:
+        for proc in procs:
+            proc.join(timeout=30 if error is None else 1)
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+    if error is not None:
+        raise RuntimeError(error)
+    return [results[r] for r in range(world)]
