@@ -38,7 +38,7 @@ def main(argv: list[str] | None = None) -> int:
     from rich.markup import escape
 
     from recipe.train.checkpoint import CheckpointError
-    from recipe.train.distributed import init_distributed
+    from recipe.train.distributed import init_distributed, release_shm_buffer
 
     console = Console(stderr=True)
     device, owns_group = init_distributed()
@@ -61,6 +61,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if owns_group and dist.is_initialized():
             dist.destroy_process_group()
+        release_shm_buffer()
 
 
 if __name__ == "__main__":

@@ -22,8 +22,10 @@ def free_port() -> int:
 
 
 def _worker(rank, world, port, fn, args, queue, seed):
+    # LOCAL_SIZE is left unset on purpose: with LOCAL_SIZE == world, DeepSpeed's CPU backend maps a 66 MiB
+    # /dev/shm buffer per rank for its shared-memory all-reduce and never removes it.
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
-                      WORLD_SIZE=str(world), LOCAL_SIZE=str(world))
+                      WORLD_SIZE=str(world))
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
     import torch.distributed as dist

@@ -40,6 +40,22 @@ def init_distributed() -> tuple[torch.device, bool]:
     return device, created
 
 
+def release_shm_buffer() -> None:
+    """Remove this rank's DeepSpeed shared-memory all-reduce buffer from /dev/shm, if there is one.
+
+    DeepSpeed's CPU backend creates ``/dev/shm/deepspeed_allreduce_buffer_<uid>_<MASTER_ADDR>_<MASTER_PORT>_<rank>``
+    (66 MiB of RAM) when all ranks share the machine (the deepspeed launcher sets LOCAL_SIZE) and never unlinks
+    it, so every run leaks one per rank. Call at the end of the run: peers mapped it at start-up, and unlinking
+    a name leaves existing mappings valid.
+    """
+    name = (f"deepspeed_allreduce_buffer_{os.getuid()}_{os.environ.get('MASTER_ADDR', '')}_"
+            f"{os.environ.get('MASTER_PORT', '')}_{os.environ.get('RANK', '0')}")
+    try:
+        os.unlink(os.path.join("/dev/shm", name))
+    except OSError:
+        pass
+
+
 def is_rank0() -> bool:
     import torch.distributed as dist
 
