@@ -209,13 +209,15 @@ class Trainer:
     def lr(self) -> float:
         return float(self.engine.get_lr()[0])
 
-    def save(self) -> None:
+    def save(self) -> dict[str, torch.Tensor]:
+        """Checkpoint the current step (collective); return the full draft state it gathered."""
         state = full_draft_state(self.engine, self.pstate)
         vocab = {"d2t": self.parts.vocab.d2t, "t2d": self.parts.vocab.t2d}
         checkpoint.save(self.engine, self.args.output / "checkpoints", self.step, self.run_state(self.step),
                         state if self.rank0 else None, self.parts.draft_config.to_hf_dict(), vocab,
                         keep=self.args.keep_checkpoints,
                         extra_files={"run_config.json": self.args.output / "run_config.json"})
+        return state
 
     def train(self) -> int:
         """Train to the last step, save and export; return 0. On SIGTERM/SIGINT (any rank) every rank stops after
@@ -251,7 +253,7 @@ class Trainer:
                         epoch = new_epoch
             finally:
                 progress.close()
-            self.save()
+            final_state = self.save()
         if self.rank0 and self.skipped_steps:
             self.console.print(f"skipped {len(self.skipped_steps)} step(s) with a non-finite loss: "
                                f"{self.skipped_steps}")
@@ -261,11 +263,11 @@ class Trainer:
                                    f"{args.output / 'checkpoints'}; continue with --resume")
             return EXIT_INTERRUPTED
         if not args.no_export:
-            self.export()
+            self.export(final_state)
         return 0
 
-    def export(self) -> None:
-        state = full_draft_state(self.engine, self.pstate)
+    def export(self, state: dict[str, torch.Tensor]) -> None:
+        """Write OUTPUT/export from the full draft state (rank 0), then barrier."""
         if self.rank0:
             out = write_export(export_tensors(state), self.parts.draft_config.to_hf_dict(), self.args.output / "export")
             self.console.print(f"export written to {out}")
