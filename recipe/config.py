@@ -162,12 +162,17 @@ class MemoryOptions:
 
     ``loss_chunk_size``: positions per chunk of the soft cross-entropy (None: whole sequence at once); one chunk's
     [chunk, Vd] logits are alive at a time and are recomputed in backward. ``checkpoint_ttt_steps``: recompute each
-    TTT step's draft layer in backward (activation checkpointing). DeepSpeed's own ``activation_checkpointing``
-    section configures ``deepspeed.checkpointing`` only, which this recipe does not use, so it is not read.
+    TTT step's draft layer in backward (activation checkpointing). ``attention_tile_size``: positions per query/key
+    tile of the causal block attention (``kernels.tiled_attention``; under CP, tiles within each zigzag chunk of the
+    ring); score memory is O(H·tile²) and nothing of size S² is kept for backward. Absent: 1024;
+    null: the dense block (O(H·S²) scores kept for backward; short sequences only). DeepSpeed's own
+    ``activation_checkpointing`` section configures ``deepspeed.checkpointing`` only, which this recipe does not
+    use, so it is not read.
     """
 
     loss_chunk_size: int | None = None
     checkpoint_ttt_steps: bool = False
+    attention_tile_size: int | None = 1024
 
     @classmethod
     def pop_from(cls, cfg: dict, path: Path | str) -> "MemoryOptions":
@@ -175,19 +180,21 @@ class MemoryOptions:
         section = cfg.pop(MEMORY_SECTION, {}) or {}
         if not isinstance(section, dict):
             raise ConfigError(f"{path}: '{MEMORY_SECTION}' must be an object like "
-                              '{"loss_chunk_size": 4096, "checkpoint_ttt_steps": true}')
-        known = ("loss_chunk_size", "checkpoint_ttt_steps")
+                              '{"loss_chunk_size": 4096, "checkpoint_ttt_steps": true, "attention_tile_size": 1024}')
+        known = ("loss_chunk_size", "checkpoint_ttt_steps", "attention_tile_size")
         unknown = sorted(set(section) - set(known))
         if unknown:
             raise ConfigError(f"{path}: unknown key(s) {unknown} in '{MEMORY_SECTION}'; known keys: {list(known)}")
-        chunk = section.get("loss_chunk_size")
-        if chunk is not None and (not isinstance(chunk, int) or isinstance(chunk, bool) or chunk <= 0):
-            raise ConfigError(f"{path}: '{MEMORY_SECTION}.loss_chunk_size' must be a positive integer or null, "
-                              f"got {chunk!r}")
+        sizes = {}
+        for key in ("loss_chunk_size", "attention_tile_size"):
+            value = section.get(key, getattr(cls, key))
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value <= 0):
+                raise ConfigError(f"{path}: '{MEMORY_SECTION}.{key}' must be a positive integer or null, got {value!r}")
+            sizes[key] = value
         ckpt = section.get("checkpoint_ttt_steps", False)
         if not isinstance(ckpt, bool):
             raise ConfigError(f"{path}: '{MEMORY_SECTION}.checkpoint_ttt_steps' must be true or false, got {ckpt!r}")
-        return cls(loss_chunk_size=chunk, checkpoint_ttt_steps=ckpt)
+        return cls(checkpoint_ttt_steps=ckpt, **sizes)
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,8 @@ Draft: hidden 4096, 32 query / 8 KV heads (head dim 128), intermediate 14336, dr
 layout (``full`` logits, ``chunked`` loss, ``ckpt`` per-step checkpointing, ``chunked+ckpt``) and length: peak
 ``torch.cuda.max_memory_allocated`` and tokens/s of forward + backward (mean of the steps after a warm-up step).
 One model is built once and the layouts are switched through ``TTTModel.loss_chunk_size`` / ``checkpoint_steps``;
-an out-of-memory step is recorded (``"oom"``) and the layout's longer lengths are skipped. Results are rewritten
+the causal block is tiled (``--attention-tile``, as training does) so no [S, S] scores are kept; an out-of-memory
+step is recorded (``"oom"``) and the layout's longer lengths are skipped. Results are rewritten
 after every measurement to ``OUT/gpu_check.json`` (OUT = ``--out``, else ``$OUT``, else ./gpu_check_out), so a run
 stopped by its time limit still leaves what it measured; ``--deadline-s`` stops starting new measurements.
 
@@ -47,9 +48,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--layouts", type=_layouts, default=["chunked+ckpt", "chunked", "ckpt", "full"])
     p.add_argument("--ttt-steps", type=int, help="TTT steps K (default 7; smoke 2)")
     p.add_argument("--loss-chunk-size", type=int, help="positions per loss chunk (default 4096; smoke 32)")
+    p.add_argument("--attention-tile", type=int,
+                   help="positions per causal-attention tile (default 1024; smoke 32); 0: dense [S, S] scores")
     p.add_argument("--steps", type=int, default=2, help="steps per measurement; time = mean after the first")
     p.add_argument("--deadline-s", type=float, default=480.0, help="start no measurement after this many seconds")
     return p
+
+
+def _attention_tile(args) -> int | None:
+    """The tile size of the run: the flag (0 = dense block), else 32 for --smoke and 1024 on the GPU."""
+    if args.attention_tile is None:
+        return 32 if args.smoke else 1024
+    return args.attention_tile or None
 
 
 def _free_device_memory() -> None:
@@ -71,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
     geometry = SMOKE_DRAFT if args.smoke else LLAMA_8B_DRAFT
     base = BenchSpec(seq_len=lengths[0], ttt_steps=args.ttt_steps or (2 if args.smoke else 7), dtype="bf16",
                      device=device, loss_chunk_size=args.loss_chunk_size or (32 if args.smoke else 4096),
-                     steps=args.steps, **geometry)
+                     attention_tile=_attention_tile(args), steps=args.steps, **geometry)
     torch.set_num_threads(1 if args.smoke else max(1, os.cpu_count() or 1))
     console = Console(width=None if sys.stdout.isatty() else 150)
     budget = torch.cuda.get_device_properties(0).total_memory if device == "cuda" else None

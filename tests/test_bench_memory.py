@@ -56,6 +56,11 @@ def test_estimate_counts_the_real_parameters_and_orders_layouts():
     assert ckpt["attention"] < full["attention"] / 7
     tp2 = estimate_step_bytes(StepShape(**{**shape.__dict__, "tp": 2}))
     assert tp2["labels"] == full["labels"] / 2  # fp32: the vocab-parallel CE keeps fp32 shards
+    tiled = estimate_step_bytes(StepShape(**{**shape.__dict__, "attention_tile": 1024}))
+    assert tiled["attention"] == 4 * 4 * 1024 ** 2 * 4 + 7 * 8192 * 4 * 65 * 4  # one tile pair + out/lse per step
+    assert full["attention"] == 16 * 4 * 8192 ** 2 * 4 > 50 * tiled["attention"]
+    cp2 = estimate_step_bytes(StepShape(**{**shape.__dict__, "cp": 2, "attention_tile": 1024}))
+    assert cp2["attention"] == 4 * 4 * 1024 ** 2 * 4 + 7 * 4096 * 4 * 65 * 4  # tiles within 2048-token chunks
 
 
 def _fake_measurement(peaks_gib):

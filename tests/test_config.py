@@ -7,9 +7,12 @@ from recipe.config import ConfigError, MemoryOptions, load_ds_config, resolve_ba
 def test_memory_section_parsed_and_removed():
     cfg = {"train_batch_size": 4, "memory": {"loss_chunk_size": 512, "checkpoint_ttt_steps": True}}
     opts = MemoryOptions.pop_from(cfg, "x.json")
-    assert opts == MemoryOptions(loss_chunk_size=512, checkpoint_ttt_steps=True)
+    assert opts == MemoryOptions(loss_chunk_size=512, checkpoint_ttt_steps=True, attention_tile_size=1024)
     assert "memory" not in cfg
-    assert MemoryOptions.pop_from({}, "x.json") == MemoryOptions(None, False)
+    assert MemoryOptions.pop_from({}, "x.json") == MemoryOptions(None, False, 1024)  # tiled attention by default
+    dense = MemoryOptions.pop_from({"memory": {"attention_tile_size": None}}, "x.json")
+    assert dense.attention_tile_size is None
+    assert MemoryOptions.pop_from({"memory": {"attention_tile_size": 256}}, "x.json").attention_tile_size == 256
 
 
 @pytest.mark.parametrize("section, message", [
@@ -17,6 +20,8 @@ def test_memory_section_parsed_and_removed():
     ({"loss_chunk_size": 0}, "memory.loss_chunk_size' must be a positive integer"),
     ({"loss_chunk_size": True}, "memory.loss_chunk_size' must be a positive integer"),
     ({"checkpoint_ttt_steps": "yes"}, "memory.checkpoint_ttt_steps' must be true or false"),
+    ({"attention_tile_size": 0}, "memory.attention_tile_size' must be a positive integer or null"),
+    ({"attention_tile_size": 1.5}, "memory.attention_tile_size' must be a positive integer or null"),
     ([1], "'memory' must be an object"),
 ])
 def test_memory_section_errors_name_file_and_field(section, message):

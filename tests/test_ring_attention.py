@@ -13,8 +13,8 @@ import torch.distributed as dist
 
 from dist import run_ranks
 from kernels.block_attention import block_attention, expand_kv, merge_lse
-from kernels.ring_attention import (RingComm, attention_block_backward, make_ring_causal_attention,
-                                    ring_block_attention)
+from kernels.ring_attention import RingComm, make_ring_causal_attention, ring_block_attention
+from kernels.tiled_attention import attention_block_backward
 from recipe.parallel.cp_shard import contiguous_indices, pad_to_multiple, zigzag_indices
 
 B, H, HKV, D, S_TRUE = 2, 4, 2, 8, 13
@@ -101,11 +101,11 @@ def _rank_worker(rank, cp, seq_len):
     return buffer.getvalue()
 
 
-def _basic(x, idx, group):
+def _basic(x, idx, group, tile_size=None):
     """Ring out/lse/grads of the local shard ``idx`` over ``group``, with the comm counts of forward and backward."""
     q, k, v = (_split(x[n], idx, 2).requires_grad_() for n in "qkv")
     pos, valid = x["pos"][:, idx], x["valid"][:, idx]
-    ring = make_ring_causal_attention(group)
+    ring = make_ring_causal_attention(group, tile_size=tile_size)
     out, lse = ring(q, k, v, pos, pos, valid)
     fwd_counts = dict(vars(ring.comm.counts))
     ring.comm.counts.reset()
@@ -118,7 +118,7 @@ def _rank_results(rank, cp, seq_len):
     idx = zigzag_indices(seq_len, cp, rank)
     x = _inputs(seq_len)
     pos, valid = x["pos"][:, idx], x["valid"][:, idx]
-    res = {"basic": _basic(x, idx, None)}
+    res = {"basic": _basic(x, idx, None), "tiled": _basic(x, idx, None, tile_size=1)}
     if cp == 4:  # two cp=2 subgroups whose group ranks differ from global ranks: peers must be translated
         groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]
         res["subgroup"] = _basic(x, zigzag_indices(seq_len, 2, rank // 2), groups[rank % 2])
@@ -165,7 +165,7 @@ def test_ring_matches_dense_forward_and_grads(ring_run):
     out, lse = block_attention(q, k, v, x["pos"], x["pos"], x["valid"])
     _loss(out, lse, x["w"], x["u"]).backward()
     assert torch.isinf(lse[1, :, :2]).all() and torch.isfinite(lse[0]).all()  # the case covers empty rows
-    cases = [("basic", results)]
+    cases = [("basic", results), ("tiled", results)]
     if cp == 4:  # ranks (0, 2) and (1, 3) each ran a cp=2 ring in their own subgroup
         cases += [("subgroup", results[0::2]), ("subgroup", results[1::2])]
     for key, members in cases:
@@ -196,13 +196,19 @@ def test_ttt_composition_matches_dense(ring_run, steps):
 
 
 def test_comm_counts(ring_run):
-    """Per rank per call: forward cp-1 K/V hops (2 tensors each), backward cp-1 K/V + cp-1 dK/dV hops (1 each)."""
-    cp, _, results = ring_run
-    for r in (r["basic"] for r in results):
+    """Per rank per call: forward cp-1 K/V hops (2 tensors each), backward cp-1 K/V + cp-1 dK/dV hops (1 each);
+    tiling changes the work per block, not the traffic."""
+    cp, seq_len, results = ring_run
+    for r in (r[key] for r in results for key in ("basic", "tiled")):
         assert r["fwd_counts"]["kv_hops"] == cp - 1 and r["fwd_counts"]["grad_hops"] == 0
         assert r["fwd_counts"]["sends"] == r["fwd_counts"]["recvs"] == 2 * (cp - 1)
         assert r["bwd_counts"]["kv_hops"] == cp - 1 and r["bwd_counts"]["grad_hops"] == cp - 1
         assert r["bwd_counts"]["sends"] == r["bwd_counts"]["recvs"] == 2 * (cp - 1)
+    # one position per tile: a pair is computed exactly when its key is valid and not later than its query
+    x = _inputs(seq_len)
+    readable = int(((x["pos"][0][None, :] <= x["pos"][0][:, None]) & (x["valid"][0] | x["valid"][1])[None, :]).sum())
+    assert sum(r["tiled"]["fwd_counts"]["forward_pairs"] for r in results) == readable
+    assert sum(r["tiled"]["bwd_counts"]["backward_pairs"] for r in results) == readable
 
 
 def test_work_balance_zigzag_vs_contiguous(ring_run):

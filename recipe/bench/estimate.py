@@ -11,9 +11,11 @@ An order-of-magnitude model of what autograd keeps, read off the code paths (not
 - logits / labels: full-logits path: per step the fp32 log-probabilities and soft labels [N, Vd/tp] (under TP the
   vocab-parallel CE keeps the logits and target logits, training dtype), plus the step in flight; chunked path: one
   chunk's four [c, Vd/tp] fp32 temporaries.
-- attention: the dense causal block (``block_attention``) keeps the masked scores and probabilities
-  [B, H/tp, S, S] fp32 per step; under CP the ring keeps O(S) and computes (S/cp/2)² blocks; with per-step
-  checkpointing one step's temporaries exist at a time.
+- attention: tiled (``attention_tile`` T, ``kernels.tiled_attention``; the ring under CP tiles each zigzag chunk):
+  per step the output and LSE [B, H/tp, N, D+1] fp32 are kept, plus one (query tile, key tile) pair's four
+  [B, H/tp, t, t] fp32 temporaries in flight, t = min(T, N) (N/2 under CP). Dense (T None, cp = 1): the causal block
+  keeps the masked scores and probabilities [B, H/tp, S, S] fp32 per step; with per-step checkpointing one step's
+  temporaries exist at a time.
 - layer: other decoder-layer activations per step (norms, concat, q/k/v, MLP), training dtype.
 
 N = B·S/cp tokens on the rank. All values in bytes.
@@ -45,6 +47,7 @@ class StepShape:
     dtype_bytes: int = 4
     loss_chunk_size: int | None = None
     checkpoint_steps: bool = False
+    attention_tile: int | None = None
 
     @property
     def local_tokens(self) -> int:
@@ -76,9 +79,10 @@ def estimate_step_bytes(s: StepShape) -> dict[str, float]:
         out["logits"] = 3 * f4 * min(s.loss_chunk_size, n) * vd_local
         out["labels"] = f4 * min(s.loss_chunk_size, n) * vd_local
     heads = s.heads // s.tp
-    if s.cp > 1:
-        block = s.batch * heads * (n // 2) ** 2 * f4
-        out["attention"] = 4 * block + k * n * heads * s.head_dim * f4
+    if s.cp > 1 or s.attention_tile is not None:
+        t = n // 2 if s.cp > 1 else n
+        t = t if s.attention_tile is None else min(t, s.attention_tile)
+        out["attention"] = 4 * s.batch * heads * t * t * f4 + k * n * heads * (s.head_dim + 1) * f4
     else:
         scores = s.batch * heads * s.seq_len ** 2 * f4
         out["attention"] = (2 if s.checkpoint_steps else k * 2 + 2) * scores

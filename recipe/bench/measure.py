@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from recipe.bench.estimate import StepShape
+from recipe.parallel.apply_attention import install_causal_attention
 from recipe.parallel.spawn import free_port
 
 LAYOUTS = {"full": (False, False), "chunked": (True, False), "ckpt": (False, True), "chunked+ckpt": (True, True)}
@@ -53,6 +54,7 @@ class BenchSpec:
     dtype: str = "fp32"
     device: str = "cpu"
     loss_chunk_size: int = 1024
+    attention_tile: int | None = 1024
     steps: int = 1
     seed: int = 0
 
@@ -81,7 +83,8 @@ class BenchSpec:
                          head_dim=self.head_dim, intermediate=self.intermediate, draft_vocab=self.draft_vocab,
                          vocab=self.vocab, target_hidden=self.target_hidden, ttt_steps=self.ttt_steps,
                          batch=self.batch, tp=self.tp, cp=self.cp, dtype_bytes=DTYPES[self.dtype].itemsize,
-                         loss_chunk_size=self.loss_chunk_size if chunked else None, checkpoint_steps=ckpt)
+                         loss_chunk_size=self.loss_chunk_size if chunked else None, checkpoint_steps=ckpt,
+                         attention_tile=self.attention_tile)
 
 
 # ---- memory probes ---------------------------------------------------------------------------------------------
@@ -149,10 +152,8 @@ def build_model(spec: BenchSpec, device: torch.device, pstate=None):
         from recipe.parallel.apply_tp import apply_tensor_parallel
 
         apply_tensor_parallel(model, pstate.tp_group)
-    if pstate is not None and pstate.cp_size > 1:
-        from kernels.ring_attention import make_ring_causal_attention
-
-        draft.midlayer.self_attn.causal_attention = make_ring_causal_attention(pstate.cp_group)
+    cp_size = 1 if pstate is None else pstate.cp_size
+    install_causal_attention(draft, spec.attention_tile, None if pstate is None else pstate.cp_group, cp_size)
     return model.to(device=device, dtype=DTYPES[spec.dtype])
 
 

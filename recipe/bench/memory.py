@@ -1,9 +1,10 @@
 """Memory report: peak memory per rank and time of a TTT training step vs sequence length, per layout.
 
 ``python -m recipe.bench.memory --lengths 2k,4k,8k [--tp N --cp N] [--draft-vocab V] [--hidden H] [--budget-gib X]
-[--json OUT] [--plot OUT.png]`` measures forward + backward of ``TTTModel`` on random aux states (no target) for
+[--attention-tile T] [--json OUT] [--plot OUT.png]`` measures forward + backward of ``TTTModel`` on random aux states (no target) for
 each length and layout (``full`` logits, ``chunked`` loss, ``ckpt`` per-step checkpointing, ``chunked+ckpt``), each
-in fresh processes (``recipe.bench.measure``), prints the measurement beside the static estimate
+in fresh processes (``recipe.bench.measure``), with the causal block tiled at T positions as training does (0: the
+dense block), prints the measurement beside the static estimate
 (``recipe.bench.estimate``), and the longest length per layout whose peak fits the budget. Once a layout exceeds
 the budget, or its estimate exceeds ``--skip-estimate-gib``, its longer lengths are not run (so the report cannot
 exhaust the machine; ``--run-over-budget`` keeps measuring past the budget).
@@ -80,6 +81,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ttt-steps", type=int, default=7, help="TTT steps K")
     p.add_argument("--batch", type=int, default=1, help="sequences per micro-batch")
     p.add_argument("--loss-chunk-size", type=int, default=1024, help="positions per loss chunk (chunked layouts)")
+    p.add_argument("--attention-tile", type=int, default=1024,
+                   help="positions per causal-attention tile (kernels.tiled_attention); 0: dense [S, S] scores")
     p.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
     p.add_argument("--device", choices=["cpu", "cuda"], help="default: cuda when available")
     p.add_argument("--steps", type=int, default=1, help="steps per measurement (time: mean after the first)")
@@ -101,7 +104,8 @@ def make_spec(args, length: int, layout: str) -> BenchSpec:
                      intermediate=args.intermediate or int(3.5 * args.hidden), draft_vocab=args.draft_vocab,
                      vocab=args.vocab or args.draft_vocab, target_hidden=args.target_hidden or args.hidden,
                      ttt_steps=args.ttt_steps, batch=args.batch, tp=args.tp, cp=args.cp, dtype=args.dtype,
-                     device=args.device, loss_chunk_size=args.loss_chunk_size, steps=args.steps)
+                     device=args.device, loss_chunk_size=args.loss_chunk_size,
+                     attention_tile=args.attention_tile or None, steps=args.steps)
 
 
 def run_report(args, console: Console) -> dict:
@@ -158,8 +162,9 @@ def _estimated_step(est: dict) -> float:
 
 def print_report(report: dict, console: Console) -> None:
     cfg = report["config"]
+    tile = cfg.get("attention_tile") or "dense"
     table = Table(title=f"TTT step memory per rank (K={cfg['ttt_steps']}, Vd={cfg['draft_vocab']}, H={cfg['hidden']}, "
-                        f"tp={cfg['tp']}, cp={cfg['cp']}, {cfg['dtype']}, {cfg['device']})")
+                        f"tp={cfg['tp']}, cp={cfg['cp']}, attention tile {tile}, {cfg['dtype']}, {cfg['device']})")
     for col in ("length", "layout", "peak GiB", "step Δ GiB", "est. step GiB", "est. total GiB", "s/step", "tok/s",
                 "status"):
         table.add_column(col, justify="left" if col in ("layout", "status") else "right", no_wrap=True)
@@ -228,6 +233,8 @@ def main(argv: list[str] | None = None) -> int:
         import torch
 
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    if args.attention_tile < 0:
+        parser.error("--attention-tile must be >= 0 (0: dense attention)")
     if args.skip_estimate_gib is None and args.device == "cpu":
         available = _available_gib()
         args.skip_estimate_gib = round(0.6 * available, 1) if available else None

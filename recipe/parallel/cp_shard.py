@@ -75,25 +75,21 @@ def zigzag_unsplit(shards: list[torch.Tensor], cp_size: int, dim: int) -> torch.
     return torch.empty_like(stacked).index_copy_(dim, order, stacked)
 
 
-# TTTBatch field -> sequence dim split by zigzag, used when the batch class has no ``per_position_fields``.
-_SEQ_DIM = {"input_ids_KBS": 2, "valid_KBS": 2, "position_ids_BS": 1, "key_valid_BS": 1, "aux_hidden_BSA": 1}
 _TARGET_FIELDS = ("target_hidden_BLH", "target_row_KS")
 
 
 def shard_ttt_batch(batch, cp_size: int, cp_rank: int):
-    """This cp rank's part of a TTT batch (a dataclass with the TTTBatch fields), as a new instance of its type.
+    """This cp rank's part of a TTT batch (``TTTBatch`` or a dataclass subclass of it), as a new instance of its type.
 
-    Sequence fields (the class's ``per_position_fields`` {name: seq dim} if it has one, else ``input_ids_KBS``,
-    ``valid_KBS``, ``position_ids_BS``, ``key_valid_BS``, ``aux_hidden_BSA``) are zigzag-split. Target rows: the rank keeps only the rows of ``target_hidden_BLH`` [B, L, H_t] that its
+    Sequence fields (the class's ``per_position_fields`` {name: seq dim}) are zigzag-split. Target rows: the rank keeps only the rows of ``target_hidden_BLH`` [B, L, H_t] that its
     anchors use, ``rows = unique(target_row_KS[:, mine])`` (sorted), and ``target_row_KS`` [K, S/cp] is remapped
     to indices into those rows — exact, no communication. Fields that are None stay None.
     Raises ValueError for a field it does not know how to split (naming it), target rows out of range, or a bad
     sequence length.
     """
-    if not dataclasses.is_dataclass(batch):
+    if not dataclasses.is_dataclass(batch) or not hasattr(type(batch), "per_position_fields"):
         raise TypeError(f"shard_ttt_batch expects a TTTBatch dataclass, got {type(batch).__name__}")
-    seq_dims = {n: d for n, d in getattr(type(batch), "per_position_fields", _SEQ_DIM).items()
-                if n not in _TARGET_FIELDS}
+    seq_dims = {n: d for n, d in type(batch).per_position_fields.items() if n not in _TARGET_FIELDS}
     updates = {}
     for field in dataclasses.fields(batch):
         value = getattr(batch, field.name)
@@ -102,7 +98,7 @@ def shard_ttt_batch(batch, cp_size: int, cp_rank: int):
                                                                            seq_dims[field.name])
         elif field.name not in _TARGET_FIELDS and isinstance(value, torch.Tensor):
             raise ValueError(f"shard_ttt_batch: no CP split rule for tensor field {type(batch).__name__}."
-                             f"{field.name}; add it to recipe/parallel/cp_shard.py _SEQ_DIM")
+                             f"{field.name}; add it to the class's per_position_fields")
     rows_KS = batch.target_row_KS
     if rows_KS is not None:
         mine_KS = zigzag_split(rows_KS, cp_size, cp_rank, 1)

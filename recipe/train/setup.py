@@ -20,6 +20,7 @@ from recipe.model.draft import Eagle3Draft
 from recipe.model.draft_config import Eagle3DraftConfig, load_draft_config_overrides
 from recipe.model.target_head import load_embedding_and_head
 from recipe.model.ttt import TTTModel
+from recipe.parallel.apply_attention import install_causal_attention
 from recipe.parallel.dims import ParallelDims
 from recipe.parallel.topology import ParallelState
 from recipe.train import checkpoint
@@ -135,10 +136,7 @@ def build_run(args: TrainArgs, device: torch.device, console: Console) -> RunPar
         from recipe.parallel.apply_tp import apply_tensor_parallel
 
         apply_tensor_parallel(model, pstate.tp_group)
-    if dims.cp_enabled:
-        from kernels.ring_attention import make_ring_causal_attention
-
-        draft.midlayer.self_attn.causal_attention = make_ring_causal_attention(pstate.cp_group)
+    install_causal_attention(draft, memory.attention_tile_size, pstate.cp_group, dims.cp)
 
     target = None
     if examples is not None:

@@ -1,0 +1,192 @@
+"""Tiled causal block attention (flash-attention style, pure PyTorch): O(S·T) memory instead of O(S²).
+
+The dense ``block_attention`` builds [B, H, Sq, Sk] scores and autograd keeps them (and the probabilities) for the
+backward, which is what runs a single device out of memory at long context. Here queries and keys are cut into tiles
+of at most ``tile_size`` positions; the forward visits (query tile, key tile) pairs, merging each pair's
+``(out, lse)`` with ``merge_lse``, and keeps only q, k, v, the output and the final LSE. The backward recomputes each
+pair's probabilities from the final LSE (the flash-attention backward: Dao et al. 2022, "FlashAttention", Alg. 4).
+Pairs in which no query can read any key (every key later than every query, or padding) are skipped, so a causal
+block costs about half the pairs.
+
+The same tile loops serve the ring attention (``kernels.ring_attention``), which runs them on every K/V block that
+arrives around the context-parallel ring.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from kernels.block_attention import accum_dtype, block_attention, expand_kv, merge_lse
+
+
+def split_tiles(x: torch.Tensor, dim: int, tile_size: int | None = None, groups: int = 1) -> list[torch.Tensor]:
+    """Views of ``x`` along ``dim``: ``groups`` equal parts (``torch.tensor_split``), each cut into
+    ``ceil(len / tile_size)`` near-equal tiles (one tile per part when ``tile_size`` is None).
+
+    ``groups=2`` keeps the two zigzag chunks of a context-parallel shard in separate tiles, so causal skipping works
+    per chunk. Raises ValueError when ``tile_size`` is not positive.
+    """
+    if tile_size is not None and tile_size <= 0:
+        raise ValueError(f"tile_size must be a positive number of positions or None, got {tile_size}")
+    tiles: list[torch.Tensor] = []
+    for part in torch.tensor_split(x, groups, dim=dim):
+        n = 1 if tile_size is None else max(1, -(-part.shape[dim] // tile_size))
+        tiles += list(torch.tensor_split(part, n, dim=dim))
+    return tiles
+
+
+def pair_needed(q_pos_BS: torch.Tensor, k_pos_BS: torch.Tensor, k_valid_BS: torch.Tensor) -> bool:
+    """True when some query of a tile can read some key of a tile (per batch row: a valid key at or before the
+    latest query position). One host sync per pair: the skip decision is made on the host."""
+    if q_pos_BS.numel() == 0 or k_pos_BS.numel() == 0:
+        return False
+    big = torch.iinfo(torch.int64).max
+    first_key_B = k_pos_BS.masked_fill(~k_valid_BS, big).min(dim=1).values
+    return bool((first_key_B <= q_pos_BS.max(dim=1).values).any())
+
+
+def attention_block_backward(dout_BHSD, dlse_BHS, delta_BHS, lse_BHS, q_BHSD, k_BHkvSD, v_BHkvSD,
+                             q_pos_BS, k_pos_BS, k_valid_BS, scale: float):
+    """Gradients of one (query, key) block of a softmax attention whose FINAL lse (over all blocks) is known.
+
+    With P = exp(S - lse) (S the scaled, masked scores; P = 0 on masked entries and on rows with lse = -inf):
+      dV = P^T dO;  dP = dO V^T;  dS = P * (dP - delta + dlse);  dQ = scale * dS K;  dK = scale * dS^T Q,
+    where delta = rowsum(dO * O) over the final output O (the flash-attention softmax backward) and the dlse term
+    is d(lse)/dS = P. All inputs in the accumulation dtype; q/dout/lse [B, H, Sq, ...], k/v [B, Hkv, Sk, D].
+    Returns (dq [B, H, Sq, D], dk [B, Hkv, Sk, D], dv [B, Hkv, Sk, D]); dK/dV are summed over each GQA group.
+    """
+    b, h, sq, d = q_BHSD.shape
+    hkv, sk = k_BHkvSD.shape[1], k_BHkvSD.shape[2]
+    k, v = expand_kv(k_BHkvSD, h), expand_kv(v_BHkvSD, h)
+    s_BHQK = torch.matmul(q_BHSD, k.transpose(-1, -2)) * scale
+    allowed_BQK = (k_pos_BS[:, None, :] <= q_pos_BS[:, :, None]) & k_valid_BS[:, None, :]
+    finite = torch.isfinite(lse_BHS)
+    safe_lse = torch.where(finite, lse_BHS, torch.zeros_like(lse_BHS))
+    p_BHQK = torch.exp(s_BHQK - safe_lse[..., None])
+    p_BHQK = p_BHQK.masked_fill(~(allowed_BQK[:, None] & finite[..., None]), 0.0)
+    dv = torch.matmul(p_BHQK.transpose(-1, -2), dout_BHSD)
+    dp_BHQK = torch.matmul(dout_BHSD, v.transpose(-1, -2))
+    ds_BHQK = p_BHQK * (dp_BHQK - delta_BHS[..., None] + dlse_BHS[..., None])
+    dq = torch.matmul(ds_BHQK, k) * scale
+    dk = torch.matmul(ds_BHQK.transpose(-1, -2), q_BHSD) * scale
+    # GQA: query head j reads KV head j // rep (repeat_interleave), so heads group as [Hkv, rep].
+    dk = dk.view(b, hkv, h // hkv, sk, d).sum(2)
+    dv = dv.view(b, hkv, h // hkv, sk, d).sum(2)
+    return dq, dk, dv
+
+
+def forward_tiles(queries, keys, outs: list[torch.Tensor], lses: list[torch.Tensor], scale: float) -> int:
+    """Attend every query tile over every key tile it can read, merging into ``outs``/``lses`` (replaced in place).
+
+    ``queries``: (q tiles [B, H, Tq, D] in accum dtype, q_pos tiles [B, Tq]); ``keys``: (k tiles, v tiles
+    [B, Hkv, Tk, D], k_pos tiles [B, Tk], k_valid tiles [B, Tk] bool). Returns the number of pairs computed.
+    """
+    q_tiles, qpos_tiles = queries
+    pairs = 0
+    for i, (q_t, qpos_t) in enumerate(zip(q_tiles, qpos_tiles)):
+        for k_t, v_t, kpos_t, kvalid_t in zip(*keys):
+            if not pair_needed(qpos_t, kpos_t, kvalid_t):
+                continue
+            pairs += 1
+            out_t, lse_t = block_attention(q_t, k_t, v_t, qpos_t, kpos_t, kvalid_t, scale=scale)
+            outs[i], lses[i] = merge_lse(outs[i], lses[i], out_t, lse_t)
+    return pairs
+
+
+def backward_tiles(queries, keys, dq_tiles, dk_tiles, dv_tiles, scale: float) -> int:
+    """Accumulate the gradients of every readable (query tile, key tile) pair into the given views.
+
+    ``queries``: (q, q_pos, dout, dlse, delta, lse) tiles; ``keys``: (k, v, k_pos, k_valid) tiles; all float tensors
+    in the accumulation dtype. ``dq_tiles``/``dk_tiles``/``dv_tiles`` are views of the gradient buffers, added to in
+    place. Returns the number of pairs computed.
+    """
+    pairs = 0
+    for i, (q_t, qpos_t, dout_t, dlse_t, delta_t, lse_t) in enumerate(zip(*queries)):
+        for j, (k_t, v_t, kpos_t, kvalid_t) in enumerate(zip(*keys)):
+            if not pair_needed(qpos_t, kpos_t, kvalid_t):
+                continue
+            pairs += 1
+            dq, dk, dv = attention_block_backward(dout_t, dlse_t, delta_t, lse_t, q_t, k_t, v_t, qpos_t, kpos_t,
+                                                  kvalid_t, scale)
+            dq_tiles[i] += dq
+            dk_tiles[j] += dk
+            dv_tiles[j] += dv
+    return pairs
+
+
+def keys_valid(k_pos_BS: torch.Tensor, k_valid_BS: torch.Tensor | None) -> torch.Tensor:
+    """``k_valid_BS`` as a bool tensor, all True when None."""
+    return torch.ones_like(k_pos_BS, dtype=torch.bool) if k_valid_BS is None else k_valid_BS.bool()
+
+
+class TiledAttention(torch.autograd.Function):
+    """``TiledAttention.apply(q, k, v, q_pos, k_pos, k_valid, scale, tile_size) -> (out, lse)``; gradients flow to
+    q, k, v, including the LSE's. Saves q, k, v, out, lse and the positions only (no score matrices)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, q_pos, k_pos, k_valid, scale, tile_size):
+        acc = accum_dtype(q.dtype)
+        q_pos, k_pos, k_valid = q_pos.long(), k_pos.long(), keys_valid(k_pos, k_valid)
+        q_tiles = split_tiles(q.to(acc), 2, tile_size)
+        outs = [torch.zeros_like(t) for t in q_tiles]
+        lses = [torch.full(t.shape[:-1], float("-inf"), dtype=acc, device=t.device) for t in q_tiles]
+        keys = (split_tiles(k, 2, tile_size), split_tiles(v, 2, tile_size), split_tiles(k_pos, 1, tile_size),
+                split_tiles(k_valid, 1, tile_size))
+        forward_tiles((q_tiles, split_tiles(q_pos, 1, tile_size)), keys, outs, lses, scale)
+        out, lse = torch.cat(outs, dim=2).to(q.dtype), torch.cat(lses, dim=2)
+        ctx.save_for_backward(q, k, v, out, lse, q_pos, k_pos, k_valid)
+        ctx.scale, ctx.tile_size = scale, tile_size
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        q, k, v, out, lse, q_pos, k_pos, k_valid = ctx.saved_tensors
+        t = ctx.tile_size
+        acc = accum_dtype(q.dtype)
+        dout = dout.to(acc)
+        dlse = torch.zeros_like(lse) if dlse is None else dlse.to(acc)
+        delta = (dout * out.to(acc)).sum(-1)
+        dq = torch.zeros(q.shape, dtype=acc, device=q.device)
+        dkv = torch.zeros((2, *k.shape), dtype=acc, device=k.device)
+        queries = (split_tiles(q.to(acc), 2, t), split_tiles(q_pos, 1, t), split_tiles(dout, 2, t),
+                   split_tiles(dlse, 2, t), split_tiles(delta, 2, t), split_tiles(lse, 2, t))
+        keys = (split_tiles(k.to(acc), 2, t), split_tiles(v.to(acc), 2, t), split_tiles(k_pos, 1, t),
+                split_tiles(k_valid, 1, t))
+        backward_tiles(queries, keys, split_tiles(dq, 2, t), split_tiles(dkv[0], 2, t), split_tiles(dkv[1], 2, t),
+                       ctx.scale)
+        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None, None
+
+
+def tiled_block_attention(q_BHSD, k_BHkvSD, v_BHkvSD, q_pos_BS, k_pos_BS, k_valid_BS=None, *,
+                          tile_size: int = 1024, scale: float | None = None):
+    """Drop-in for causal ``block_attention`` with memory O((Sq + Sk)·D + H·tile²) instead of O(H·Sq·Sk).
+
+    Args and returns as ``block_attention`` (q [B, H, Sq, D], k/v [B, Hkv, Sk, D], int64 positions [B, Sq]/[B, Sk],
+    k_valid [B, Sk] bool or None; out [B, H, Sq, D] in q's dtype, lse [B, H, Sq] in the accumulation dtype, -inf
+    and out 0 on rows with no readable key). ``tile_size``: positions per query/key tile.
+    Raises ValueError when ``tile_size`` is not positive or H is not a multiple of Hkv.
+    """
+    if tile_size <= 0:
+        raise ValueError(f"tile_size must be a positive number of positions, got {tile_size}")
+    if q_BHSD.shape[1] % k_BHkvSD.shape[1]:
+        raise ValueError(f"num_heads={q_BHSD.shape[1]} is not a multiple of num_key_value_heads={k_BHkvSD.shape[1]}")
+    scale = 1.0 / math.sqrt(q_BHSD.shape[-1]) if scale is None else scale
+    return TiledAttention.apply(q_BHSD, k_BHkvSD, v_BHkvSD, q_pos_BS, k_pos_BS, k_valid_BS, scale, tile_size)
+
+
+class TiledCausalAttention:
+    """Callable with the draft's causal-block signature ``(q, k, v, q_pos, k_pos, k_valid) -> (out, lse)``, tiled
+    at ``tile_size`` positions (see ``tiled_block_attention``)."""
+
+    def __init__(self, tile_size: int = 1024):
+        if tile_size <= 0:
+            raise ValueError(f"tile_size must be a positive number of positions, got {tile_size}")
+        self.tile_size = tile_size
+
+    def __call__(self, q_BHSD, k_BHkvSD, v_BHkvSD, q_pos_BS, k_pos_BS, k_valid_BS=None):
+        return tiled_block_attention(q_BHSD, k_BHkvSD, v_BHkvSD, q_pos_BS, k_pos_BS, k_valid_BS,
+                                     tile_size=self.tile_size)
+
+    def __repr__(self) -> str:
+        return f"TiledCausalAttention(tile_size={self.tile_size})"

@@ -1,0 +1,131 @@
+"""Tiled causal block attention vs the dense ``block_attention``: out, lse and every gradient (fp64), the tensors it
+keeps for backward (no score matrix), its pair skipping, and the whole TTT draft with it."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels.block_attention import block_attention
+from kernels.tiled_attention import TiledCausalAttention, forward_tiles, split_tiles, tiled_block_attention
+from recipe.model.ttt import TTTModel
+from ttt_cases import assert_same_run, model_pair, run_model
+
+B, H, HKV, D = 2, 4, 2, 8
+
+
+def _inputs(sq: int, sk: int, dtype=torch.float64, seed: int = 0):
+    """q/k/v, query positions (a subset of the key positions when sq < sk), key validity with trailing padding and
+    two leading invalid keys in row 1 (so rows 0-1 of batch row 1 read no key), loss weights for out and lse."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, H, sq, D, generator=g, dtype=dtype)
+    k, v = (torch.randn(B, HKV, sk, D, generator=g, dtype=dtype) for _ in range(2))
+    k_pos = torch.arange(sk).expand(B, sk).clone()
+    q_pos = torch.sort(torch.randperm(sk, generator=g)[:sq]).values.expand(B, sq).clone() if sq < sk else k_pos
+    valid = torch.ones(B, sk, dtype=torch.bool)
+    valid[:, sk - 3:] = False
+    valid[1, :2] = False
+    w = torch.randn(B, H, sq, D, generator=g, dtype=dtype)
+    u = torch.randn(B, H, sq, generator=g, dtype=dtype)
+    return q, k, v, q_pos, k_pos, valid, w, u
+
+
+def _run(attention, q, k, v, q_pos, k_pos, valid, w, u):
+    """out, lse and (dq, dk, dv) of a loss that reads out and every finite lse (so the lse gradient is exercised)."""
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    out, lse = attention(*leaves, q_pos, k_pos, valid)
+    finite = torch.isfinite(lse)
+    ((out * w).sum() + torch.where(finite, lse * u, torch.zeros_like(lse)).sum()).backward()
+    return out.detach(), lse.detach(), [t.grad for t in leaves]
+
+
+@pytest.mark.parametrize("tile", [1, 3, 4, 16, 100])
+@pytest.mark.parametrize("sq", [16, 7])
+def test_tiled_matches_dense_forward_and_every_gradient(tile, sq):
+    x = _inputs(sq, 16)
+    out, lse, grads = _run(TiledCausalAttention(tile), *x)
+    ref_out, ref_lse, ref_grads = _run(block_attention, *x)
+    if sq == 16:
+        assert torch.isinf(ref_lse[1, :, :2]).all()  # the case covers rows that read no key
+    assert torch.equal(torch.isinf(lse), torch.isinf(ref_lse))
+    torch.testing.assert_close(out, ref_out, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(lse, ref_lse, rtol=1e-12, atol=1e-12)
+    for got, ref, name in zip(grads, ref_grads, ("dq", "dk", "dv")):
+        assert torch.isfinite(got).all() and ref.abs().sum() > 0, name
+        torch.testing.assert_close(got, ref, rtol=1e-10, atol=1e-12, msg=lambda m, n=name: f"{n}: {m}")
+
+
+def test_tiled_bf16_keeps_dtypes_and_matches_fp32():
+    x = _inputs(32, 32, dtype=torch.float32, seed=3)
+    low = [t.bfloat16() if t.is_floating_point() else t for t in x]
+    out, lse, grads = _run(TiledCausalAttention(8), *low)
+    assert out.dtype == torch.bfloat16 and lse.dtype == torch.float32
+    assert [g.dtype for g in grads] == [torch.bfloat16] * 3
+    ref_out, ref_lse, ref_grads = _run(block_attention, *[t.float() if t.is_floating_point() else t for t in low])
+    torch.testing.assert_close(out.float(), ref_out, rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(lse, ref_lse, rtol=1e-5, atol=1e-5)  # scores accumulate in fp32 both ways
+    for got, ref in zip(grads, ref_grads):
+        assert ((got.float() - ref).norm() / ref.norm()).item() < 2e-2
+
+
+def _saved_bytes(attention, *args) -> int:
+    sizes = []
+
+    def pack(t):
+        sizes.append(t.numel() * t.element_size())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        attention(*args)
+    return sum(sizes)
+
+
+def test_tiled_keeps_no_score_matrix_for_backward():
+    """Exactly q, k, v, out, lse, both positions and the validity are saved: O(S·D), where dense keeps O(H·S²)."""
+    s = 1024
+    q, k, v, q_pos, k_pos, valid, _, _ = _inputs(s, s, dtype=torch.float32)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    tiled = _saved_bytes(TiledCausalAttention(128), *leaves, q_pos, k_pos, valid)
+    f32, i64 = 4, 8
+    expected = 2 * B * H * s * D * f32 + 2 * B * HKV * s * D * f32 + B * H * s * f32 + 2 * B * s * i64 + B * s
+    assert tiled == expected
+    dense = _saved_bytes(block_attention, *leaves, q_pos, k_pos, valid)
+    assert dense > B * H * s * s * f32 > 10 * tiled
+
+
+def test_forward_tiles_skips_pairs_no_query_can_read():
+    """16 positions in tiles of 4: the 10 causal (query tile, key tile) pairs; with keys 12.. padding the last key
+    tile is still read by the last query tile (key 12 is padding, so 9 pairs when 12..15 are all padding)."""
+    q, k, v, pos, _, _, _, _ = _inputs(16, 16)
+    for padding_from, pairs in ((13, 10), (12, 9)):
+        valid = torch.arange(16).expand(B, 16) < padding_from
+        tiles = [split_tiles(t, 2, 4) for t in (q, k, v)]
+        outs = [torch.zeros_like(t) for t in tiles[0]]
+        lses = [torch.full(t.shape[:-1], float("-inf"), dtype=t.dtype) for t in tiles[0]]
+        keys = (tiles[1], tiles[2], split_tiles(pos, 1, 4), split_tiles(valid, 1, 4))
+        assert forward_tiles((tiles[0], split_tiles(pos, 1, 4)), keys, outs, lses, 0.5) == pairs
+
+
+def test_split_tiles_cuts_each_group_into_tiles():
+    x = torch.arange(10)
+    assert [t.tolist() for t in split_tiles(x, 0, 3, groups=2)] == [[0, 1, 2], [3, 4], [5, 6, 7], [8, 9]]
+    assert [len(t) for t in split_tiles(x, 0, 4)] == [4, 3, 3]
+    assert [len(t) for t in split_tiles(x, 0)] == [10]
+    assert [len(t) for t in split_tiles(x, 0, None, groups=2)] == [5, 5]
+    for bad in (0, -2):
+        with pytest.raises(ValueError, match="tile_size"):
+            split_tiles(x, 0, bad)
+        with pytest.raises(ValueError, match="tile_size"):
+            TiledCausalAttention(bad)
+    q, k, v, pos, _, valid, _, _ = _inputs(4, 4)
+    with pytest.raises(ValueError, match="num_key_value_heads"):
+        tiled_block_attention(q, k[:, :1].expand(B, 3, 4, D), v[:, :1].expand(B, 3, 4, D), pos, pos, valid)
+
+
+@pytest.mark.parametrize("K", [1, 3])
+def test_ttt_draft_with_tiled_attention_matches_dense(K):
+    """Loss and all 13 parameter gradients (and the aux-state gradient) of the whole TTT unroll, fp32."""
+    draft, ref_draft, head_VH, batch = model_pair(seed=11 + K, K=K)
+    draft.midlayer.self_attn.causal_attention = TiledCausalAttention(4)
+    got = run_model(TTTModel(draft, head_VH), batch)
+    ref = run_model(TTTModel(ref_draft, head_VH), batch)
+    assert_same_run(got, ref, tol=1e-6)
