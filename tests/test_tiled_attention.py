@@ -121,11 +121,27 @@ def test_split_tiles_cuts_each_group_into_tiles():
         tiled_block_attention(q, k[:, :1].expand(B, 3, 4, D), v[:, :1].expand(B, 3, 4, D), pos, pos, valid)
 
 
-@pytest.mark.parametrize("K", [1, 3])
-def test_ttt_draft_with_tiled_attention_matches_dense(K):
-    """Loss and all 13 parameter gradients (and the aux-state gradient) of the whole TTT unroll, fp32."""
+@pytest.mark.parametrize("K, memory_switches", [(1, False), (3, False), (3, True)])
+def test_ttt_draft_with_tiled_attention_matches_dense(K, memory_switches):
+    """Loss and all 13 parameter gradients (and the aux-state gradient) of the whole TTT unroll, fp32; with the
+    chunked loss and per-step checkpointing too (the checkpoint recomputation re-runs the tiled forward)."""
     draft, ref_draft, head_VH, batch = model_pair(seed=11 + K, K=K)
     draft.midlayer.self_attn.causal_attention = TiledCausalAttention(4)
-    got = run_model(TTTModel(draft, head_VH), batch)
+    switches = dict(loss_chunk_size=5, checkpoint_steps=True) if memory_switches else {}
+    got = run_model(TTTModel(draft, head_VH, **switches), batch)
     ref = run_model(TTTModel(ref_draft, head_VH), batch)
     assert_same_run(got, ref, tol=1e-6)
+
+
+def test_install_causal_attention_selects_tiled_dense_or_refuses():
+    from recipe.parallel.apply_attention import install_causal_attention
+
+    draft, _, _, _ = model_pair(seed=1, K=1)
+    attention = install_causal_attention(draft, 256)
+    assert isinstance(attention, TiledCausalAttention) and attention.tile_size == 256
+    assert draft.midlayer.self_attn.causal_attention is attention
+    assert install_causal_attention(draft, None) is block_attention
+    with pytest.raises(ValueError, match="tile_size must be a positive"):
+        install_causal_attention(draft, 0)
+    with pytest.raises(ValueError, match="cp_size=2 needs the cp process group"):
+        install_causal_attention(draft, 256, None, cp_size=2)
