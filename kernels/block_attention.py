@@ -82,7 +82,11 @@ def merge_lse(
 
     Shapes: out_* [B, H, S, D], lse_* [B, H, S] float32/64. Returns (out [B, H, S, D] in out_a's dtype, lse).
     """
-    lse = torch.logaddexp(lse_a_BHS, lse_b_BHS)
+    # logaddexp(-inf, -inf) has a NaN gradient; such rows take lse = -inf through a branch with no gradient.
+    empty = torch.isneginf(lse_a_BHS) & torch.isneginf(lse_b_BHS)
+    zero = torch.zeros_like(lse_a_BHS)
+    lse = torch.where(empty, lse_a_BHS, torch.logaddexp(torch.where(empty, zero, lse_a_BHS),
+                                                        torch.where(empty, zero, lse_b_BHS)))
     finite = torch.isfinite(lse)
     safe_lse = torch.where(finite, lse, torch.zeros_like(lse))
     w_a = torch.where(finite, torch.exp(lse_a_BHS - safe_lse), torch.zeros_like(lse))

@@ -29,7 +29,8 @@ import torch
 import torch.distributed as dist
 
 from kernels.block_attention import accum_dtype
-from kernels.tiled_attention import backward_tiles, forward_tiles, keys_valid, split_tiles
+from kernels.tiled_attention import (backward_tiles, check_block_shapes, check_tile_size, forward_tiles, keys_valid,
+                                     lse_gradient, split_tiles)
 
 
 @dataclass
@@ -170,7 +171,7 @@ def ring_attention_backward(dout_BHSD, dlse_BHS, q_BHSD, k_BHkvSD, v_BHkvSD, out
     scale = 1.0 / math.sqrt(q_BHSD.shape[-1]) if scale is None else scale
     acc = accum_dtype(q_BHSD.dtype)
     dout = dout_BHSD.to(acc)
-    dlse = torch.zeros_like(lse_BHS) if dlse_BHS is None else dlse_BHS.to(acc)
+    dlse = lse_gradient(dlse_BHS, lse_BHS.to(acc))
     delta_BHS = (dout * out_BHSD.to(acc)).sum(-1)
     dq = torch.zeros(q_BHSD.shape, dtype=acc, device=q_BHSD.device)
 
@@ -222,16 +223,10 @@ def ring_block_attention(q_BHSD, k_BHkvSD, v_BHkvSD, q_pos_BS, k_pos_BS, k_valid
 
     Same shapes as ``block_attention``; ``group`` the cp group (or pass a ``comm`` to read its counters);
     ``num_chunks``/``tile_size`` as ``ring_attention_forward``. Raises ValueError when shard shapes disagree within
-    the rank or ``tile_size`` is not positive.
+    the rank (naming them) or ``tile_size`` is not a positive integer or None.
     """
-    b, _, sk, d = k_BHkvSD.shape
-    if (v_BHkvSD.shape != k_BHkvSD.shape or tuple(k_pos_BS.shape) != (b, sk) or q_BHSD.shape[0] != b
-            or q_BHSD.shape[-1] != d or tuple(q_pos_BS.shape) != (b, q_BHSD.shape[2])):
-        raise ValueError(f"ring_block_attention: shapes disagree: q {tuple(q_BHSD.shape)}, k {tuple(k_BHkvSD.shape)}, "
-                         f"v {tuple(v_BHkvSD.shape)}, q_pos {tuple(q_pos_BS.shape)}, k_pos {tuple(k_pos_BS.shape)} "
-                         "(expected q [B, H, Sq, D], k = v [B, Hkv, Sk, D], q_pos [B, Sq], k_pos [B, Sk])")
-    if tile_size is not None and tile_size <= 0:
-        raise ValueError(f"tile_size must be a positive number of positions or None, got {tile_size}")
+    check_block_shapes(q_BHSD, k_BHkvSD, v_BHkvSD, q_pos_BS, k_pos_BS, k_valid_BS, "ring_block_attention")
+    check_tile_size(tile_size)
     comm = RingComm(group) if comm is None else comm
     return RingAttention.apply(q_BHSD, k_BHkvSD, v_BHkvSD, q_pos_BS, k_pos_BS, k_valid_BS, comm, scale, num_chunks,
                                tile_size)

@@ -20,15 +20,43 @@ import torch
 from kernels.block_attention import accum_dtype, block_attention, expand_kv, merge_lse
 
 
+def check_tile_size(tile_size, allow_none: bool = True) -> None:
+    """Raise ValueError unless ``tile_size`` is a positive int (or None when ``allow_none``)."""
+    if tile_size is None and allow_none:
+        return
+    if not isinstance(tile_size, int) or isinstance(tile_size, bool) or tile_size <= 0:
+        raise ValueError(f"tile_size must be a positive integer number of positions{' or None' if allow_none else ''}"
+                         f", got {tile_size!r}")
+
+
+def check_block_shapes(q_BHSD, k_BHkvSD, v_BHkvSD, q_pos_BS, k_pos_BS, k_valid_BS, where: str) -> None:
+    """Raise ValueError (naming ``where`` and every shape) unless q [B, H, Sq, D], k = v [B, Hkv, Sk, D],
+    q_pos [B, Sq], k_pos [B, Sk], k_valid None or [B, Sk], and H is a multiple of Hkv."""
+    b, h, sq, d = q_BHSD.shape
+    hkv, sk = k_BHkvSD.shape[1], k_BHkvSD.shape[2]
+    ok = (k_BHkvSD.dim() == 4 and v_BHkvSD.shape == k_BHkvSD.shape and k_BHkvSD.shape[0] == b
+          and k_BHkvSD.shape[3] == d and tuple(q_pos_BS.shape) == (b, sq) and tuple(k_pos_BS.shape) == (b, sk)
+          and (k_valid_BS is None or tuple(k_valid_BS.shape) == (b, sk)))
+    if not ok:
+        valid = None if k_valid_BS is None else tuple(k_valid_BS.shape)
+        raise ValueError(f"{where}: shapes disagree: q {tuple(q_BHSD.shape)}, k {tuple(k_BHkvSD.shape)}, "
+                         f"v {tuple(v_BHkvSD.shape)}, q_pos {tuple(q_pos_BS.shape)}, k_pos {tuple(k_pos_BS.shape)}, "
+                         f"k_valid {valid} (expected q [B, H, Sq, D], k = v [B, Hkv, Sk, D], q_pos [B, Sq], "
+                         "k_pos and k_valid [B, Sk])")
+    if hkv == 0 or h % hkv:
+        raise ValueError(f"{where}: num_heads={h} is not a multiple of num_key_value_heads={hkv}")
+
+
 def split_tiles(x: torch.Tensor, dim: int, tile_size: int | None = None, groups: int = 1) -> list[torch.Tensor]:
     """Views of ``x`` along ``dim``: ``groups`` equal parts (``torch.tensor_split``), each cut into
     ``ceil(len / tile_size)`` near-equal tiles (one tile per part when ``tile_size`` is None).
 
     ``groups=2`` keeps the two zigzag chunks of a context-parallel shard in separate tiles, so causal skipping works
-    per chunk. Raises ValueError when ``tile_size`` is not positive.
+    per chunk. Raises ValueError when ``tile_size`` is not a positive integer or None, or ``groups`` < 1.
     """
-    if tile_size is not None and tile_size <= 0:
-        raise ValueError(f"tile_size must be a positive number of positions or None, got {tile_size}")
+    check_tile_size(tile_size)
+    if not isinstance(groups, int) or groups < 1:
+        raise ValueError(f"the number of chunks must be a positive integer, got {groups!r}")
     tiles: list[torch.Tensor] = []
     for part in torch.tensor_split(x, groups, dim=dim):
         n = 1 if tile_size is None else max(1, -(-part.shape[dim] // tile_size))
@@ -36,14 +64,27 @@ def split_tiles(x: torch.Tensor, dim: int, tile_size: int | None = None, groups:
     return tiles
 
 
-def pair_needed(q_pos_BS: torch.Tensor, k_pos_BS: torch.Tensor, k_valid_BS: torch.Tensor) -> bool:
-    """True when some query of a tile can read some key of a tile (per batch row: a valid key at or before the
-    latest query position). One host sync per pair: the skip decision is made on the host."""
-    if q_pos_BS.numel() == 0 or k_pos_BS.numel() == 0:
-        return False
-    big = torch.iinfo(torch.int64).max
-    first_key_B = k_pos_BS.masked_fill(~k_valid_BS, big).min(dim=1).values
-    return bool((first_key_B <= q_pos_BS.max(dim=1).values).any())
+def readable_pairs(q_pos_tiles, k_pos_tiles, k_valid_tiles) -> list[list[bool]]:
+    """[query tile][key tile] -> True when some query of the tile can read some key of the tile (per batch row: a
+    valid key at or before the tile's latest query position). Decided on the host with ONE device sync per call.
+
+    Tiles are [B, T] int64 positions / bool validity; empty tiles read and are read by nothing.
+    """
+    big, small = torch.iinfo(torch.int64).max, torch.iinfo(torch.int64).min
+
+    def latest(t):
+        return t.amax(dim=1) if t.shape[1] else torch.full(t.shape[:1], small, dtype=torch.int64, device=t.device)
+
+    def first_valid(pos, valid):
+        if not pos.shape[1]:
+            return torch.full(pos.shape[:1], big, dtype=torch.int64, device=pos.device)
+        return pos.masked_fill(~valid, big).amin(dim=1)
+
+    if not q_pos_tiles or not k_pos_tiles:
+        return [[False] * len(k_pos_tiles) for _ in q_pos_tiles]
+    last_QB = torch.stack([latest(t.long()) for t in q_pos_tiles])
+    first_KB = torch.stack([first_valid(p.long(), v) for p, v in zip(k_pos_tiles, k_valid_tiles)])
+    return (first_KB[None, :, :] <= last_QB[:, None, :]).any(dim=-1).tolist()
 
 
 def attention_block_backward(dout_BHSD, dlse_BHS, delta_BHS, lse_BHS, q_BHSD, k_BHkvSD, v_BHkvSD,
@@ -83,10 +124,11 @@ def forward_tiles(queries, keys, outs: list[torch.Tensor], lses: list[torch.Tens
     [B, Hkv, Tk, D], k_pos tiles [B, Tk], k_valid tiles [B, Tk] bool). Returns the number of pairs computed.
     """
     q_tiles, qpos_tiles = queries
+    needed = readable_pairs(qpos_tiles, keys[2], keys[3])
     pairs = 0
     for i, (q_t, qpos_t) in enumerate(zip(q_tiles, qpos_tiles)):
-        for k_t, v_t, kpos_t, kvalid_t in zip(*keys):
-            if not pair_needed(qpos_t, kpos_t, kvalid_t):
+        for j, (k_t, v_t, kpos_t, kvalid_t) in enumerate(zip(*keys)):
+            if not needed[i][j]:
                 continue
             pairs += 1
             out_t, lse_t = block_attention(q_t, k_t, v_t, qpos_t, kpos_t, kvalid_t, scale=scale)
@@ -101,10 +143,11 @@ def backward_tiles(queries, keys, dq_tiles, dk_tiles, dv_tiles, scale: float) ->
     in the accumulation dtype. ``dq_tiles``/``dk_tiles``/``dv_tiles`` are views of the gradient buffers, added to in
     place. Returns the number of pairs computed.
     """
+    needed = readable_pairs(queries[1], keys[2], keys[3])
     pairs = 0
     for i, (q_t, qpos_t, dout_t, dlse_t, delta_t, lse_t) in enumerate(zip(*queries)):
         for j, (k_t, v_t, kpos_t, kvalid_t) in enumerate(zip(*keys)):
-            if not pair_needed(qpos_t, kpos_t, kvalid_t):
+            if not needed[i][j]:
                 continue
             pairs += 1
             dq, dk, dv = attention_block_backward(dout_t, dlse_t, delta_t, lse_t, q_t, k_t, v_t, qpos_t, kpos_t,
@@ -113,6 +156,14 @@ def backward_tiles(queries, keys, dq_tiles, dk_tiles, dv_tiles, scale: float) ->
             dk_tiles[j] += dk
             dv_tiles[j] += dv
     return pairs
+
+
+def lse_gradient(dlse_BHS: torch.Tensor | None, lse_BHS: torch.Tensor) -> torch.Tensor:
+    """The incoming LSE gradient in the LSE's dtype, zero where there is none (None) and on rows whose lse is -inf:
+    such a row reads no key, so its lse does not depend on any score (a NaN arriving there must not spread)."""
+    if dlse_BHS is None:
+        return torch.zeros_like(lse_BHS)
+    return torch.where(torch.isfinite(lse_BHS), dlse_BHS.to(lse_BHS.dtype), torch.zeros_like(lse_BHS))
 
 
 def keys_valid(k_pos_BS: torch.Tensor, k_valid_BS: torch.Tensor | None) -> torch.Tensor:
@@ -145,7 +196,7 @@ class TiledAttention(torch.autograd.Function):
         t = ctx.tile_size
         acc = accum_dtype(q.dtype)
         dout = dout.to(acc)
-        dlse = torch.zeros_like(lse) if dlse is None else dlse.to(acc)
+        dlse = lse_gradient(dlse, lse)
         delta = (dout * out.to(acc)).sum(-1)
         dq = torch.zeros(q.shape, dtype=acc, device=q.device)
         dkv = torch.zeros((2, *k.shape), dtype=acc, device=k.device)
@@ -160,17 +211,16 @@ class TiledAttention(torch.autograd.Function):
 
 def tiled_block_attention(q_BHSD, k_BHkvSD, v_BHkvSD, q_pos_BS, k_pos_BS, k_valid_BS=None, *,
                           tile_size: int = 1024, scale: float | None = None):
-    """Drop-in for causal ``block_attention`` with memory O((Sq + Sk)·D + H·tile²) instead of O(H·Sq·Sk).
+    """Drop-in for causal ``block_attention`` with memory O(B·H·(Sq + Sk)·D + B·H·tile²) instead of O(B·H·Sq·Sk).
 
     Args and returns as ``block_attention`` (q [B, H, Sq, D], k/v [B, Hkv, Sk, D], int64 positions [B, Sq]/[B, Sk],
     k_valid [B, Sk] bool or None; out [B, H, Sq, D] in q's dtype, lse [B, H, Sq] in the accumulation dtype, -inf
     and out 0 on rows with no readable key). ``tile_size``: positions per query/key tile.
-    Raises ValueError when ``tile_size`` is not positive or H is not a multiple of Hkv.
+    Raises ValueError when ``tile_size`` is not a positive integer, the shapes disagree (naming them), or H is not
+    a multiple of Hkv.
     """
-    if tile_size <= 0:
-        raise ValueError(f"tile_size must be a positive number of positions, got {tile_size}")
-    if q_BHSD.shape[1] % k_BHkvSD.shape[1]:
-        raise ValueError(f"num_heads={q_BHSD.shape[1]} is not a multiple of num_key_value_heads={k_BHkvSD.shape[1]}")
+    check_tile_size(tile_size, allow_none=False)
+    check_block_shapes(q_BHSD, k_BHkvSD, v_BHkvSD, q_pos_BS, k_pos_BS, k_valid_BS, "tiled_block_attention")
     scale = 1.0 / math.sqrt(q_BHSD.shape[-1]) if scale is None else scale
     return TiledAttention.apply(q_BHSD, k_BHkvSD, v_BHkvSD, q_pos_BS, k_pos_BS, k_valid_BS, scale, tile_size)
 
@@ -180,8 +230,7 @@ class TiledCausalAttention:
     at ``tile_size`` positions (see ``tiled_block_attention``)."""
 
     def __init__(self, tile_size: int = 1024):
-        if tile_size <= 0:
-            raise ValueError(f"tile_size must be a positive number of positions, got {tile_size}")
+        check_tile_size(tile_size, allow_none=False)
         self.tile_size = tile_size
 
     def __call__(self, q_BHSD, k_BHkvSD, v_BHkvSD, q_pos_BS, k_pos_BS, k_valid_BS=None):

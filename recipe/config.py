@@ -165,7 +165,8 @@ class MemoryOptions:
     TTT step's draft layer in backward (activation checkpointing). ``attention_tile_size``: positions per query/key
     tile of the causal block attention (``kernels.tiled_attention``; under CP, tiles within each zigzag chunk of the
     ring); score memory is O(H·tile²) and nothing of size S² is kept for backward. Absent: 1024;
-    null: the dense block (O(H·S²) scores kept for backward; short sequences only). DeepSpeed's own
+    null: no tiling: on one cp rank the dense block (O(H·S²) scores kept for backward; short sequences only), under
+    CP one tile per zigzag chunk of the ring. DeepSpeed's own
     ``activation_checkpointing`` section configures ``deepspeed.checkpointing`` only, which this recipe does not
     use, so it is not read.
     """

@@ -61,6 +61,8 @@ def test_estimate_counts_the_real_parameters_and_orders_layouts():
     assert full["attention"] == 16 * 4 * 8192 ** 2 * 4 > 50 * tiled["attention"]
     cp2 = estimate_step_bytes(StepShape(**{**shape.__dict__, "cp": 2, "attention_tile": 1024}))
     assert cp2["attention"] == 4 * 4 * 1024 ** 2 * 4 + 7 * 4096 * 4 * 65 * 4  # tiles within 2048-token chunks
+    batch4 = estimate_step_bytes(StepShape(**{**shape.__dict__, "seq_len": 512, "batch": 4, "attention_tile": 1024}))
+    assert batch4["attention"] == 4 * 4 * 4 * 512 ** 2 * 4 + 7 * 2048 * 4 * 65 * 4  # tile capped by one sequence
 
 
 def _fake_measurement(peaks_gib):

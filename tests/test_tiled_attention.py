@@ -145,3 +145,65 @@ def test_install_causal_attention_selects_tiled_dense_or_refuses():
         install_causal_attention(draft, 0)
     with pytest.raises(ValueError, match="cp_size=2 needs the cp process group"):
         install_causal_attention(draft, 256, None, cp_size=2)
+
+
+def test_mismatched_positions_or_validity_are_refused_naming_the_shapes():
+    q, k, v, pos, _, valid, _, _ = _inputs(8, 8)
+    for bad in (dict(q_pos_BS=pos[:, :4]), dict(k_pos_BS=pos[:, :4]), dict(k_valid_BS=valid[:, :4]),
+                dict(q_pos_BS=torch.arange(12).expand(B, 12))):
+        args = {**dict(q_pos_BS=pos, k_pos_BS=pos, k_valid_BS=valid), **bad}
+        with pytest.raises(ValueError, match=r"tiled_block_attention: shapes disagree: q \(2, 4, 8, 8\)"):
+            tiled_block_attention(q, k, v, tile_size=2, **args)
+    with pytest.raises(ValueError, match="tile_size must be a positive integer"):
+        tiled_block_attention(q, k, v, pos, pos, valid, tile_size=1.5)
+
+
+def test_nan_lse_gradient_on_rows_without_keys_does_not_spread():
+    """Merging with an empty key set (lse -inf on both sides) sends no NaN back: grads equal the dense ones."""
+    from kernels.block_attention import merge_lse
+
+    q, k, v, pos, _, valid, w, _ = _inputs(16, 16)
+
+    def merged_with_nothing(*args):
+        out, lse = args[0](*args[1:])
+        return merge_lse(out, lse, torch.zeros_like(out), torch.full_like(lse, float("-inf")))
+
+    grads = {}
+    for name, attention in (("tiled", TiledCausalAttention(4)), ("dense", block_attention)):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        out, lse = merged_with_nothing(attention, *leaves, pos, pos, valid)
+        assert torch.isinf(lse[1, :, :2]).all()
+        (out * w).sum().backward()
+        grads[name] = [t.grad for t in leaves]
+    for got, ref in zip(grads["tiled"], grads["dense"]):
+        assert torch.isfinite(got).all()
+        torch.testing.assert_close(got, ref, rtol=1e-10, atol=1e-12)
+    # an explicit NaN arriving at a -inf lse is ignored too
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    out, lse = TiledCausalAttention(4)(*leaves, pos, pos, valid)
+    dlse = torch.where(torch.isinf(lse), torch.full_like(lse, float("nan")), torch.ones_like(lse))
+    torch.autograd.backward([out, lse], [w, dlse])
+    assert all(torch.isfinite(t.grad).all() for t in leaves)
+
+
+def test_merge_lse_of_two_empty_sets_has_finite_gradients():
+    from kernels.block_attention import merge_lse
+
+    lse_a = torch.tensor([[[float("-inf"), 0.5]]], dtype=torch.float64, requires_grad=True)
+    lse_b = torch.tensor([[[float("-inf"), float("-inf")]]], dtype=torch.float64, requires_grad=True)
+    out_a = torch.ones(1, 1, 2, 3, dtype=torch.float64, requires_grad=True)
+    out, lse = merge_lse(out_a, lse_a, torch.zeros_like(out_a), lse_b)
+    assert torch.isneginf(lse[0, 0, 0]) and lse[0, 0, 1] == 0.5 and out[0, 0, 0].abs().sum() == 0
+    (out.sum() + torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse)).sum()).backward()
+    assert lse_a.grad.tolist() == [[[0.0, 1.0]]] and lse_b.grad.tolist() == [[[0.0, 0.0]]]
+    assert torch.isfinite(out_a.grad).all() and out_a.grad[0, 0, 1].tolist() == [1.0, 1.0, 1.0]
+
+
+def test_readable_pairs_one_matrix_with_empty_tiles():
+    from kernels.tiled_attention import readable_pairs
+
+    q_pos = [torch.tensor([[0, 1]]), torch.tensor([[6, 7]]), torch.zeros(1, 0, dtype=torch.long)]
+    k_pos = [torch.tensor([[2, 3]]), torch.tensor([[4, 5]]), torch.zeros(1, 0, dtype=torch.long)]
+    k_valid = [torch.tensor([[True, True]]), torch.tensor([[False, False]]), torch.zeros(1, 0, dtype=torch.bool)]
+    assert readable_pairs(q_pos, k_pos, k_valid) == [[False, False, False], [True, False, False],
+                                                     [False, False, False]]

@@ -13,7 +13,7 @@ An order-of-magnitude model of what autograd keeps, read off the code paths (not
   chunk's four [c, Vd/tp] fp32 temporaries.
 - attention: tiled (``attention_tile`` T, ``kernels.tiled_attention``; the ring under CP tiles each zigzag chunk):
   per step the output and LSE [B, H/tp, N, D+1] fp32 are kept, plus one (query tile, key tile) pair's four
-  [B, H/tp, t, t] fp32 temporaries in flight, t = min(T, N) (N/2 under CP). Dense (T None, cp = 1): the causal block
+  [B, H/tp, t, t] fp32 temporaries in flight, t = min(T, S) (S/cp/2 under CP). Dense (T None, cp = 1): the causal block
   keeps the masked scores and probabilities [B, H/tp, S, S] fp32 per step; with per-step checkpointing one step's
   temporaries exist at a time.
 - layer: other decoder-layer activations per step (norms, concat, q/k/v, MLP), training dtype.
@@ -80,7 +80,8 @@ def estimate_step_bytes(s: StepShape) -> dict[str, float]:
         out["labels"] = f4 * min(s.loss_chunk_size, n) * vd_local
     heads = s.heads // s.tp
     if s.cp > 1 or s.attention_tile is not None:
-        t = n // 2 if s.cp > 1 else n
+        seq_local = s.seq_len // s.cp  # positions of one sequence on the rank
+        t = seq_local // 2 if s.cp > 1 else seq_local
         t = t if s.attention_tile is None else min(t, s.attention_tile)
         out["attention"] = 4 * s.batch * heads * t * t * f4 + k * n * heads * (s.head_dim + 1) * f4
     else:

@@ -16,11 +16,12 @@ def install_causal_attention(draft: nn.Module, tile_size: int | None, cp_group: 
 
     ``cp_size > 1``: ring attention over ``cp_group`` (zigzag shards), tiles of at most ``tile_size`` positions
     inside each zigzag chunk. ``cp_size == 1``: ``TiledCausalAttention(tile_size)``, or the dense block when
-    ``tile_size`` is None. Raises ValueError when ``tile_size`` is not positive, or when ``cp_size > 1`` and
-    ``cp_group`` is None.
+    ``tile_size`` is None. Raises ValueError when ``tile_size`` is not a positive integer or None, or when
+    ``cp_size > 1`` and ``cp_group`` is None.
     """
-    if tile_size is not None and tile_size <= 0:
-        raise ValueError(f"attention tile_size must be a positive number of positions or None, got {tile_size}")
+    from kernels.tiled_attention import check_tile_size
+
+    check_tile_size(tile_size)
     if cp_size > 1:
         if cp_group is None:
             raise ValueError(f"cp_size={cp_size} needs the cp process group")
