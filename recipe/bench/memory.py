@@ -218,7 +218,10 @@ def write_plot(report: dict, path: Path, console: Console) -> bool:
         ax.plot([r["length"] for r in rows], [r["peak_bytes"] / GIB for r in rows], marker="o", label=layout)
     if report["config"]["budget_gib"]:
         ax.axhline(report["config"]["budget_gib"], color="grey", linestyle="--", label="budget")
+    lengths = sorted({r["length"] for r in report["results"]})
     ax.set(xscale="log", xlabel="sequence length (tokens)", ylabel="peak GiB per rank", title="TTT step memory")
+    ax.set_xticks(lengths, [f"{n / 1024:g}k" if n % 256 == 0 else str(n) for n in lengths])
+    ax.minorticks_off()
     ax.legend()
     fig.savefig(path, dpi=120, bbox_inches="tight")
     plt.close(fig)
