@@ -150,7 +150,8 @@ def load_ds_config(path: Path) -> tuple[dict, dict]:
         raise ConfigError(f"{path}: invalid JSON at line {exc.lineno} column {exc.colno}: {exc.msg}") from exc
     if not isinstance(cfg, dict):
         raise ConfigError(f"{path}: top level must be a JSON object")
-    section = cfg.pop(PARALLEL_SECTION, {}) or {}
+    section = cfg.pop(PARALLEL_SECTION, None)
+    section = {} if section is None else section
     if not isinstance(section, dict):
         raise ConfigError(f"{path}: '{PARALLEL_SECTION}' must be an object like {{\"tp_size\": 2, \"cp_size\": 1}}")
     return cfg, section
@@ -178,7 +179,8 @@ class MemoryOptions:
     @classmethod
     def pop_from(cls, cfg: dict, path: Path | str) -> "MemoryOptions":
         """Remove and parse the ``memory`` section of ``cfg``; ConfigError names the file and field."""
-        section = cfg.pop(MEMORY_SECTION, {}) or {}
+        section = cfg.pop(MEMORY_SECTION, None)
+        section = {} if section is None else section
         if not isinstance(section, dict):
             raise ConfigError(f"{path}: '{MEMORY_SECTION}' must be an object like "
                               '{"loss_chunk_size": 4096, "checkpoint_ttt_steps": true, "attention_tile_size": 1024}')

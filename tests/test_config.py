@@ -23,6 +23,8 @@ def test_memory_section_parsed_and_removed():
     ({"attention_tile_size": 0}, "memory.attention_tile_size' must be a positive integer or null"),
     ({"attention_tile_size": 1.5}, "memory.attention_tile_size' must be a positive integer or null"),
     ([1], "'memory' must be an object"),
+    (0, "'memory' must be an object"),
+    ("", "'memory' must be an object"),
 ])
 def test_memory_section_errors_name_file_and_field(section, message):
     with pytest.raises(ConfigError) as err:
@@ -58,3 +60,15 @@ def test_scheduler_auto_values(tmp_path):
     bad.write_text('{"a": 1,\n "b": }')
     with pytest.raises(ConfigError, match=r"bad.json: invalid JSON at line 2"):
         load_ds_config(bad)
+
+
+@pytest.mark.parametrize("value", [0, False, "", []])
+def test_falsy_parallelism_section_is_refused_not_ignored(tmp_path, value):
+    import json
+
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({"train_batch_size": 2, "parallelism": value}))
+    with pytest.raises(ConfigError, match=r"ds.json: 'parallelism' must be an object"):
+        load_ds_config(path)
+    path.write_text(json.dumps({"train_batch_size": 2, "parallelism": None}))
+    assert load_ds_config(path)[1] == {}
