@@ -28,9 +28,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from kernels.block_attention import accum_dtype
-from kernels.tiled_attention import (backward_tiles, check_block_shapes, check_tile_size, forward_tiles, keys_valid,
-                                     lse_gradient, split_tiles)
+from kernels.tiled_attention import (backward_queries, check_block_shapes, check_tile_size, forward_accumulators,
+                                     forward_tiles, key_block_gradients, key_tiles, keys_valid)
 
 
 @dataclass
@@ -109,13 +108,6 @@ def _pack_keys_meta(k_pos_BS: torch.Tensor, k_valid_BS: torch.Tensor | None) -> 
     return torch.stack([k_pos_BS.long(), keys_valid(k_pos_BS, k_valid_BS).long()])
 
 
-def _key_tiles(kv: torch.Tensor, meta: torch.Tensor, tile_size: int | None, num_chunks: int):
-    """(k, v, k_pos, k_valid) tiles of one ring block: stacked K/V [2, B, Hkv, Sk, D] and meta [2, B, Sk]."""
-    def cut(x, dim):
-        return split_tiles(x, dim, tile_size, num_chunks)
-    return cut(kv[0], 2), cut(kv[1], 2), cut(meta[0], 1), cut(meta[1].bool(), 1)
-
-
 def ring_attention_forward(q_BHSD, k_BHkvSD, v_BHkvSD, q_pos_BS, k_pos_BS, k_valid_BS, comm: RingComm,
                            scale: float | None = None, num_chunks: int = 2, tile_size: int | None = None):
     """Causal attention of the local queries over all ranks' keys, passing K/V blocks around the ring.
@@ -130,19 +122,15 @@ def ring_attention_forward(q_BHSD, k_BHkvSD, v_BHkvSD, q_pos_BS, k_pos_BS, k_val
     which the backward reuses instead of re-sending it.
     """
     scale = 1.0 / math.sqrt(q_BHSD.shape[-1]) if scale is None else scale
-    acc = accum_dtype(q_BHSD.dtype)
-    queries = (split_tiles(q_BHSD.to(acc), 2, tile_size, num_chunks),
-               split_tiles(q_pos_BS.long(), 1, tile_size, num_chunks))
-    outs = [torch.zeros_like(c) for c in queries[0]]
-    lses = [torch.full(c.shape[:-1], float("-inf"), dtype=acc, device=c.device) for c in queries[0]]
+    queries, outs, lses = forward_accumulators(q_BHSD, q_pos_BS, tile_size, num_chunks)
     kv = torch.stack([k_BHkvSD, v_BHkvSD])  # [2, B, Hkv, Sk, D]
     meta = _pack_keys_meta(k_pos_BS, k_valid_BS)
     key_meta = []
     for step in range(comm.size):
         hop = comm.start([kv, meta], "kv") if step + 1 < comm.size else None  # overlaps the compute below
         key_meta.append(meta)
-        comm.counts.forward_pairs += forward_tiles(queries, _key_tiles(kv, meta, tile_size, num_chunks), outs,
-                                                   lses, scale)
+        keys = key_tiles(kv[0], kv[1], meta[0], meta[1].bool(), tile_size, num_chunks)
+        comm.counts.forward_pairs += forward_tiles(queries, keys, outs, lses, scale)
         if hop is not None:
             kv, meta = hop.wait()
     return torch.cat(outs, dim=2).to(q_BHSD.dtype), torch.cat(lses, dim=2), key_meta
@@ -150,11 +138,9 @@ def ring_attention_forward(q_BHSD, k_BHkvSD, v_BHkvSD, q_pos_BS, k_pos_BS, k_val
 
 def _backward_one_block(kv, meta, queries, dq_tiles, comm, scale, num_chunks, tile_size):
     """dK/dV [2, B, Hkv, Sk, D] (fp32+) of one key block from the local queries; adds into dq_tiles in place."""
-    dkv = torch.zeros(kv.shape, dtype=queries[0][0].dtype, device=kv.device)
-    keys = _key_tiles(kv.to(dkv.dtype), meta, tile_size, num_chunks)
-    dk_tiles = split_tiles(dkv[0], 2, tile_size, num_chunks)  # views into dkv
-    dv_tiles = split_tiles(dkv[1], 2, tile_size, num_chunks)
-    comm.counts.backward_pairs += backward_tiles(queries, keys, dq_tiles, dk_tiles, dv_tiles, scale)
+    dkv, pairs = key_block_gradients(queries, dq_tiles, kv[0], kv[1], meta[0], meta[1].bool(), scale, tile_size,
+                                     num_chunks)
+    comm.counts.backward_pairs += pairs
     return dkv
 
 
@@ -169,17 +155,9 @@ def ring_attention_backward(dout_BHSD, dlse_BHS, q_BHSD, k_BHkvSD, v_BHkvSD, out
     Returns dq in q's dtype, dk/dv in k's/v's dtype (accumulated in fp32 or wider).
     """
     scale = 1.0 / math.sqrt(q_BHSD.shape[-1]) if scale is None else scale
-    acc = accum_dtype(q_BHSD.dtype)
-    dout = dout_BHSD.to(acc)
-    dlse = lse_gradient(dlse_BHS, lse_BHS.to(acc))
-    delta_BHS = (dout * out_BHSD.to(acc)).sum(-1)
-    dq = torch.zeros(q_BHSD.shape, dtype=acc, device=q_BHSD.device)
-
-    def cut(x, dim):
-        return split_tiles(x, dim, tile_size, num_chunks)
-    queries = (cut(q_BHSD.to(acc), 2), cut(q_pos_BS.long(), 1), cut(dout, 2), cut(dlse.to(acc), 2),
-               cut(delta_BHS, 2), cut(lse_BHS.to(acc), 2))
-    args = (queries, cut(dq, 2), comm, scale, num_chunks, tile_size)
+    queries, dq, dq_tiles = backward_queries(dout_BHSD, dlse_BHS, q_BHSD, q_pos_BS, out_BHSD, lse_BHS, tile_size,
+                                             num_chunks)
+    args = (queries, dq_tiles, comm, scale, num_chunks, tile_size)
     kv = torch.stack([k_BHkvSD, v_BHkvSD])
     kv_hop = comm.start([kv], "kv") if comm.size > 1 else None
     dkv_own = _backward_one_block(kv, key_meta[0], *args)

@@ -171,20 +171,61 @@ def keys_valid(k_pos_BS: torch.Tensor, k_valid_BS: torch.Tensor | None) -> torch
     return torch.ones_like(k_pos_BS, dtype=torch.bool) if k_valid_BS is None else k_valid_BS.bool()
 
 
+def key_tiles(k_BHkvSD, v_BHkvSD, k_pos_BS, k_valid_BS, tile_size: int | None, groups: int = 1):
+    """The ``keys`` argument of ``forward_tiles``/``backward_tiles``: (k, v, k_pos, k_valid) tile lists."""
+    return (split_tiles(k_BHkvSD, 2, tile_size, groups), split_tiles(v_BHkvSD, 2, tile_size, groups),
+            split_tiles(k_pos_BS, 1, tile_size, groups), split_tiles(k_valid_BS, 1, tile_size, groups))
+
+
+def forward_accumulators(q_BHSD, q_pos_BS, tile_size: int | None, groups: int = 1):
+    """(queries, outs, lses) for ``forward_tiles``: the query tiles in the accumulation dtype with their int64
+    positions, and per tile an output of zeros and an LSE of -inf (nothing read yet). ``torch.cat(outs/lses, 2)``
+    gives the result."""
+    acc = accum_dtype(q_BHSD.dtype)
+    queries = (split_tiles(q_BHSD.to(acc), 2, tile_size, groups), split_tiles(q_pos_BS.long(), 1, tile_size, groups))
+    outs = [torch.zeros_like(t) for t in queries[0]]
+    lses = [torch.full(t.shape[:-1], float("-inf"), dtype=acc, device=t.device) for t in queries[0]]
+    return queries, outs, lses
+
+
+def backward_queries(dout_BHSD, dlse_BHS, q_BHSD, q_pos_BS, out_BHSD, lse_BHS, tile_size: int | None,
+                     groups: int = 1):
+    """(queries, dq, dq_tiles) for ``backward_tiles``: per query tile (q, q_pos, dout, dlse, delta, lse) in the
+    accumulation dtype, with delta = rowsum(dout · out) and dlse from ``lse_gradient``; dq a zero buffer in the
+    accumulation dtype and ``dq_tiles`` its tile views."""
+    acc = accum_dtype(q_BHSD.dtype)
+    dout, lse = dout_BHSD.to(acc), lse_BHS.to(acc)
+    delta = (dout * out_BHSD.to(acc)).sum(-1)
+    dq = torch.zeros(q_BHSD.shape, dtype=acc, device=q_BHSD.device)
+
+    def cut(x, dim):
+        return split_tiles(x, dim, tile_size, groups)
+    queries = (cut(q_BHSD.to(acc), 2), cut(q_pos_BS.long(), 1), cut(dout, 2), cut(lse_gradient(dlse_BHS, lse), 2),
+               cut(delta, 2), cut(lse, 2))
+    return queries, dq, cut(dq, 2)
+
+
+def key_block_gradients(queries, dq_tiles, k_BHkvSD, v_BHkvSD, k_pos_BS, k_valid_BS, scale: float,
+                        tile_size: int | None, groups: int = 1) -> tuple[torch.Tensor, int]:
+    """(dkv [2, B, Hkv, Sk, D] in the accumulation dtype, pairs computed) of one key block from the query tiles of
+    ``backward_queries``; adds the block's dq contribution into ``dq_tiles`` in place."""
+    acc = queries[0][0].dtype
+    dkv = torch.zeros((2, *k_BHkvSD.shape), dtype=acc, device=k_BHkvSD.device)
+    keys = key_tiles(k_BHkvSD.to(acc), v_BHkvSD.to(acc), k_pos_BS, k_valid_BS, tile_size, groups)
+    pairs = backward_tiles(queries, keys, dq_tiles, split_tiles(dkv[0], 2, tile_size, groups),
+                           split_tiles(dkv[1], 2, tile_size, groups), scale)
+    return dkv, pairs
+
+
 class TiledAttention(torch.autograd.Function):
     """``TiledAttention.apply(q, k, v, q_pos, k_pos, k_valid, scale, tile_size) -> (out, lse)``; gradients flow to
     q, k, v, including the LSE's. Saves q, k, v, out, lse and the positions only (no score matrices)."""
 
     @staticmethod
     def forward(ctx, q, k, v, q_pos, k_pos, k_valid, scale, tile_size):
-        acc = accum_dtype(q.dtype)
         q_pos, k_pos, k_valid = q_pos.long(), k_pos.long(), keys_valid(k_pos, k_valid)
-        q_tiles = split_tiles(q.to(acc), 2, tile_size)
-        outs = [torch.zeros_like(t) for t in q_tiles]
-        lses = [torch.full(t.shape[:-1], float("-inf"), dtype=acc, device=t.device) for t in q_tiles]
-        keys = (split_tiles(k, 2, tile_size), split_tiles(v, 2, tile_size), split_tiles(k_pos, 1, tile_size),
-                split_tiles(k_valid, 1, tile_size))
-        forward_tiles((q_tiles, split_tiles(q_pos, 1, tile_size)), keys, outs, lses, scale)
+        queries, outs, lses = forward_accumulators(q, q_pos, tile_size)
+        forward_tiles(queries, key_tiles(k, v, k_pos, k_valid, tile_size), outs, lses, scale)
         out, lse = torch.cat(outs, dim=2).to(q.dtype), torch.cat(lses, dim=2)
         ctx.save_for_backward(q, k, v, out, lse, q_pos, k_pos, k_valid)
         ctx.scale, ctx.tile_size = scale, tile_size
@@ -193,19 +234,8 @@ class TiledAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout, dlse):
         q, k, v, out, lse, q_pos, k_pos, k_valid = ctx.saved_tensors
-        t = ctx.tile_size
-        acc = accum_dtype(q.dtype)
-        dout = dout.to(acc)
-        dlse = lse_gradient(dlse, lse)
-        delta = (dout * out.to(acc)).sum(-1)
-        dq = torch.zeros(q.shape, dtype=acc, device=q.device)
-        dkv = torch.zeros((2, *k.shape), dtype=acc, device=k.device)
-        queries = (split_tiles(q.to(acc), 2, t), split_tiles(q_pos, 1, t), split_tiles(dout, 2, t),
-                   split_tiles(dlse, 2, t), split_tiles(delta, 2, t), split_tiles(lse, 2, t))
-        keys = (split_tiles(k.to(acc), 2, t), split_tiles(v.to(acc), 2, t), split_tiles(k_pos, 1, t),
-                split_tiles(k_valid, 1, t))
-        backward_tiles(queries, keys, split_tiles(dq, 2, t), split_tiles(dkv[0], 2, t), split_tiles(dkv[1], 2, t),
-                       ctx.scale)
+        queries, dq, dq_tiles = backward_queries(dout, dlse, q, q_pos, out, lse, ctx.tile_size)
+        dkv, _ = key_block_gradients(queries, dq_tiles, k, v, k_pos, k_valid, ctx.scale, ctx.tile_size)
         return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None, None
 
 
