@@ -54,11 +54,21 @@ class TrainArgs:
     extra: dict = field(default_factory=dict)
 
 
-def _int_list(text: str) -> list[int]:
+def int_list(text: str, minimum: int | None = None) -> list[int]:
+    """argparse type: ``"1,2,4"`` -> [1, 2, 4]. ArgumentTypeError naming the text when a part is not an integer,
+    or (with ``minimum``) when the list is empty or a value is below it."""
     try:
-        return [int(x) for x in text.split(",") if x.strip()]
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from exc
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if minimum is not None and (not values or min(values) < minimum):
+        raise argparse.ArgumentTypeError(f"expected integers >= {minimum}, got {text!r}")
+    return values
+
+
+def positive_int_list(text: str) -> list[int]:
+    """argparse type: a non-empty ``int_list`` of values >= 1 (parallel sizes, draft-token counts)."""
+    return int_list(text, minimum=1)
 
 
 def _positive(text: str) -> int:
@@ -112,7 +122,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="resume from OUTPUT/checkpoints/latest, or from the given checkpoint folder")
     p.add_argument("--tp-size", type=_positive, help="override parallelism.tp_size of the JSON")
     p.add_argument("--cp-size", type=_positive, help="override parallelism.cp_size of the JSON")
-    p.add_argument("--aux-layer-ids", type=_int_list, help="target layers for aux hidden states, e.g. 1,14,26")
+    p.add_argument("--aux-layer-ids", type=int_list, help="target layers for aux hidden states, e.g. 1,14,26")
     p.add_argument("--lm-head-init", choices=["target", "random"], default="target",
                    help="initialise the draft lm_head from the target's rows of the draft vocabulary")
     p.add_argument("--cache-dir", type=Path, help="cache for tokenised data and vocab maps (default OUTPUT/cache)")

@@ -25,6 +25,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
+from recipe.config import positive_int_list
 from recipe.parallel.spawn import free_port
 
 REPO = Path(__file__).resolve().parent.parent
@@ -48,7 +49,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--launcher", choices=["deepspeed", "torchrun"], default="deepspeed")
     p.add_argument("--eval-prompts", type=int, default=16, help="MT-Bench first turns to evaluate on, spread evenly over the file (so over its categories)")
     p.add_argument("--max-new-tokens", type=int, default=64, help="new tokens per evaluation prompt")
-    p.add_argument("--num-draft-tokens", default="5,3", help="k values; the first is the headline")
+    p.add_argument("--num-draft-tokens", type=positive_int_list, default=[5, 3],
+                   help="k values, e.g. 5,3; the first is the headline")
     p.add_argument("--seed", type=int, default=0)
     return p
 
@@ -190,7 +192,7 @@ def summary_table(result: dict, seconds: dict[str, float]) -> Table:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    ks = [int(x) for x in args.num_draft_tokens.split(",")]
+    ks = args.num_draft_tokens
     args.output = args.output.resolve()
     args.output.mkdir(parents=True, exist_ok=True)
     console = Console()

@@ -20,6 +20,7 @@ import torch.distributed as dist
 from rich.console import Console
 from rich.table import Table
 
+from recipe.config import int_list
 from recipe.data.store import DTYPES, HiddenStateStore, StoreMeta, examples_hash
 from recipe.data.store_writer import StoreWriter, shard_plan
 
@@ -121,7 +122,7 @@ def _parse(argv=None) -> argparse.Namespace:
     p.add_argument("--batch-size", type=int, default=8, help="samples per target forward pass")
     p.add_argument("--shard-size", type=int, default=64, help="samples per shard file (held in memory)")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16", help="stored hidden-state dtype")
-    p.add_argument("--aux-layer-ids", type=lambda s: [int(x) for x in s.split(",")],
+    p.add_argument("--aux-layer-ids", type=int_list,
                    help="comma-separated decoder layer ids (default [1, L//2-1, L-4])")
     p.add_argument("--num-proc", type=int, default=1, help="tokenisation worker processes")
     p.add_argument("--cache-dir", help="datasets cache folder for the tokenised examples")

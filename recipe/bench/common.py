@@ -1,25 +1,13 @@
-"""Helpers shared by the TP and CP benchmarks: byte formatting, int-list flags, JSON (process launch lives in
-``recipe.parallel.spawn``)."""
+"""Helpers shared by the TP and CP benchmarks: byte counts and JSON (process launch lives in
+``recipe.parallel.spawn``, the int-list flag type in ``recipe.config``)."""
 from __future__ import annotations
 
-import argparse
 import json
 from pathlib import Path
 
 from recipe.parallel.spawn import spawn_gloo_ranks as spawn_ranks  # noqa: F401 - used by the tp benchmark
 
 MIB, GIB = 1024 ** 2, 1024 ** 3
-
-
-def int_list(text: str) -> list[int]:
-    """``"1,2,4"`` -> [1, 2, 4]; argparse error naming the text for anything else (or a value < 1)."""
-    try:
-        values = [int(v) for v in text.split(",") if v.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers like 1,2,4, got {text!r}") from None
-    if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError(f"expected integers >= 1, got {text!r}")
-    return values
 
 
 def tensor_bytes(tensors) -> int:

@@ -22,8 +22,9 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from recipe.bench.common import GIB, MIB, int_list, write_json
+from recipe.bench.common import GIB, MIB, write_json
 from recipe.bench.measure import BenchSpec, run_measurement
+from recipe.config import positive_int_list
 from recipe.parallel.cp_shard import contiguous_indices, zigzag_indices
 
 NUM_CHUNKS = 2  # local chunks per shard in the ring's work skipping (kernels.ring_attention default)
@@ -162,7 +163,7 @@ def plot(res: dict, path: Path) -> bool:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m recipe.bench cp", description=__doc__.split("\n\n")[0])
-    p.add_argument("--cp", type=int_list, default=[1, 2, 4], help="context-parallel sizes (default 1,2,4)")
+    p.add_argument("--cp", type=positive_int_list, default=[1, 2, 4], help="context-parallel sizes (default 1,2,4)")
     p.add_argument("--length", type=int, default=2048, help="global sequence length of the fixed-length table")
     p.add_argument("--budget-gib", type=float, default=0.25, help="per-rank activation budget of the length search")
     p.add_argument("--search-step", type=int, default=256, help="length granularity of the search")

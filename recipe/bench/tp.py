@@ -23,8 +23,9 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from recipe.bench.common import GIB, MIB, int_list, spawn_ranks, tensor_bytes, write_json
+from recipe.bench.common import GIB, MIB, spawn_ranks, tensor_bytes, write_json
 from recipe.bench.measure import BenchSpec, CpuPeak, build_model, random_batch
+from recipe.config import positive_int_list
 
 
 def _train_step(model, batch, optimizer) -> float:
@@ -95,7 +96,7 @@ def table(results: list[dict], spec: BenchSpec) -> Table:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m recipe.bench tp", description=__doc__.split("\n\n")[0])
-    p.add_argument("--tp", type=int_list, default=[1, 2, 4], help="tensor-parallel sizes (default 1,2,4)")
+    p.add_argument("--tp", type=positive_int_list, default=[1, 2, 4], help="tensor-parallel sizes (default 1,2,4)")
     p.add_argument("--length", type=int, default=1024, help="sequence length (tokens, default 1024)")
     p.add_argument("--hidden", type=int, default=512)
     p.add_argument("--heads", type=int, default=8)

@@ -16,15 +16,7 @@ import os
 import sys
 from pathlib import Path
 
-
-def _ks(text: str) -> list[int]:
-    try:
-        ks = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
-    if not ks or min(ks) < 1:
-        raise argparse.ArgumentTypeError(f"draft token counts must be >= 1, got {text!r}")
-    return ks
+from recipe.config import positive_int_list
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -33,7 +25,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--draft", type=Path, action="append", required=True,
                    help="draft export folder (config.json + model.safetensors); repeat to compare several")
     p.add_argument("--prompts", type=Path, help='JSONL of {"prompt" or "turns", "category"} (default: MT-Bench)')
-    p.add_argument("--num-draft-tokens", type=_ks, default=[5], help="k, draft tokens per round (e.g. 5 or 5,3)")
+    p.add_argument("--num-draft-tokens", type=positive_int_list, default=[5],
+                   help="k, draft tokens per round (e.g. 5 or 5,3)")
     p.add_argument("--max-new-tokens", type=int, default=128, help="new tokens per prompt")
     p.add_argument("--limit", type=int, help="evaluate the first N prompts")
     p.add_argument("--output", type=Path, help="write the results as JSON here")
