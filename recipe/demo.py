@@ -26,7 +26,7 @@ from rich.console import Console
 from rich.table import Table
 
 from recipe.config import positive_int_list
-from recipe.parallel.spawn import free_port
+from recipe.train.distributed import free_port
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -22,9 +22,6 @@ from safetensors.torch import save_file
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
-# Checkpoint folders carry a consolidated copy of the draft next to DeepSpeed's shards (recipe.train.checkpoint).
-CHECKPOINT_DRAFT = "draft.safetensors"
-CHECKPOINT_CONFIG = "draft_config.json"
 
 REQUIRED_CONFIG = ("architectures", "model_type", "hidden_size", "intermediate_size", "num_attention_heads",
                    "num_key_value_heads", "num_hidden_layers", "vocab_size", "draft_vocab_size", "rms_norm_eps",
@@ -165,17 +162,12 @@ def check_export(path: Path) -> list[str]:
 
 
 def export_checkpoint(checkpoint_dir: Path, out_dir: Path) -> Path:
-    """Export from a checkpoint folder written by the training loop (its consolidated draft copy)."""
-    checkpoint_dir = Path(checkpoint_dir)
-    if (checkpoint_dir / "latest").is_file():
-        checkpoint_dir = checkpoint_dir / (checkpoint_dir / "latest").read_text().strip()
-    weights, cfg_file = checkpoint_dir / CHECKPOINT_DRAFT, checkpoint_dir / CHECKPOINT_CONFIG
-    for f in (weights, cfg_file):
-        if not f.is_file():
-            raise ValueError(f"{f}: missing — is {checkpoint_dir} a checkpoint folder written by run.py?")
-    with safe_open(str(weights), framework="pt") as f:
-        state = {k: f.get_tensor(k) for k in f.keys()}
-    return write_export(export_tensors(state), json.loads(cfg_file.read_text()), out_dir)
+    """Export from a checkpoint folder written by the training loop (its consolidated draft copy, see
+    ``recipe.train.checkpoint.read_draft``). Raises ValueError naming a missing file."""
+    from recipe.train.checkpoint import read_draft
+
+    state, config = read_draft(checkpoint_dir)
+    return write_export(export_tensors(state), config, out_dir)
 
 
 def main(argv: list[str] | None = None) -> int:

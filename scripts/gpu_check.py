@@ -32,7 +32,7 @@ from rich.console import Console  # noqa: E402
 
 from recipe.bench.estimate import estimate_step_bytes  # noqa: E402
 from recipe.bench.measure import LAYOUTS, BenchSpec, build_model, random_batch, time_step  # noqa: E402
-from recipe.bench.memory import _lengths, _layouts, print_report  # noqa: E402
+from recipe.bench.memory import length_list, layout_list, print_report  # noqa: E402
 
 LLAMA_8B_DRAFT = dict(hidden=4096, heads=32, kv_heads=8, head_dim=128, intermediate=14336, draft_vocab=32000,
                       vocab=32000, target_hidden=4096)
@@ -44,8 +44,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", type=Path, help="output folder (default $OUT, else ./gpu_check_out)")
     p.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU (64/128 tokens, K=2)")
-    p.add_argument("--lengths", type=_lengths, help="default 4k,8k,16k,32k,64k (smoke: 64,128)")
-    p.add_argument("--layouts", type=_layouts, default=["chunked+ckpt", "chunked", "ckpt", "full"])
+    p.add_argument("--lengths", type=length_list, help="default 4k,8k,16k,32k,64k (smoke: 64,128)")
+    p.add_argument("--layouts", type=layout_list, default=["chunked+ckpt", "chunked", "ckpt", "full"])
     p.add_argument("--ttt-steps", type=int, help="TTT steps K (default 7; smoke 2)")
     p.add_argument("--loss-chunk-size", type=int, help="positions per loss chunk (default 4096; smoke 32)")
     p.add_argument("--attention-tile", type=int,

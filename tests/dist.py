@@ -9,7 +9,7 @@ Each rank has the default process group initialised (gloo, a free port on 127.0.
 """
 from __future__ import annotations
 
-from recipe.parallel.spawn import spawn_gloo_ranks
+from recipe.bench.ranks import spawn_gloo_ranks
 
 
 def run_ranks(world_size: int, fn, *args, timeout: float = 600.0) -> list:

@@ -16,7 +16,9 @@ import pytest
 import torch
 
 from recipe import assets as assets_module
-from recipe import assets_cache, assets_data, assets_target
+from recipe.assets import cache as assets_cache
+from recipe.assets import data as assets_data
+from recipe.assets import target as assets_target
 from recipe.assets import AssetSourceError, prepare_assets
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -4,9 +4,10 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from recipe.model.target import TargetModel, default_aux_layer_ids, target_fingerprint, validate_aux_layer_ids
 from tiny_llama import save_tiny_llama
+
+from recipe.model.aux_layers import default_aux_layer_ids, validate_aux_layer_ids
+from recipe.model.target import TargetModel, target_fingerprint
 
 
 @pytest.fixture(scope="module")

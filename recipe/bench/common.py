@@ -1,11 +1,9 @@
-"""Helpers shared by the TP and CP benchmarks: byte counts and JSON (process launch lives in
-``recipe.parallel.spawn``, the int-list flag type in ``recipe.config``)."""
+"""Helpers shared by the benchmarks: byte counts and JSON (process launch lives in ``recipe.bench.ranks``, the
+int-list flag type in ``recipe.config``)."""
 from __future__ import annotations
 
 import json
 from pathlib import Path
-
-from recipe.parallel.spawn import spawn_gloo_ranks as spawn_ranks  # noqa: F401 - used by the tp benchmark
 
 MIB, GIB = 1024 ** 2, 1024 ** 3
 

@@ -23,7 +23,7 @@ import torch
 
 from recipe.bench.estimate import StepShape
 from recipe.parallel.apply_attention import install_causal_attention
-from recipe.parallel.spawn import free_port
+from recipe.train.distributed import free_port
 
 LAYOUTS = {"full": (False, False), "chunked": (True, False), "ckpt": (False, True), "chunked+ckpt": (True, True)}
 """Layout name -> (chunked loss, checkpointed TTT steps)."""

@@ -38,14 +38,16 @@ def parse_length(text: str) -> int:
     return int(value)
 
 
-def _lengths(text: str) -> list[int]:
+def length_list(text: str) -> list[int]:
+    """argparse type: ``"2k,4k,512"`` -> sorted distinct lengths in tokens (k = 1024); ArgumentTypeError otherwise."""
     try:
         return sorted({parse_length(x) for x in text.split(",") if x.strip()})
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
-def _layouts(text: str) -> list[str]:
+def layout_list(text: str) -> list[str]:
+    """argparse type: comma-separated names of ``recipe.bench.measure.LAYOUTS``; ArgumentTypeError naming unknown ones."""
     names = [x.strip() for x in text.split(",") if x.strip()]
     bad = [n for n in names if n not in LAYOUTS]
     if bad or not names:
@@ -66,8 +68,8 @@ def _available_gib() -> float | None:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m recipe.bench.memory", description=__doc__.split("\n\n")[0])
-    p.add_argument("--lengths", type=_lengths, default=_lengths("1k,2k,4k"), help="e.g. 2k,4k,8k (k = 1024)")
-    p.add_argument("--layouts", type=_layouts, default=list(LAYOUTS), help=f"subset of {','.join(LAYOUTS)}")
+    p.add_argument("--lengths", type=length_list, default=length_list("1k,2k,4k"), help="e.g. 2k,4k,8k (k = 1024)")
+    p.add_argument("--layouts", type=layout_list, default=list(LAYOUTS), help=f"subset of {','.join(LAYOUTS)}")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (spawned, gloo on CPU)")
     p.add_argument("--cp", type=int, default=1, help="context-parallel ranks (spawned, gloo on CPU)")
     p.add_argument("--hidden", type=int, default=256, help="draft hidden size H")

@@ -23,8 +23,9 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from recipe.bench.common import GIB, MIB, spawn_ranks, tensor_bytes, write_json
+from recipe.bench.common import GIB, MIB, tensor_bytes, write_json
 from recipe.bench.measure import BenchSpec, CpuPeak, build_model, random_batch
+from recipe.bench.ranks import spawn_gloo_ranks
 from recipe.config import positive_int_list
 
 
@@ -70,7 +71,7 @@ def run(spec: BenchSpec, tps: list[int]) -> list[dict]:
     """Per-layout result dicts: ``tp``, ``ranks`` (each rank's ``_rank`` dict) and the maxima over ranks."""
     results = []
     for tp in tps:
-        ranks = spawn_ranks(tp, _rank, dataclasses.asdict(dataclasses.replace(spec, tp=tp)))
+        ranks = spawn_gloo_ranks(tp, _rank, dataclasses.asdict(dataclasses.replace(spec, tp=tp)))
         row = {"tp": tp, "ranks": ranks}
         for key in ("param_bytes", "grad_bytes", "optimizer_bytes", "frozen_bytes", "peak_bytes", "step_act_bytes",
                     "seconds"):

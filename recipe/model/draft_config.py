@@ -13,7 +13,7 @@ from typing import Any, Mapping
 
 from transformers import LlamaConfig
 
-from recipe.model.target import default_aux_layer_ids
+from recipe.model.aux_layers import default_aux_layer_ids
 
 EXPORT_ARCHITECTURE = "LlamaForCausalLMEagle3"
 

@@ -26,14 +26,15 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.distributed as dist
+from safetensors import safe_open
 from safetensors.torch import save_file
-
-from recipe.export import CHECKPOINT_CONFIG, CHECKPOINT_DRAFT
 
 PARTIAL = ".partial"
 LATEST = "latest"
 RUN_STATE = "run_state.json"
 VOCAB_FILE = "vocab_map.safetensors"
+DRAFT_FILE = "draft.safetensors"  # the full draft (ZeRO-gathered, TP-consolidated), what the export is made from
+DRAFT_CONFIG_FILE = "draft_config.json"  # the export config.json
 
 
 def tag_for(step: int) -> str:
@@ -134,8 +135,8 @@ def save(engine, root: Path, step: int, run_state: dict, draft_state: dict[str, 
         torch.save(rng_state(), partial / tag / f"rng-rank{rank:05d}.pt")
         if rank != 0:
             return
-        save_file({k: v.contiguous() for k, v in draft_state.items()}, str(partial / tag / CHECKPOINT_DRAFT))
-        (partial / tag / CHECKPOINT_CONFIG).write_text(json.dumps(draft_config, indent=2, sort_keys=True) + "\n")
+        save_file({k: v.contiguous() for k, v in draft_state.items()}, str(partial / tag / DRAFT_FILE))
+        (partial / tag / DRAFT_CONFIG_FILE).write_text(json.dumps(draft_config, indent=2, sort_keys=True) + "\n")
         save_file(vocab_files, str(partial / tag / VOCAB_FILE))
         for name, src in (extra_files or {}).items():
             if Path(src).is_file():
@@ -170,6 +171,21 @@ def save(engine, root: Path, step: int, run_state: dict, draft_state: dict[str, 
 
     _agree(_attempt(update_latest) if rank == 0 else None, what, previous)
     return final
+
+
+def read_draft(checkpoint_dir: Path) -> tuple[dict[str, torch.Tensor], dict]:
+    """(full draft tensors, export config dict) of a checkpoint folder, or of the one a ``latest`` marker in it
+    names. Raises ValueError naming the missing file when the folder is not a checkpoint written by run.py."""
+    checkpoint_dir = Path(checkpoint_dir)
+    if (checkpoint_dir / LATEST).is_file():
+        checkpoint_dir = checkpoint_dir / (checkpoint_dir / LATEST).read_text().strip()
+    weights, cfg_file = checkpoint_dir / DRAFT_FILE, checkpoint_dir / DRAFT_CONFIG_FILE
+    for f in (weights, cfg_file):
+        if not f.is_file():
+            raise ValueError(f"{f}: missing — is {checkpoint_dir} a checkpoint folder written by run.py?")
+    with safe_open(str(weights), framework="pt") as f:
+        state = {k: f.get_tensor(k) for k in f.keys()}
+    return state, json.loads(cfg_file.read_text())
 
 
 def prune(root: Path, keep: int) -> None:

@@ -7,10 +7,16 @@ The launchers export RANK/WORLD_SIZE/LOCAL_RANK/MASTER_ADDR/MASTER_PORT; a plain
 from __future__ import annotations
 
 import os
+import socket
 
 import torch
 
-from recipe.parallel.spawn import free_port
+
+def free_port() -> int:
+    """A free TCP port on 127.0.0.1 for a local rendezvous (one-process runs, the demo's launcher, benchmarks)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 def init_distributed() -> tuple[torch.device, bool]:

