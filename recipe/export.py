@@ -55,13 +55,14 @@ def expected_shapes(cfg: dict) -> dict[str, tuple[int, ...]]:
 
 
 def export_tensors(draft_state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Pick the export tensors out of a full draft state dict (drops embeddings and any ``draft.`` prefix)."""
+    """Pick the export tensors out of a full draft state dict (drops the embedding, see
+    ``recipe.model.draft.is_exported``, and any ``draft.`` prefix); CPU, contiguous, d2t int64, t2d bool."""
+    from recipe.model.draft import is_exported
+
     out = {}
     for name, tensor in draft_state.items():
-        name = name.removeprefix("draft.")
-        if name.startswith("embed_tokens"):
-            continue
-        out[name] = tensor.detach().to("cpu").contiguous()
+        if is_exported(name):
+            out[name.removeprefix("draft.")] = tensor.detach().to("cpu").contiguous()
     out["d2t"] = out["d2t"].to(torch.int64)
     out["t2d"] = out["t2d"].to(torch.bool)
     return out

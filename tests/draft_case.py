@@ -12,10 +12,10 @@ import copy
 import torch
 import torch.distributed as dist
 
-from kernels.ring_attention import make_ring_causal_attention
-from recipe.model.draft import Eagle3DraftConfig
+from recipe.config import MemoryOptions
+from recipe.model.draft_config import Eagle3DraftConfig
 from recipe.model.ttt import TTTModel, make_ttt_batch, target_in_draft_vocab, ttt_objective
-from recipe.parallel.apply_tp import apply_tensor_parallel
+from recipe.parallel.parallelize import parallelize
 from recipe.parallel.cp_shard import pad_to_multiple, shard_ttt_batch
 from recipe.parallel.dims import ParallelDims
 from recipe.parallel.topology import ParallelState
@@ -100,16 +100,14 @@ def run_layout(rank: int, world: int, tp: int, cp: int, K: int, seed: int, seq_l
     ref_grads = {n: p.grad.clone() for n, p in ref_model.named_parameters() if p.requires_grad}
 
     pstate = ParallelState(ParallelDims(world_size=world, tp=tp, cp=cp))
-    par_model = apply_tensor_parallel(copy.deepcopy(model), pstate.tp_group)
+    par_model = parallelize(copy.deepcopy(model), pstate, MemoryOptions(attention_tile_size=None))
     counts = None
     local = batch
     if cp > 1:
-        ring = make_ring_causal_attention(pstate.cp_group)
-        par_model.draft.midlayer.self_attn.causal_attention = ring
         local = shard_ttt_batch(batch, cp, pstate.cp_rank)
     loss_K, correct_K, valid_K = forward_backward(par_model, local, n_valid)
     if cp > 1:
-        counts = dict(vars(ring.comm.counts))
+        counts = dict(vars(par_model.draft.midlayer.self_attn.causal_attention.comm.counts))
     par = (_sum(loss_K, pstate.cp_group), _sum(correct_K, pstate.cp_group), _sum(valid_K, pstate.cp_group),
            full_grads(par_model, pstate.cp_group, pstate.tp_group))
     return {"ref": (*ref, ref_grads), "par": par, "counts": counts, "cp_rank": pstate.cp_rank,

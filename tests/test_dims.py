@@ -4,8 +4,7 @@ import re
 import pytest
 from deepspeed.runtime.pipe.topology import ProcessTopology
 
-from recipe.parallel.dims import (ParallelDims, RankCoord, group_rank_lists, rank_at, rank_coords,
-                                  strip_from_ds_config)
+from recipe.parallel.dims import ParallelDims, RankCoord, check_tp_divides, group_rank_lists, rank_coords, seq_divisor
 
 GRIDS = [(1, 1, 1), (2, 1, 1), (1, 2, 1), (1, 1, 2), (2, 2, 2), (3, 2, 2), (2, 3, 4), (1, 4, 2), (4, 1, 3)]
 
@@ -16,7 +15,8 @@ def test_rank_grid_matches_deepspeed_topology(dp, cp, tp):
     for rank in range(dp * cp * tp):
         ds = topo.get_coord(rank)
         assert rank_coords(rank, dp, cp, tp) == RankCoord(ds.dp, ds.cp, ds.tp)
-        assert rank_at(rank_coords(rank, dp, cp, tp), dp, cp, tp) == rank
+        c = rank_coords(rank, dp, cp, tp)
+        assert (c.dp * cp + c.cp) * tp + c.tp == rank  # tp fastest, then cp, then dp
     for axis in ("dp", "cp", "tp"):
         assert group_rank_lists(axis, dp, cp, tp) == sorted(topo.get_axis_comm_lists(axis))
     assert group_rank_lists("dp_cp", dp, cp, tp) == [topo.filter_match(tp=t) for t in range(tp)]
@@ -38,7 +38,7 @@ def test_rank_grid_explicit_layout():
 def test_dims_infer_and_derived():
     d = ParallelDims(world_size=8, tp=2, cp=2)
     assert (d.dp, d.dp_cp, d.seq_divisor) == (2, 4, 8)
-    assert (d.tp_enabled, d.cp_enabled, d.dp_enabled) == (True, True, True)
+    assert seq_divisor(cp=3, tp=2) == 12
     assert d.coords(5) == RankCoord(1, 0, 1)
     assert d.group_ranks("dp_cp") == [[0, 2, 4, 6], [1, 3, 5, 7]]
     one = ParallelDims(world_size=1)
@@ -81,21 +81,12 @@ def test_from_config():
         ParallelDims.from_config({"tp_size": 2, "dp_size": 2}, world_size=2)
 
 
-def test_validate_model_names_every_bad_dimension():
-    ParallelDims(world_size=2, tp=2).validate_model(num_heads=4, num_kv_heads=2, draft_vocab_size=32,
-                                                    intermediate_size=64)
+def test_check_tp_divides_names_every_bad_dimension():
+    check_tp_divides(2, {"num_attention_heads": 4, "num_key_value_heads": 2, "draft_vocab_size": 32,
+                         "intermediate_size": 64})
     with pytest.raises(ValueError) as err:
-        ParallelDims(world_size=4, tp=4).validate_model(num_heads=8, num_kv_heads=2, draft_vocab_size=30,
-                                                        intermediate_size=64)
+        check_tp_divides(4, {"num_attention_heads": 8, "num_key_value_heads": 2, "draft_vocab_size": 30,
+                             "intermediate_size": 64})
     msg = str(err.value)
     assert "tp=4" in msg and "num_key_value_heads=2" in msg and "draft_vocab_size=30" in msg
     assert "num_attention_heads" not in msg and "intermediate_size" not in msg
-
-
-def test_strip_from_ds_config():
-    cfg = {"train_batch_size": 4, "parallelism": {"tp_size": 2}, "zero_optimization": {"stage": 1}}
-    out = strip_from_ds_config(cfg)
-    assert out == {"train_batch_size": 4, "zero_optimization": {"stage": 1}}
-    assert cfg["parallelism"] == {"tp_size": 2}  # input untouched
-    out["zero_optimization"]["stage"] = 3
-    assert cfg["zero_optimization"]["stage"] == 1  # deep copy

@@ -8,7 +8,9 @@ import torch
 from transformers import LlamaConfig
 
 from kernels.ttt_attention import TTTKVCache
-from recipe.model.draft import EXPORT_EXCLUDED_KEYS, Eagle3Draft, Eagle3DraftConfig, load_draft_config_overrides
+from recipe.model.draft import EXPORT_EXCLUDED_KEYS, Eagle3Draft
+from recipe.model.draft_config import Eagle3DraftConfig, load_draft_config_overrides
+from recipe.export import export_tensors
 
 EXPORT_KEYS = {
     "fc.weight", "midlayer.hidden_norm.weight", "midlayer.input_layernorm.weight",
@@ -117,7 +119,7 @@ def test_load_draft_config_overrides_reports_file_problems(tmp_path):
 def test_module_names_are_the_export_keys_and_embedding_is_frozen():
     draft = Eagle3Draft(tiny_config())
     assert set(draft.state_dict()) == EXPORT_KEYS | set(EXPORT_EXCLUDED_KEYS)
-    assert set(draft.export_state_dict()) == EXPORT_KEYS
+    assert set(export_tensors(draft.state_dict())) == EXPORT_KEYS
     assert not draft.embed_tokens.weight.requires_grad
     assert draft.fc.weight.shape == (32, 72) and draft.lm_head.weight.shape == (40, 32)
     assert draft.midlayer.self_attn.q_proj.weight.shape == (32, 64)

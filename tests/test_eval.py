@@ -14,7 +14,8 @@ from recipe.eval.speculative import (Generation, MismatchError, OracleDrafter, c
                                      speculative_generate)
 from recipe.eval.target_runtime import CachedTarget
 from recipe.export import export_tensors, write_export
-from recipe.model.draft import Eagle3Draft, TTTKVCache
+from kernels.ttt_attention import TTTKVCache
+from recipe.model.draft import Eagle3Draft
 from recipe.model.draft_config import Eagle3DraftConfig
 from recipe.model.target import TargetModel
 from tiny_llama import save_tiny_llama

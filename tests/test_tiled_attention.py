@@ -134,7 +134,7 @@ def test_ttt_draft_with_tiled_attention_matches_dense(K, memory_switches):
 
 
 def test_install_causal_attention_selects_tiled_dense_or_refuses():
-    from recipe.parallel.apply_attention import install_causal_attention
+    from recipe.parallel.parallelize import install_causal_attention
 
     draft, _, _, _ = model_pair(seed=1, K=1)
     attention = install_causal_attention(draft, 256)

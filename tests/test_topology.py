@@ -6,7 +6,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dist import run_ranks
-from recipe.parallel.apply_tp import consolidate_tp_state_dict
+from recipe.parallel.parallelize import gather_full_tensors
 from recipe.parallel.dims import ParallelDims
 from recipe.parallel.topology import ParallelState
 from recipe.parallel.tp_layers import ColumnParallelLinear, RowParallelLinear
@@ -127,8 +127,7 @@ def _ds_engine_step(world, tp, cp, stage, clip, mark):
     engine.step()
     norm = engine.get_global_grad_norm()
     norm = float(norm.item() if torch.is_tensor(norm) else norm)
-    with deepspeed.zero.GatheredParameters(list(engine.module.parameters()), enabled=stage == 3):
-        full = consolidate_tp_state_dict(engine.module, state.tp_group)
+    full = gather_full_tensors(engine.module, state.tp_group)
     engine.destroy()
     return norm, full
 

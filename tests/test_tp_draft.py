@@ -19,20 +19,20 @@ CASES = [(1, torch.float64), (7, torch.float64), (3, torch.float32)]
 def _export(rank, world):
     """Export tensors of the same full weights at tp=1 and at tp=2 (via the training loop's gather)."""
     from recipe.export import check_tensors, export_tensors
-    from recipe.parallel.apply_tp import apply_tensor_parallel, consolidate_tp_state_dict
+    from recipe.parallel.apply_tp import apply_tensor_parallel
     from recipe.parallel.dims import ParallelDims
+    from recipe.parallel.parallelize import gather_full_state, gather_full_tensors
     from recipe.parallel.topology import ParallelState
-    from recipe.train.loop import full_draft_state
 
     model, _ = build_case(seed=5, K=1, seq_len=SEQ, dtype=torch.float32)
     full = {k: v.clone() for k, v in model.state_dict().items()}
     single = ParallelState(ParallelDims(world_size=world, tp=1))  # dp=2: a tp group of size 1
     tp_state = ParallelState(ParallelDims(world_size=world, tp=2))
-    ref = export_tensors(full_draft_state(SimpleNamespace(module=model), single))
+    ref = export_tensors(gather_full_state(SimpleNamespace(module=model), single))
     apply_tensor_parallel(model, tp_state.tp_group)
     sharded_q = tuple(model.draft.midlayer.self_attn.q_proj.weight.shape)
-    exported = export_tensors(full_draft_state(SimpleNamespace(module=model), tp_state))
-    consolidated = consolidate_tp_state_dict(model, tp_state.tp_group)
+    exported = export_tensors(gather_full_state(SimpleNamespace(module=model), tp_state))
+    consolidated = gather_full_tensors(model, tp_state.tp_group)
     problems = check_tensors(exported, tiny_config().to_hf_dict())
     return {"ref": ref, "tp": exported, "consolidated": consolidated, "full": full, "problems": problems,
             "sharded_q": sharded_q}

@@ -14,7 +14,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from dist import run_ranks
-from recipe.parallel.apply_tp import apply_tensor_parallel, consolidate_tp_state_dict
+from recipe.parallel.apply_tp import apply_tensor_parallel
+from recipe.parallel.parallelize import gather_full_tensors
 from recipe.parallel.mappings import (copy_to_tp_region, gather_from_tp_region, reduce_from_tp_region,
                                       scatter_to_tp_region)
 from recipe.parallel.tp_layers import (ColumnParallelLinear, RowParallelLinear, VocabParallelLMHead, gather_tensor,
@@ -152,8 +153,8 @@ def _linear_layers(rank, world, dtype):
                  exact)
     assert_match(col.bias.grad, shard(full_col.bias.grad, 0, rank, world), dtype, "column bias grad shard", exact)
     rels["input grad"] = assert_close(x_tp.grad, x_ref.grad, dtype, "input grad (all-reduced)")
-    assert_equal(col.gather_full_weight(), full_col.weight.detach(), "column gather_full_weight")
-    assert_equal(row.gather_full_weight(), full_row.weight.detach(), "row gather_full_weight")
+    assert_equal(gather_tensor(col.weight, 0, group), full_col.weight.detach(), "column weight gathered")
+    assert_equal(gather_tensor(row.weight, 1, group), full_row.weight.detach(), "row weight gathered")
 
     # Row-parallel alone on a sharded input: input-gradient shard needs no reduction.
     xin = torch.randn(2, 3, 4 * world, dtype=dtype)
@@ -346,7 +347,7 @@ def _apply_tp(rank, world, dtype):
         assert_close(grad, ref_params[name].grad, dtype, f"grad {name}")
         checked += 1
     assert checked == len(ref_params)
-    consolidated = consolidate_tp_state_dict(model, group)
+    consolidated = gather_full_tensors(model, group)
     assert consolidated.keys() == full_state.keys()
     for key, value in full_state.items():
         assert_equal(consolidated[key], value, f"consolidated {key}")
@@ -359,7 +360,7 @@ def test_apply_tensor_parallel_stand_in_matches_single_device(ranks):
 
 def _apply_tp_bad_heads(rank, world, dtype):
     model = _TTT(torch.float32, hidden=8, heads=4 * world, kv_heads=3, head_dim=4, inter=4 * world, vd=4 * world)
-    with pytest.raises(ValueError, match=rf"tensor-parallel size {world} must divide.*num_key_value_heads=3") as err:
+    with pytest.raises(ValueError, match=rf"tensor-parallel size tp={world} must divide.*num_key_value_heads=3") as err:
         apply_tensor_parallel(model, dist.group.WORLD)
     assert "num_attention_heads" not in str(err.value) and "intermediate_size" not in str(err.value)
     assert isinstance(model.draft.midlayer.self_attn.q_proj, nn.Linear)  # untouched on error

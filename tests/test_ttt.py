@@ -251,4 +251,4 @@ def test_ttt_objective_weights_steps_and_guards_empty_counts():
                     valid_K=torch.tensor([2, 3, 0]))
     value = ttt_objective(out, torch.tensor([2, 3, 0]))
     assert abs(value.item() - (4.0 / 2 + 0.8 * 6.0 / 3 + 0.64 * 3.0 / 1)) < 1e-6
-    assert abs(ttt_objective(out, [4, 4, 4], decay=0.5).item() - (1.0 + 0.5 * 1.5 + 0.25 * 0.75)) < 1e-6
+    assert abs(ttt_objective(out, [4, 4, 4]).item() - (1.0 + 0.8 * 1.5 + 0.64 * 0.75)) < 1e-6

@@ -22,7 +22,9 @@ from dataclasses import dataclass
 import torch
 
 from recipe.bench.estimate import StepShape
-from recipe.parallel.apply_attention import install_causal_attention
+from recipe.config import MemoryOptions
+from recipe.parallel.dims import check_tp_divides, seq_divisor
+from recipe.parallel.parallelize import parallelize
 from recipe.train.distributed import free_port
 
 LAYOUTS = {"full": (False, False), "chunked": (True, False), "ckpt": (False, True), "chunked+ckpt": (True, True)}
@@ -63,12 +65,9 @@ class BenchSpec:
             raise ValueError(f"unknown layout {self.layout!r}; choose from {sorted(LAYOUTS)}")
         if self.dtype not in DTYPES:
             raise ValueError(f"unknown dtype {self.dtype!r}; choose from {sorted(DTYPES)}")
-        split = {"heads": self.heads, "kv_heads": self.kv_heads, "intermediate": self.intermediate,
-                 "draft_vocab": self.draft_vocab}
-        bad = [f"{k}={v}" for k, v in split.items() if v % self.tp]
-        if bad:
-            raise ValueError(f"tp={self.tp} must divide {', '.join(bad)}")
-        divisor = 2 * self.cp * self.tp if self.cp > 1 else self.tp
+        check_tp_divides(self.tp, {"num_attention_heads": self.heads, "num_key_value_heads": self.kv_heads,
+                                   "intermediate_size": self.intermediate, "draft_vocab_size": self.draft_vocab})
+        divisor = seq_divisor(self.cp, self.tp)
         if self.seq_len % divisor:
             raise ValueError(f"length {self.seq_len} is not a multiple of {divisor} (2·cp·tp with cp={self.cp}, "
                              f"tp={self.tp})")
@@ -148,12 +147,7 @@ def build_model(spec: BenchSpec, device: torch.device, pstate=None):
     head = torch.randn(spec.draft_vocab, spec.target_hidden, generator=torch.Generator().manual_seed(spec.seed + 1))
     chunked, ckpt = LAYOUTS[spec.layout]
     model = TTTModel(draft, head, loss_chunk_size=spec.loss_chunk_size if chunked else None, checkpoint_steps=ckpt)
-    if pstate is not None and pstate.tp_size > 1:
-        from recipe.parallel.apply_tp import apply_tensor_parallel
-
-        apply_tensor_parallel(model, pstate.tp_group)
-    cp_size = 1 if pstate is None else pstate.cp_size
-    install_causal_attention(draft, spec.attention_tile, None if pstate is None else pstate.cp_group, cp_size)
+    parallelize(model, pstate, MemoryOptions(attention_tile_size=spec.attention_tile))
     return model.to(device=device, dtype=DTYPES[spec.dtype])
 
 

@@ -15,12 +15,15 @@ from transformers.models.llama.modeling_llama import LlamaRMSNorm, LlamaRotaryEm
 
 from kernels.block_attention import block_attention
 from kernels.ttt_attention import TTTKVCache
-from recipe.model.draft_config import Eagle3DraftConfig, load_draft_config_overrides
+from recipe.model.draft_config import Eagle3DraftConfig
 
-__all__ = ["Eagle3DraftConfig", "Eagle3Draft", "Eagle3Attention", "Eagle3DecoderLayer", "TTTKVCache",
-           "load_draft_config_overrides", "EXPORT_EXCLUDED_KEYS"]
+EXPORT_EXCLUDED_KEYS = ("embed_tokens.weight",)  # the target's frozen embedding: inference engines take their own
 
-EXPORT_EXCLUDED_KEYS = ("embed_tokens.weight",)
+
+def is_exported(name: str) -> bool:
+    """Whether the draft state-dict entry ``name`` (``draft.`` prefix allowed) belongs in checkpoints' consolidated
+    draft and the export: everything but the frozen target embedding."""
+    return name.removeprefix("draft.") not in EXPORT_EXCLUDED_KEYS
 
 
 class Eagle3Attention(nn.Module):
@@ -178,10 +181,6 @@ class Eagle3Draft(nn.Module):
                              f"draft lm_head: need (vocab_size={cfg.vocab_size}, hidden_size={cfg.hidden_size})")
         ids = self.draft_token_ids() if draft_ids is None else draft_ids
         self.lm_head.weight.copy_(target_lm_head_weight_VH[ids.to(target_lm_head_weight_VH.device)])
-
-    def export_state_dict(self) -> dict[str, torch.Tensor]:
-        """The state dict without the embedding (GUIDE §4 keys); full tensors only on a single, unsharded model."""
-        return {k: v for k, v in self.state_dict().items() if k not in EXPORT_EXCLUDED_KEYS}
 
     # ---- forward pieces -------------------------------------------------------------------------------------
     def project_aux(self, aux_hidden_BSA: torch.Tensor) -> torch.Tensor:

@@ -271,9 +271,17 @@ def _cache_from_tensors(state, block_pos_BS, block_valid_BS) -> TTTKVCache:
     return cache
 
 
-def ttt_objective(out: TTTOutput, n_valid_K, decay: float = 0.8) -> torch.Tensor:
-    """``Σ_k decay^k · loss_sum_k / max(N_k, 1)`` (GUIDE §2), N_k the global valid count of step k; 0-d float32."""
+STEP_DECAY = 0.8  # EAGLE-3's weight of TTT step k is STEP_DECAY ** k
+
+
+def step_weights(num_steps: int, dtype: torch.dtype = torch.float32, device=None) -> torch.Tensor:
+    """[K] the per-step loss weights ``STEP_DECAY ** k`` (k = 0 .. K-1)."""
+    return STEP_DECAY ** torch.arange(num_steps, dtype=dtype, device=device)
+
+
+def ttt_objective(out: TTTOutput, n_valid_K) -> torch.Tensor:
+    """``Σ_k STEP_DECAY^k · loss_sum_k / max(N_k, 1)`` (docs/algorithm.md, "Training-time test"), N_k the global
+    valid count of step k; a 0-d tensor in the loss sums' dtype."""
     n_valid_K = torch.as_tensor(n_valid_K, device=out.loss_sum_K.device).to(out.loss_sum_K.dtype)
-    weights_K = decay ** torch.arange(out.loss_sum_K.shape[0], device=out.loss_sum_K.device,
-                                      dtype=out.loss_sum_K.dtype)
+    weights_K = step_weights(out.loss_sum_K.shape[0], out.loss_sum_K.dtype, out.loss_sum_K.device)
     return (weights_K * out.loss_sum_K / n_valid_K.clamp(min=1)).sum()

@@ -1,4 +1,5 @@
-"""Apply tensor parallelism to a single-device TTT model from the outside, and gather full tensors back for export.
+"""Apply tensor parallelism to a single-device TTT model from the outside (the way back to full tensors is
+``recipe.parallel.parallelize.gather_full_tensors``).
 
 Module names relied on (recipe.model.ttt / recipe.model.draft): ``draft.midlayer.self_attn.{q,k,v,o}_proj``,
 ``draft.midlayer.mlp.{gate,up,down}_proj``, ``draft.lm_head``, the frozen buffer ``target_head_d`` [Vd, H_t] and the
@@ -10,12 +11,12 @@ from __future__ import annotations
 
 import functools
 
-import torch
 from torch import nn
 
+from recipe.parallel.dims import check_tp_divides
 from recipe.parallel.mappings import group_size
-from recipe.parallel.tp_layers import (ColumnParallelLinear, RowParallelLinear, VocabParallelLMHead, gather_tensor,
-                                       mark_tp, shard_tensor, vocab_parallel_soft_ce)
+from recipe.parallel.tp_layers import (ColumnParallelLinear, RowParallelLinear, VocabParallelLMHead, mark_tp,
+                                       shard_tensor, vocab_parallel_soft_ce)
 
 COLUMN = ("midlayer.self_attn.q_proj", "midlayer.self_attn.k_proj", "midlayer.self_attn.v_proj",
           "midlayer.mlp.gate_proj", "midlayer.mlp.up_proj")
@@ -60,10 +61,7 @@ def apply_tensor_parallel(ttt_model: nn.Module, group) -> nn.Module:
     sizes = {"num_attention_heads": heads, "num_key_value_heads": kv_heads,
              "intermediate_size": draft.get_submodule("midlayer.mlp.gate_proj").out_features,
              "draft_vocab_size": draft.get_submodule(LM_HEAD).out_features}
-    bad = [f"{k}={v}" for k, v in sizes.items() if v % tp]
-    if bad:
-        raise ValueError(f"tensor-parallel size {tp} must divide every split draft dimension; not divisible: "
-                         f"{', '.join(bad)}")
+    check_tp_divides(tp, sizes)
     for name in COLUMN:
         _replace(draft, name, ColumnParallelLinear.from_linear(draft.get_submodule(name), group))
     for name in ROW:
@@ -78,19 +76,3 @@ def apply_tensor_parallel(ttt_model: nn.Module, group) -> nn.Module:
         ttt_model.target_head_d = mark_tp(shard_tensor(head_d, 0, group), 0)  # re-registers the buffer
     ttt_model.loss_fn = functools.partial(vocab_parallel_soft_ce, group=group)
     return ttt_model
-
-
-def consolidate_tp_state_dict(model: nn.Module, group) -> dict[str, torch.Tensor]:
-    """Full (unsharded) state dict of a TP-sharded model: every tensor marked ``tensor_model_parallel`` is all-gathered
-    over ``group`` along its ``partition_dim``; the rest are copied. Collective: call on every rank of ``group``.
-
-    Returns detached CPU-side copies keyed like ``model.state_dict()``. Under ZeRO-3, call inside
-    ``deepspeed.zero.GatheredParameters(model.parameters())`` so each rank holds its full TP shard first.
-    """
-    out = {}
-    for name, tensor in model.state_dict(keep_vars=True).items():
-        if getattr(tensor, "tensor_model_parallel", False):
-            out[name] = gather_tensor(tensor, tensor.partition_dim, group)
-        else:
-            out[name] = tensor.detach().clone()
-    return out

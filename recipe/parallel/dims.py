@@ -5,12 +5,11 @@ Rank layout (GUIDE §3): tp is the fastest axis, then cp, then dp, i.e.
 ``ProcessTopology(axes=["dp", "cp", "tp"], dims=[dp, cp, tp])`` (its last axis varies fastest).
 
 Our JSON run config carries a section ``"parallelism": {"tp_size": 2, "cp_size": 1}`` next to the DeepSpeed keys;
-:func:`strip_from_ds_config` removes it before the dict goes to ``deepspeed.initialize``. (DeepSpeed 0.19.8 ignores an
-unknown top-level key silently — checked with ``DeepSpeedConfig`` — so stripping keeps the dict clean, not working.)
+``recipe.config.load_run_config`` removes it before the dict goes to ``deepspeed.initialize``. (DeepSpeed 0.19.8
+ignores an unknown top-level key silently, so removing it keeps the dict clean; it is not needed for DeepSpeed.)
 """
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass
 from typing import Mapping, NamedTuple
 
@@ -33,9 +32,18 @@ def rank_coords(rank: int, dp: int, cp: int, tp: int) -> RankCoord:
     return RankCoord(dp=rank // (cp * tp), cp=(rank // tp) % cp, tp=rank % tp)
 
 
-def rank_at(coord: RankCoord, dp: int, cp: int, tp: int) -> int:
-    """Global rank of grid coordinates ``coord`` (inverse of :func:`rank_coords`)."""
-    return (coord.dp * cp + coord.cp) * tp + coord.tp
+def seq_divisor(cp: int, tp: int) -> int:
+    """Sequence lengths are padded to a multiple of ``2·cp·tp``: 2·cp zigzag chunks, each divisible by tp."""
+    return 2 * cp * tp
+
+
+def check_tp_divides(tp: int, sizes: Mapping[str, int]) -> None:
+    """Raise ValueError listing every entry of ``sizes`` (name -> size: heads, KV heads, intermediate, draft vocab)
+    that ``tp`` does not divide; the TP layers split each of them into tp equal contiguous shards."""
+    bad = [f"{name}={value}" for name, value in sizes.items() if value % tp]
+    if bad:
+        raise ValueError(f"tensor-parallel size tp={tp} must divide every split draft dimension; not divisible: "
+                         f"{', '.join(bad)}")
 
 
 def group_rank_lists(axis: str, dp: int, cp: int, tp: int) -> list[list[int]]:
@@ -96,20 +104,8 @@ class ParallelDims:
 
     @property
     def seq_divisor(self) -> int:
-        """Sequence lengths are padded to a multiple of this: 2·cp zigzag chunks, each divisible by tp."""
-        return 2 * self.cp * self.tp
-
-    @property
-    def tp_enabled(self) -> bool:
-        return self.tp > 1
-
-    @property
-    def cp_enabled(self) -> bool:
-        return self.cp > 1
-
-    @property
-    def dp_enabled(self) -> bool:
-        return self.dp > 1
+        """Sequence lengths are padded to a multiple of this (:func:`seq_divisor`: 2·cp·tp)."""
+        return seq_divisor(self.cp, self.tp)
 
     def coords(self, rank: int) -> RankCoord:
         """Grid coordinates of global ``rank``."""
@@ -140,21 +136,3 @@ class ParallelDims:
                 raise ValueError(f"'{SECTION}.{key}' must be an integer >= 1, got {value!r}")
         return cls(world_size=world_size, tp=merged.get("tp_size", 1), cp=merged.get("cp_size", 1),
                    dp=merged.get("dp_size", -1))
-
-    def validate_model(self, num_heads: int, num_kv_heads: int, draft_vocab_size: int,
-                       intermediate_size: int) -> None:
-        """Raise ValueError listing every draft dimension that tp does not divide (heads, KV heads, intermediate,
-        draft vocab); the TP layers split each of them into tp equal contiguous shards."""
-        sizes = {"num_attention_heads": num_heads, "num_key_value_heads": num_kv_heads,
-                 "intermediate_size": intermediate_size, "draft_vocab_size": draft_vocab_size}
-        bad = [f"{name}={value}" for name, value in sizes.items() if value % self.tp]
-        if bad:
-            raise ValueError(f"tp={self.tp} must divide every split draft dimension; not divisible: "
-                             f"{', '.join(bad)}")
-
-
-def strip_from_ds_config(cfg: Mapping) -> dict:
-    """A deep copy of the run config without our ``"parallelism"`` section, ready for ``deepspeed.initialize``."""
-    out = copy.deepcopy(dict(cfg))
-    out.pop(SECTION, None)
-    return out

@@ -54,10 +54,6 @@ class _ShardedLinear(nn.Module):
         self.weight = nn.Parameter(weight)
         self.bias = None if bias is None else nn.Parameter(bias)
 
-    def gather_full_weight(self) -> torch.Tensor:
-        """The full [out, in] weight, gathered from every rank's shard (collective over ``group``)."""
-        return gather_tensor(self.weight, self.partition_dim, self.group)
-
     def extra_repr(self) -> str:
         return f"local_weight={tuple(self.weight.shape)}, tp={self.tp_size}, partition_dim={self.partition_dim}"
 

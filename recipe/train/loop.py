@@ -24,7 +24,8 @@ from rich.console import Console
 from rich.markup import escape
 
 from recipe.export import export_tensors, write_export
-from recipe.model.ttt import ttt_objective
+from recipe.model.ttt import step_weights, ttt_objective
+from recipe.parallel.parallelize import gather_full_state
 from recipe.train import checkpoint
 from recipe.train.metrics import MetricsLog, TrainProgress
 from recipe.train.sampler import rank_micro_batches
@@ -34,31 +35,6 @@ from recipe.train.signals import EXIT_INTERRUPTED, StopRequest
 
 class NonFiniteLossError(ValueError):
     """A step's loss was NaN/inf on some rank; the message names the step, the ranks and the sample indices."""
-
-
-def full_draft_state(engine, pstate) -> dict[str, torch.Tensor]:
-    """The full draft tensors (ZeRO-3 gathered, TP shards concatenated) on CPU; collective over all ranks.
-
-    Embeddings (frozen copies of the target's) are skipped.
-    """
-    import deepspeed
-
-    from recipe.parallel.tp_layers import gather_tensor
-
-    draft = engine.module.draft
-    state = {}
-    for name, param in draft.named_parameters():
-        if name.startswith("embed_tokens"):
-            continue
-        with deepspeed.zero.GatheredParameters([param]):
-            local = param.detach().clone()
-        if getattr(param, "tensor_model_parallel", False):
-            local = gather_tensor(local, param.partition_dim, pstate.tp_group)
-        state[name] = local.cpu()
-    for name, buf in draft.named_buffers():
-        if name in ("d2t", "t2d"):
-            state[name] = buf.detach().cpu()
-    return state
 
 
 def zero0_grad_norm(engine, tp_group) -> float:
@@ -198,7 +174,7 @@ class Trainer:
         tokens = _global_sum(torch.tensor([sum(b.supervised_tokens for b in batches)], dtype=torch.float64),
                              self.pstate.dp_group)
         n = n_valid.clamp(min=1)
-        weights = torch.tensor([0.8 ** k for k in range(K)], dtype=torch.float64)
+        weights = step_weights(K, torch.float64)
         if grad_norm is None:
             grad_norm = self.engine.get_global_grad_norm()
         return {"loss": float((weights * loss_sum / n).sum()), "loss_k": (loss_sum / n).tolist(),
@@ -211,7 +187,7 @@ class Trainer:
 
     def save(self) -> dict[str, torch.Tensor]:
         """Checkpoint the current step (collective); return the full draft state it gathered."""
-        state = full_draft_state(self.engine, self.pstate)
+        state = gather_full_state(self.engine, self.pstate)
         vocab = {"d2t": self.parts.vocab.d2t, "t2d": self.parts.vocab.t2d}
         checkpoint.save(self.engine, self.args.output / "checkpoints", self.step, self.run_state(self.step),
                         state if self.rank0 else None, self.parts.draft_config.to_hf_dict(), vocab,

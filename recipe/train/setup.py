@@ -20,8 +20,8 @@ from recipe.model.draft import Eagle3Draft
 from recipe.model.draft_config import Eagle3DraftConfig, load_draft_config_overrides
 from recipe.model.target_head import load_embedding_and_head
 from recipe.model.ttt import TTTModel
-from recipe.parallel.apply_attention import install_causal_attention
 from recipe.parallel.dims import ParallelDims
+from recipe.parallel.parallelize import parallelize
 from recipe.parallel.topology import ParallelState
 from recipe.train import checkpoint
 from recipe.train.batches import BatchBuilder
@@ -122,9 +122,6 @@ def build_run(args: TrainArgs, device: torch.device, console: Console) -> RunPar
     elif store is not None:
         overrides.setdefault("aux_layer_ids", list(store.aux_layer_ids))
     draft_config = Eagle3DraftConfig.from_target_config(hf_config, draft_vocab, overrides)
-    dims.validate_model(draft_config.num_attention_heads, draft_config.num_key_value_heads, draft_vocab,
-                        draft_config.intermediate_size)
-
     draft = Eagle3Draft(draft_config, seed=args.seed)
     draft.load_target_embeddings(embed_VH)
     draft.set_vocab_map(vocab.d2t, vocab.t2d)
@@ -132,11 +129,7 @@ def build_run(args: TrainArgs, device: torch.device, console: Console) -> RunPar
         draft.init_lm_head_from_target(lm_head_VH, vocab.draft_ids)
     model = TTTModel(draft, lm_head_VH[vocab.draft_ids].clone(), loss_chunk_size=memory.loss_chunk_size,
                      checkpoint_steps=memory.checkpoint_ttt_steps)
-    if dims.tp_enabled:
-        from recipe.parallel.apply_tp import apply_tensor_parallel
-
-        apply_tensor_parallel(model, pstate.tp_group)
-    install_causal_attention(draft, memory.attention_tile_size, pstate.cp_group, dims.cp)
+    parallelize(model, pstate, memory)
 
     target = None
     if examples is not None:

@@ -1,0 +1,105 @@
+"""One way into parallelism and one way out, for every caller (the run set-up, the benchmarks, the tests).
+
+In: :func:`parallelize` takes a single-device ``TTTModel`` holding the full weights (the same on every rank for the
+same seed) and applies the layout from outside: the tensor-parallel plan (``recipe.parallel.apply_tp``) and the
+causal-block attention (the ring under context parallelism, else the tiled or dense block), chosen by the
+``memory`` section of the run config.
+
+Out: :func:`gather_full_state` turns whatever the layout holds (ZeRO-3 partitions, TP shards) back into the full
+draft tensors that checkpoints and the export write; :func:`gather_full_tensors` is the same for any module.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from recipe.config import MemoryOptions
+from recipe.model.draft import is_exported
+from recipe.parallel.apply_tp import apply_tensor_parallel
+from recipe.parallel.tp_layers import gather_tensor
+
+
+def install_causal_attention(draft: nn.Module, tile_size: int | None, cp_group: dist.ProcessGroup | None = None,
+                             cp_size: int = 1):
+    """Set ``draft.midlayer.self_attn.causal_attention`` and return it.
+
+    The draft attention calls ``causal_attention(q, k, v, q_pos, k_pos, k_valid) -> (out, lse)``
+    (``recipe.model.draft``); its single-device default is the dense ``kernels.block_attention.block_attention``.
+    ``cp_size > 1``: ring attention over ``cp_group`` (zigzag shards), tiles of at most ``tile_size`` positions
+    inside each zigzag chunk. ``cp_size == 1``: ``TiledCausalAttention(tile_size)``, or the dense block when
+    ``tile_size`` is None. Raises ValueError when ``tile_size`` is not a positive integer or None, or when
+    ``cp_size > 1`` and ``cp_group`` is None.
+    """
+    from kernels.tiled_attention import check_tile_size
+
+    check_tile_size(tile_size)
+    if cp_size > 1:
+        if cp_group is None:
+            raise ValueError(f"cp_size={cp_size} needs the cp process group")
+        from kernels.ring_attention import make_ring_causal_attention
+
+        attention = make_ring_causal_attention(cp_group, tile_size=tile_size)
+    elif tile_size is not None:
+        from kernels.tiled_attention import TiledCausalAttention
+
+        attention = TiledCausalAttention(tile_size)
+    else:
+        from kernels.block_attention import block_attention
+
+        attention = block_attention
+    draft.get_submodule("midlayer.self_attn").causal_attention = attention
+    return attention
+
+
+def parallelize(model: nn.Module, pstate=None, memory: MemoryOptions | None = None) -> nn.Module:
+    """Apply the layout of ``pstate`` to the single-device TTT ``model`` in place and return it.
+
+    ``pstate``: a ``recipe.parallel.topology.ParallelState`` (None: one process, tp = cp = 1). TP (tp > 1): q/k/v,
+    gate/up column-parallel, o/down row-parallel, lm_head and the target head vocab-parallel
+    (``apply_tensor_parallel``). Attention: :func:`install_causal_attention` with ``memory.attention_tile_size``
+    over the cp group. ``memory`` defaults to ``MemoryOptions()``. Raises ValueError when tp does not divide a split
+    draft dimension (every one named) or the tile size is invalid.
+    """
+    memory = MemoryOptions() if memory is None else memory
+    if pstate is not None and pstate.tp_size > 1:
+        apply_tensor_parallel(model, pstate.tp_group)
+    cp_size = 1 if pstate is None else pstate.cp_size
+    install_causal_attention(model.draft, memory.attention_tile_size, None if pstate is None else pstate.cp_group,
+                             cp_size)
+    return model
+
+
+def gather_full_tensors(module: nn.Module, tp_group=None, keep=None) -> dict[str, torch.Tensor]:
+    """Full (unsharded) copies of ``module``'s state-dict tensors, on CPU, keyed like ``module.state_dict()``.
+
+    Each tensor is gathered from its ZeRO-3 partitions (``deepspeed.zero.GatheredParameters``; a no-op for tensors
+    ZeRO does not partition), and one marked ``tensor_model_parallel`` is then all-gathered over ``tp_group`` along its
+    ``partition_dim``. ``keep(name) -> bool`` selects tensors (default: all); unselected ones are never gathered.
+    Collective: every rank of the ZeRO and tp groups calls it with the same module structure.
+    """
+    import deepspeed
+
+    out = {}
+    for name, tensor in module.state_dict(keep_vars=True).items():
+        if keep is not None and not keep(name):
+            continue
+        if isinstance(tensor, nn.Parameter):
+            with deepspeed.zero.GatheredParameters([tensor]):
+                local = tensor.detach().clone()
+        else:
+            local = tensor.detach().clone()
+        if getattr(tensor, "tensor_model_parallel", False):
+            local = gather_tensor(local, tensor.partition_dim, tp_group)
+        out[name] = local.cpu()
+    return out
+
+
+def gather_full_state(engine, pstate=None) -> dict[str, torch.Tensor]:
+    """The full draft tensors that checkpoints and the export write: every exported parameter and the ``d2t`` /
+    ``t2d`` buffers, ZeRO-gathered and TP-concatenated, on CPU; the frozen embedding is left out
+    (``recipe.model.draft.is_exported``). ``engine``: a DeepSpeed engine, a ``TTTModel`` or a draft;
+    ``pstate`` None means tp = 1. Collective over all ranks."""
+    module = getattr(engine, "module", engine)
+    draft = getattr(module, "draft", module)
+    return gather_full_tensors(draft, None if pstate is None else pstate.tp_group, keep=is_exported)
