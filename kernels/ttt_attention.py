@@ -1,4 +1,4 @@
-"""Training-time-test attention without dense masks (GUIDE §2).
+"""Training-time-test attention without dense masks (docs/algorithm.md, "Attention of step k").
 
 At TTT step k a query at anchor position p reads the causal block of step 0's keys ``{K_0[j] : j <= p}`` and one
 *diagonal* key per later step ``{K_i[p] : 1 <= i <= k}``. The causal block goes through a block-attention function

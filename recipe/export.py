@@ -1,4 +1,4 @@
-"""The draft export folder that SGLang and vLLM load, and its checker (GUIDE §4).
+"""The draft export folder that SGLang and vLLM load, and its checker (docs/algorithm.md, "Export format").
 
     python -m recipe.export CHECKPOINT_DIR OUT_DIR    # from a training checkpoint (any ZeRO stage / TP layout)
     python -m recipe.export --check EXPORT_DIR        # reload an export and verify keys, shapes, dtypes, config

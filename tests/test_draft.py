@@ -21,7 +21,7 @@ EXPORT_KEYS = {
 
 
 def smollm2_config() -> LlamaConfig:
-    """The SmolLM2-135M geometry (GUIDE §7) as transformers builds it."""
+    """The SmolLM2-135M geometry (docs/environment.md, "Offline assets") as transformers builds it."""
     return LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
                        num_attention_heads=9, num_key_value_heads=3, rms_norm_eps=1e-5, max_position_embeddings=8192,
                        rope_theta=100000.0, tie_word_embeddings=True)

@@ -136,7 +136,8 @@ def _ds_engine_step(world, tp, cp, stage, clip, mark):
 @pytest.mark.parametrize("world,tp,cp,stage", [(2, 2, 1, 1), (2, 2, 1, 3), (4, 2, 2, 3)])
 def test_deepspeed_flat_mpu_grad_norm_and_step_match_single_process(world, tp, cp, stage):
     """engine.get_global_grad_norm() and the clipped AdamW step equal the single-process ones; at tp=2 ZeRO-1 a
-    control run without ``tensor_model_parallel`` marks shows the norm going wrong (the trap of GUIDE §8)."""
+    control run without ``tensor_model_parallel`` marks shows the norm going wrong (a trap listed in
+    docs/algorithm.md, "The flat mpu")."""
     clip = 0.05
     ref_norm, ref_params = _reference(clip)
     assert ref_norm > 10 * clip  # clipping is active

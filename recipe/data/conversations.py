@@ -11,8 +11,9 @@ with a skip ``reason`` (one of :data:`SKIP_REASONS`) and a short ``detail``. A b
 numbers are 1-based line numbers for ``.jsonl`` and 0-based array indices for ``.json``. Whole-file problems (missing
 file, unknown extension, empty file, a ``.json`` file that is not an array) raise ``ValueError`` naming the file.
 
-A ``.json`` array is decoded element by element, so a file truncated mid-record (the packaged ShareGPT file, GUIDE §7)
-yields every complete record and one ``invalid_json`` row for the broken tail.
+A ``.json`` array is decoded element by element, so a file truncated mid-record (the packaged ShareGPT file,
+docs/environment.md, "Offline assets") yields every complete record and one ``invalid_json`` row for the broken
+tail.
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""Offline store of target hidden states: sharded safetensors plus a JSON index (GUIDE §6: bf16, sharded, indexed).
+"""Offline store of target hidden states: sharded safetensors plus a JSON index (bf16, sharded, indexed: why in
+docs/algorithm.md, "Offline hidden-state store").
 
 Layout of a store folder::
 

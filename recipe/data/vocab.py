@@ -1,4 +1,5 @@
-"""Draft vocabulary map (GUIDE §1): the Vd target tokens the draft's ``lm_head`` predicts.
+"""Draft vocabulary map (docs/algorithm.md, "Draft vocabulary (d2t / t2d)"): the Vd target tokens the draft's
+``lm_head`` predicts.
 
 Selection: count target token ids where ``loss_mask == 1``; keep the Vd most frequent, ties broken by the smaller id
 (so when fewer than Vd distinct ids occur, the rest is filled with the smallest unused ids); sort the kept ids.

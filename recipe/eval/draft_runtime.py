@@ -1,7 +1,7 @@
 """Incremental inference of an exported EAGLE-3 draft: loading the export folder, the draft's KV cache, chain drafting.
 
-How EAGLE-3 inference maps onto training-time test (GUIDE §2, docs/architecture.md). Known tokens ``t_0..t_n``, the
-target's aux features ``a_0..a_n`` and its greedy next token ``t_{n+1}``:
+How EAGLE-3 inference maps onto training-time test (docs/algorithm.md, "Attention of step k"; docs/architecture.md).
+Known tokens ``t_0..t_n``, the target's aux features ``a_0..a_n`` and its greedy next token ``t_{n+1}``:
 
 - *extend* (TTT step 0): anchor ``j`` reads ``(fc(a_j), t_{j+1})`` at RoPE position ``j``; its key/value go into the
   cache at position ``j``. Its output hidden at anchor ``n`` gives the first draft token ``d_1`` (lm_head, argmax).
@@ -28,7 +28,8 @@ from recipe.model.draft_config import Eagle3DraftConfig
 
 def load_draft_export(path: str | Path, embed_VH: torch.Tensor, device: str | torch.device = "cpu",
                       dtype: torch.dtype = torch.float32) -> Eagle3Draft:
-    """Build an ``Eagle3Draft`` from an export folder (``config.json`` + ``model.safetensors``, GUIDE §4).
+    """Build an ``Eagle3Draft`` from an export folder (``config.json`` + ``model.safetensors``,
+    docs/algorithm.md, "Export format").
 
     ``embed_VH`` [V, H_t] is the target's input embedding (the export has none). Returns the draft in eval mode on
     ``device`` in ``dtype``. Raises ValueError naming the folder and every problem when the export does not load

@@ -10,9 +10,10 @@ next token ``t_{n+1}`` not yet in its cache):
    is the bonus token; ``a + 1`` tokens are emitted (``d_1..d_a`` and the bonus) and the target cache is cropped
    to ``0..n+1+a``; positions ``n+1..n+1+a`` become the drafter's next anchors, with the target's features.
 
-Acceptance length τ = emitted tokens / verification steps (GUIDE §5). Tokens past ``max_new_tokens`` or the EOS token
-are not emitted and not counted. With greedy verification the output equals plain greedy decoding of the target
-token for token (lossless); ``check_lossless`` turns a mismatch into an error naming the prompt.
+Acceptance length τ = emitted tokens / verification steps (docs/algorithm.md, "Acceptance length τ"). Tokens past
+``max_new_tokens`` or the EOS token are not emitted and not counted. With greedy verification the output equals
+plain greedy decoding of the target token for token (lossless); ``check_lossless`` turns a mismatch into an error
+naming the prompt.
 """
 from __future__ import annotations
 

@@ -1,10 +1,12 @@
-"""The EAGLE-3 draft model ``LlamaForCausalLMEagle3`` (GUIDE §1): fc over aux states, one decoder layer, lm_head.
+"""The EAGLE-3 draft model ``LlamaForCausalLMEagle3`` (docs/algorithm.md, "The draft"): fc over aux states, one
+decoder layer, lm_head.
 
-Module names are exactly the export keys (GUIDE §4): ``fc``, ``midlayer.{hidden_norm, input_layernorm,
-self_attn.{q,k,v,o}_proj, post_attention_layernorm, mlp.{gate,up,down}_proj}``, ``norm``, ``lm_head``, buffers
-``d2t`` / ``t2d``; ``embed_tokens`` (the target's, frozen) is not exported. Single-device code: attention reshapes
-with ``-1`` heads so tensor parallelism can shard the projections from outside, and the causal-block function is the
-attribute ``midlayer.self_attn.causal_attention`` so context parallelism can swap in its ring version.
+Module names are exactly the export keys (docs/algorithm.md, "Export format"): ``fc``, ``midlayer.{hidden_norm,
+input_layernorm, self_attn.{q,k,v,o}_proj, post_attention_layernorm, mlp.{gate,up,down}_proj}``, ``norm``,
+``lm_head``, buffers ``d2t`` / ``t2d``; ``embed_tokens`` (the target's, frozen) is not exported. Single-device code:
+attention reshapes with ``-1`` heads so tensor parallelism can shard the projections from outside, and the
+causal-block function is the attribute ``midlayer.self_attn.causal_attention`` so context parallelism can swap in its
+ring version.
 """
 from __future__ import annotations
 

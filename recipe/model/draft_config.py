@@ -1,4 +1,5 @@
-"""Configuration of the EAGLE-3 draft (GUIDE §1) and its export ``config.json`` (GUIDE §4).
+"""Configuration of the EAGLE-3 draft (docs/algorithm.md, "The draft") and its export ``config.json``
+(docs/algorithm.md, "Export format").
 
 The draft is one Llama decoder layer whose geometry is, by default, the target's; every field can be overridden
 (``--draft-config FILE`` holds a JSON object of overrides). The TTT depth K is a training argument, not a field.
@@ -123,7 +124,8 @@ class Eagle3DraftConfig:
                            max_position_embeddings=self.max_position_embeddings, rope_parameters=rope)
 
     def to_hf_dict(self, torch_dtype: str | None = None) -> dict:
-        """The export ``config.json`` (GUIDE §4) read by SGLang/vLLM as ``LlamaForCausalLMEagle3``.
+        """The export ``config.json`` (docs/algorithm.md, "Export format") read by SGLang/vLLM as
+        ``LlamaForCausalLMEagle3``.
 
         ``target_hidden_size`` is written only when it differs from ``hidden_size``; ``torch_dtype`` (e.g.
         "bfloat16") only when given.

@@ -1,4 +1,5 @@
-"""Soft cross-entropy of the draft against the target's distribution over the draft vocabulary (GUIDE §2)."""
+"""Soft cross-entropy of the draft against the target's distribution over the draft vocabulary
+(docs/algorithm.md, "Loss, step weights and accuracy")."""
 from __future__ import annotations
 
 import torch

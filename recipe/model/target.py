@@ -1,4 +1,4 @@
-"""The frozen target LLM and the capture of its EAGLE-3 aux hidden states (GUIDE §1).
+"""The frozen target LLM and the capture of its EAGLE-3 aux hidden states (docs/algorithm.md, "Aux hidden states").
 
 ``TargetModel.capture`` runs only the target's decoder stack (``model.get_decoder()``), never the full-vocabulary
 ``lm_head``, and records the three chosen decoder layers' outputs with forward hooks, so only those three

@@ -1,4 +1,5 @@
-"""Training-time test (TTT, GUIDE §2): the unrolled K-step batch and the model that returns per-step loss sums.
+"""Training-time test (TTT; docs/algorithm.md, "Training-time test"): the unrolled K-step batch and the model that
+returns per-step loss sums.
 
 All shifts are done by ``make_ttt_batch`` on the full sequence, before any context-parallel split, so no rank needs
 its neighbour's tokens. Convention (docs/architecture.md): step k at anchor p reads token ``t[p+1+k]``, RoPE

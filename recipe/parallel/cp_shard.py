@@ -2,8 +2,9 @@
 
 The sequence (length a multiple of 2·cp, see ``pad_to_multiple``) is cut into 2·cp equal chunks; rank r holds
 chunks r and 2·cp−1−r, in that order. Under causal attention the early chunk's cheap rows and the late chunk's
-expensive rows balance, so every rank does the same work (GUIDE §3; the layout of Megatron-LM/ring-flash-attention's
-zigzag CP). All TTT shifts are done on the full sequence before sharding, so no rank needs a neighbour's tokens.
+expensive rows balance, so every rank does the same work (docs/algorithm.md, "Context parallelism (zigzag) and the
+LSE merge"; the layout of Megatron-LM/ring-flash-attention's zigzag CP). All TTT shifts are done on the full
+sequence before sharding, so no rank needs a neighbour's tokens.
 """
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Parallel degrees (dp × cp × tp) and the rank-grid math, as pure code with no processes.
 
-Rank layout (GUIDE §3): tp is the fastest axis, then cp, then dp, i.e.
+Rank layout (docs/algorithm.md, "Rank layout"): tp is the fastest axis, then cp, then dp, i.e.
 ``rank = (dp_idx · cp + cp_idx) · tp + tp_idx`` — the same order as DeepSpeed's
 ``ProcessTopology(axes=["dp", "cp", "tp"], dims=[dp, cp, tp])`` (its last axis varies fastest).
 

@@ -17,7 +17,8 @@ utils/bwc.py), and what :class:`FlatMPU` answers:
   must be marked (tp_layers.mark_tp). ``partition_dim`` is not read by DeepSpeed; only our export reads it.
 - Deliberately absent: ``get_sequence_parallel_*``, ``get_sequence_data_parallel_*`` and
   ``initialize_sequence_parallel``. With ``get_sequence_parallel_*`` present, ZeRO-3 partitioned over dp only and CP
-  replicas drifted apart (GUIDE §8); ``initialize_sequence_parallel`` makes ZeRO ignore the model-parallel group.
+  replicas drifted apart (docs/algorithm.md, "The flat mpu"); ``initialize_sequence_parallel`` makes ZeRO ignore
+  the model-parallel group.
   Also absent: pipeline methods (pp = 1) and ``get_slice_parallel_*``.
 
 Loss normalisation implied by this mpu: DeepSpeed averages gradients over the dp·cp ranks, so each rank must
