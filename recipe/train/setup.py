@@ -18,7 +18,7 @@ from recipe.config import RunConfig, TrainArgs, load_run_config
 from recipe.data.vocab import VocabMap, build_vocab_map
 from recipe.model.draft import Eagle3Draft
 from recipe.model.draft_config import Eagle3DraftConfig, load_draft_config_overrides
-from recipe.model.target_head import load_embedding_and_head
+from recipe.model.target_head import final_logit_softcap, load_embedding_and_head
 from recipe.model.ttt import TTTModel
 from recipe.parallel.parallelize import parallelize
 from recipe.parallel.topology import ParallelState
@@ -127,7 +127,7 @@ def build_run(args: TrainArgs, device: torch.device, console: Console) -> RunPar
     if args.lm_head_init == "target":
         draft.init_lm_head_from_target(lm_head_VH, vocab.draft_ids)
     model = TTTModel(draft, lm_head_VH[vocab.draft_ids].clone(), loss_chunk_size=memory.loss_chunk_size,
-                     checkpoint_steps=memory.checkpoint_ttt_steps)
+                     checkpoint_steps=memory.checkpoint_ttt_steps, target_softcap=final_logit_softcap(hf_config))
     parallelize(model, pstate, memory)
 
     target = None
