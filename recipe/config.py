@@ -132,7 +132,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lm-head-init", choices=["target", "random"], default="target",
                    help="initialise the draft lm_head from the target's rows of the draft vocabulary")
     p.add_argument("--cache-dir", type=Path, help="cache for tokenised data and vocab maps (default OUTPUT/cache)")
-    p.add_argument("--log-every", type=_positive, default=1, help="progress refresh every N steps")
+    p.add_argument("--log-every", type=_positive, default=1,
+                   help="refresh the progress statistics every N steps; when stderr is not a terminal (a log file), "
+                   "print them as one line every N steps")
     p.add_argument("--no-export", action="store_true", help="skip writing OUTPUT/export at the end")
     p.add_argument("--skip-nonfinite", action="store_true",
                    help="skip (and count) optimizer steps whose loss is NaN/inf instead of stopping with an error "

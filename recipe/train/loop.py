@@ -224,7 +224,7 @@ class Trainer:
         """Train to the last step, save and export; return 0. On SIGTERM/SIGINT (any rank) every rank stops after
         the same step and saves a checkpoint; return :data:`recipe.train.signals.EXIT_INTERRUPTED`."""
         parts, settings, total = self.parts, self.settings, self.config.total_steps
-        progress = TrainProgress(total, self.step, self.rank0, self.console)
+        progress = TrainProgress(total, self.step, self.rank0, self.console, log_every=settings.log_every)
         epoch = parts.sampler.epoch_of(self.step)
         interrupted = False
         with StopRequest() as stop:
