@@ -43,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
     console = Console(stderr=True)
     device, owns_group = init_distributed()
     try:
-        from recipe.train.loop import Trainer, plan_summary
+        from recipe.train.loop import Trainer, TrainSettings, plan_summary
         from recipe.train.setup import build_run, write_resolved_config
 
         check_output_writable(args.output)
@@ -51,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
         write_resolved_config(args, parts)
         if dist.get_rank() == 0:
             console.print(plan_summary(parts))
-        return Trainer(args, parts, console).train()
+        return Trainer(TrainSettings.from_args(args), parts, console).train()
     except (ValueError, KeyError, OSError, CheckpointError) as exc:
         if os.environ.get("RECIPE_DEBUG"):
             raise

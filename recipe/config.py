@@ -1,7 +1,11 @@
 """Command-line flags and the DeepSpeed JSON of a training run.
 
 One place reads everything a run is configured by: the flags of ``run.py`` (``TrainArgs``) and the ``--ds_config``
-JSON, whose ``parallelism`` section is ours and is removed before DeepSpeed sees the rest (``load_ds_config``).
+JSON. :func:`load_run_config` reads the JSON once, removes our sections (``parallelism``, ``memory``) before DeepSpeed
+sees the rest, and resolves them into a :class:`RunConfig`: the parallel layout, the batch plan, the dtype and the
+memory switches. The scheduler's ``"auto"`` values need the run's optimizer steps, which only the data determines;
+:meth:`RunConfig.with_total_steps` fills them, and :meth:`RunConfig.deepspeed_config` refuses to hand DeepSpeed a
+config before that.
 
 Batch sizes in the JSON are in **samples**: ``train_batch_size`` is the global batch of one optimizer step and
 ``train_micro_batch_size_per_gpu`` the samples one data-parallel rank reads per micro-batch. Context-parallel ranks
@@ -11,12 +15,15 @@ share a sample, so DeepSpeed (whose data-parallel group is dp×cp, see ``recipe.
 from __future__ import annotations
 
 import argparse
+import copy
+import dataclasses
 import json
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
-PARALLEL_SECTION = "parallelism"
+from recipe.parallel.dims import PARALLEL_SECTION, ParallelDims
+
 MEMORY_SECTION = "memory"
 
 
@@ -51,7 +58,6 @@ class TrainArgs:
     log_every: int = 1
     no_export: bool = False
     skip_nonfinite: bool = False
-    extra: dict = field(default_factory=dict)
 
 
 def int_list(text: str, minimum: int | None = None) -> list[int]:
@@ -126,7 +132,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lm-head-init", choices=["target", "random"], default="target",
                    help="initialise the draft lm_head from the target's rows of the draft vocabulary")
     p.add_argument("--cache-dir", type=Path, help="cache for tokenised data and vocab maps (default OUTPUT/cache)")
-    p.add_argument("--log-every", type=_positive, default=1, help="progress refresh every N steps")
+    p.add_argument("--log-every", type=_positive, default=1,
+                   help="refresh the progress statistics every N steps; when stderr is not a terminal (a log file), "
+                   "print them as one line every N steps")
     p.add_argument("--no-export", action="store_true", help="skip writing OUTPUT/export at the end")
     p.add_argument("--skip-nonfinite", action="store_true",
                    help="skip (and count) optimizer steps whose loss is NaN/inf instead of stopping with an error "
@@ -145,7 +153,7 @@ def parse_args(argv: list[str] | None = None) -> TrainArgs:
     return TrainArgs(**values)
 
 
-def load_ds_config(path: Path) -> tuple[dict, dict]:
+def _read_ds_config(path: Path) -> tuple[dict, dict]:
     """Read a DeepSpeed JSON; return (DeepSpeed dict without our section, our 'parallelism' section).
 
     Raises ConfigError naming the file for a missing file, invalid JSON (with line/column) or a non-object.
@@ -257,3 +265,78 @@ def resolve_scheduler(ds_cfg: dict, total_steps: int) -> None:
         params["total_num_steps"] = max(1, total_steps)
     if params.get("warmup_num_steps") == "auto":
         params["warmup_num_steps"] = max(1, math.ceil(0.03 * total_steps))
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """A run's DeepSpeed JSON resolved against its world size and layout flags (:func:`load_run_config`).
+
+    Fields:
+        path: the JSON file (error messages name it).
+        dims: the parallel layout (``parallelism`` section and the ``--tp-size``/``--cp-size`` overrides).
+        plan: samples per optimizer step and how they are read (:func:`resolve_batch`).
+        memory: the ``memory`` section (:class:`MemoryOptions`).
+        bf16: ``bf16.enabled`` of the JSON; the draft's inputs are then bfloat16 (:attr:`dtype`).
+        deepspeed: the dict DeepSpeed receives: the JSON without our sections, batch sizes in DeepSpeed's view
+            (``train_batch_size · cp``), scheduler ``"auto"`` values filled by :meth:`with_total_steps`.
+        total_steps: the run's optimizer steps; None until :meth:`with_total_steps`.
+    """
+
+    path: Path
+    dims: ParallelDims
+    plan: BatchPlan
+    memory: MemoryOptions
+    bf16: bool
+    deepspeed: dict
+    total_steps: int | None = None
+
+    @property
+    def dtype(self):
+        """``torch.bfloat16`` with ``bf16.enabled``, else ``torch.float32``: the dtype of the draft's inputs."""
+        import torch
+
+        return torch.bfloat16 if self.bf16 else torch.float32
+
+    def with_total_steps(self, total_steps: int) -> "RunConfig":
+        """A copy for a run of ``total_steps`` optimizer steps, with the scheduler's ``"auto"`` values filled
+        (:func:`resolve_scheduler`). Raises ValueError on ``total_steps < 1``."""
+        if isinstance(total_steps, bool) or not isinstance(total_steps, int) or total_steps < 1:
+            raise ValueError(f"total_steps must be a positive integer, got {total_steps!r}")
+        ds_cfg = copy.deepcopy(self.deepspeed)
+        resolve_scheduler(ds_cfg, total_steps)
+        return dataclasses.replace(self, deepspeed=ds_cfg, total_steps=total_steps)
+
+    def deepspeed_config(self) -> dict:
+        """The dict for ``deepspeed.initialize(config=...)``. Raises ValueError before :meth:`with_total_steps`
+        (the scheduler's ``"auto"`` values would reach DeepSpeed unresolved)."""
+        if self.total_steps is None:
+            raise ValueError(f"{self.path}: the run's total steps are not resolved yet (RunConfig.with_total_steps)")
+        return self.deepspeed
+
+    def record(self) -> dict:
+        """The resolved settings as JSON-able values (the ``run_config.json`` keys ``deepspeed``, ``parallelism``,
+        ``batch``, ``memory``, ``dtype``, ``total_steps``)."""
+        d = self.dims
+        return {"deepspeed": self.deepspeed, "parallelism": {"tp": d.tp, "cp": d.cp, "dp": d.dp},
+                "batch": dataclasses.asdict(self.plan), "memory": dataclasses.asdict(self.memory),
+                "dtype": "bfloat16" if self.bf16 else "float32", "total_steps": self.total_steps}
+
+
+def load_run_config(path: Path, world_size: int, overrides: dict | None = None) -> RunConfig:
+    """Read the DeepSpeed JSON at ``path`` once and resolve it for ``world_size`` processes.
+
+    ``overrides``: parallelism keys from the command line (``{"tp_size": 2, "cp_size": None}``; None values are
+    ignored). Removes our ``parallelism`` and ``memory`` sections, resolves the layout (:class:`ParallelDims`), the
+    batch plan (:func:`resolve_batch`) and the dtype; the scheduler's ``"auto"`` values wait for
+    :meth:`RunConfig.with_total_steps`. Raises ConfigError naming the file (and the field) for an unreadable file,
+    invalid JSON, a bad section, a layout that does not fit ``world_size`` or inconsistent batch sizes.
+    """
+    ds_cfg, section = _read_ds_config(path)
+    memory = MemoryOptions.pop_from(ds_cfg, path)
+    try:
+        dims = ParallelDims.from_config(section, world_size, overrides)
+    except ValueError as exc:
+        raise ConfigError(f"{path}: {exc}") from None
+    plan = resolve_batch(ds_cfg, dims.dp, dims.cp, path)
+    bf16 = bool((ds_cfg.get("bf16") or {}).get("enabled"))
+    return RunConfig(path=Path(path), dims=dims, plan=plan, memory=memory, bf16=bf16, deepspeed=ds_cfg)

@@ -1,7 +1,8 @@
 """Run configuration: our JSON sections (parallelism, memory), batch arithmetic and scheduler 'auto' values."""
 import pytest
 
-from recipe.config import ConfigError, MemoryOptions, load_ds_config, resolve_batch, resolve_scheduler
+from recipe.config import BatchPlan, ConfigError, MemoryOptions, load_run_config, resolve_batch, resolve_scheduler
+from recipe.parallel.dims import ParallelDims
 
 
 def test_memory_section_parsed_and_removed():
@@ -33,14 +34,15 @@ def test_memory_section_errors_name_file_and_field(section, message):
 
 
 def test_shipped_configs_parse(tmp_path):
+    import json
     from pathlib import Path
 
     root = Path(__file__).resolve().parent.parent / "ds_configs"
     for path in sorted(root.glob("*.json")):
-        cfg, section = load_ds_config(path)
-        MemoryOptions.pop_from(cfg, path)
-        assert set(section) <= {"tp_size", "cp_size", "dp_size"}, path
-        assert "zero_optimization" in cfg and "optimizer" in cfg, path
+        section = json.loads(path.read_text()).get("parallelism") or {}
+        config = load_run_config(path, world_size=section.get("tp_size", 1) * section.get("cp_size", 1))
+        assert "zero_optimization" in config.deepspeed and "optimizer" in config.deepspeed, path
+        assert "parallelism" not in config.deepspeed and "memory" not in config.deepspeed, path
 
 
 def test_batch_plan_counts_samples_and_scales_deepspeed_view_by_cp():
@@ -59,7 +61,7 @@ def test_scheduler_auto_values(tmp_path):
     bad = tmp_path / "bad.json"
     bad.write_text('{"a": 1,\n "b": }')
     with pytest.raises(ConfigError, match=r"bad.json: invalid JSON at line 2"):
-        load_ds_config(bad)
+        load_run_config(bad, 1)
 
 
 @pytest.mark.parametrize("value", [0, False, "", []])
@@ -69,6 +71,34 @@ def test_falsy_parallelism_section_is_refused_not_ignored(tmp_path, value):
     path = tmp_path / "ds.json"
     path.write_text(json.dumps({"train_batch_size": 2, "parallelism": value}))
     with pytest.raises(ConfigError, match=r"ds.json: 'parallelism' must be an object"):
-        load_ds_config(path)
+        load_run_config(path, 1)
     path.write_text(json.dumps({"train_batch_size": 2, "parallelism": None}))
-    assert load_ds_config(path)[1] == {}
+    assert load_run_config(path, 1).dims == ParallelDims(world_size=1)
+
+
+def test_run_config_resolves_layout_batch_dtype_memory_and_scheduler(tmp_path):
+    import json
+
+    path = tmp_path / "run.json"
+    scheduler = {"type": "WarmupCosineLR", "params": {"total_num_steps": "auto", "warmup_num_steps": "auto"}}
+    path.write_text(json.dumps({"train_batch_size": 8, "train_micro_batch_size_per_gpu": 2, "bf16": {"enabled": True},
+                                "parallelism": {"tp_size": 2}, "memory": {"loss_chunk_size": 64},
+                                "scheduler": scheduler}))
+    config = load_run_config(path, world_size=8, overrides={"cp_size": 2, "tp_size": None})
+    assert config.dims == ParallelDims(world_size=8, tp=2, cp=2, dp=2)
+    assert config.plan == BatchPlan(global_batch=8, micro_batch=2, grad_accum=2, dp=2)
+    assert config.memory == MemoryOptions(loss_chunk_size=64) and config.bf16
+    assert str(config.dtype) == "torch.bfloat16" and config.path == path
+    assert config.deepspeed["train_batch_size"] == 16 and "parallelism" not in config.deepspeed
+    with pytest.raises(ValueError, match="total steps are not resolved"):
+        config.deepspeed_config()
+    resolved = config.with_total_steps(200)
+    assert resolved.total_steps == 200
+    assert resolved.deepspeed_config()["scheduler"]["params"] == {"total_num_steps": 200, "warmup_num_steps": 6}
+    assert config.deepspeed["scheduler"]["params"]["total_num_steps"] == "auto"  # the unresolved one is unchanged
+    record = resolved.record()
+    assert record["parallelism"] == {"tp": 2, "cp": 2, "dp": 2} and record["total_steps"] == 200
+    assert record["batch"]["grad_accum"] == 2 and record["dtype"] == "bfloat16"
+    assert record["memory"]["loss_chunk_size"] == 64 and json.dumps(record)
+    with pytest.raises(ConfigError, match=r"run.json: cannot infer dp.*world_size=3"):
+        load_run_config(path, world_size=3)

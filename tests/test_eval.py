@@ -10,8 +10,7 @@ import torch
 from recipe.eval.draft_runtime import EagleDrafter, load_draft_export
 from recipe.eval.prompts import Prompt, read_prompts
 from recipe.eval.report import summarise_run
-from recipe.eval.speculative import (Generation, MismatchError, OracleDrafter, check_lossless, greedy_generate,
-                                     speculative_generate)
+from recipe.eval.speculative import Generation, MismatchError, check_lossless, greedy_generate, speculative_generate
 from recipe.eval.target_runtime import CachedTarget
 from recipe.export import export_tensors, write_export
 from kernels.ttt_attention import TTTKVCache
@@ -21,6 +20,26 @@ from recipe.model.target import TargetModel
 from tiny_llama import save_tiny_llama
 
 VOCAB, DRAFT_VOCAB = 96, 64
+
+
+class OracleDrafter:
+    """A drafter that proposes a known continuation (e.g. the target's own greedy output): τ = k + 1 when it is
+    right. ``continuation`` are the new tokens after the prompt; ``prompt_len`` the prompt's length. Proposals
+    past the end of the continuation are token 0."""
+
+    def __init__(self, prompt_len: int, continuation: list[int]):
+        self.prompt_len, self.continuation = prompt_len, list(continuation)
+        self.anchors = 0
+
+    def begin(self) -> None:
+        self.anchors = 0
+
+    def propose(self, aux_SA: torch.Tensor, next_ids_S: torch.Tensor, k: int) -> list[int]:
+        self.anchors += int(next_ids_S.shape[0])
+        # Anchors 0..anchors-1 are known and so is the token after the last one: new token index anchors - prompt_len.
+        first = self.anchors - self.prompt_len + 1
+        padded = self.continuation + [0] * (first + k)
+        return padded[first:first + k]
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,7 @@ import pytest
 
 from dist import run_ranks
 from recipe.train.checkpoint import LATEST
-from recipe.train.signals import EXIT_INTERRUPTED, StopRequest, describe_exit
+from recipe.train.signals import EXIT_INTERRUPTED, StopRequest
 from reliability_helpers import Job, run_jobs, same_curve
 from train_helpers import ROOT, make_target_and_store, train_argv, write_ds_config
 
@@ -93,8 +93,5 @@ def test_handlers_are_restored_and_no_signal_means_no_stop():
     assert signal.getsignal(signal.SIGTERM) is before
 
 
-def test_exit_codes_are_described():
-    assert EXIT_INTERRUPTED not in (0, 1, 2)
-    assert "resume" in describe_exit(EXIT_INTERRUPTED)
-    assert "bad input" in describe_exit(2) and describe_exit(0) == "finished"
-    assert "SIGTERM" in describe_exit(128 + signal.SIGTERM)
+def test_interrupted_exit_code_differs_from_success_errors_and_signal_exits():
+    assert EXIT_INTERRUPTED not in (0, 1, 2) and EXIT_INTERRUPTED < 128

@@ -8,6 +8,7 @@ from tiny_llama import save_tiny_llama
 
 from recipe.model.aux_layers import default_aux_layer_ids, validate_aux_layer_ids
 from recipe.model.target import TargetModel, target_fingerprint
+from recipe.model.target_head import final_logit_softcap, target_logits
 
 
 @pytest.fixture(scope="module")
@@ -69,7 +70,8 @@ def test_capture_matches_output_hidden_states_and_logits(tiny):
     expected_aux = torch.cat([ref.hidden_states[i + 1] for i in tiny.aux_layer_ids], dim=-1)
     assert torch.equal(got.aux_hidden_BSA, expected_aux)
     assert torch.equal(got.last_hidden_BSH, ref.hidden_states[-1])
-    assert torch.equal(tiny.logits(got.last_hidden_BSH), ref.logits)
+    assert torch.equal(target_logits(got.last_hidden_BSH, tiny.lm_head_weight, final_logit_softcap(tiny.config)),
+                       ref.logits)
     assert [len(layer._forward_hooks) for layer in tiny.layers] == hooks_before  # capture's hooks are removed
 
 
@@ -134,5 +136,63 @@ def test_real_smollm2_shapes(request):
     assert got.last_hidden_BSH.shape == (1, ids.shape[1], 576)
     with torch.no_grad():
         ref = target.model(input_ids=ids).logits
-    assert torch.equal(target.logits(got.last_hidden_BSH), ref)
+    assert torch.equal(target_logits(got.last_hidden_BSH, target.lm_head_weight, final_logit_softcap(target.config)),
+                       ref)
     assert tok.decode(ref[0, -1].argmax()).strip() == "Paris"
+
+
+def test_teacher_logits_are_the_soft_capped_target_output_on_the_draft_vocab(tmp_path):
+    """A target with a final logit soft-cap (tiny Gemma-2): the teacher logits TTT trains on, whole-sequence and
+    chunked, equal the target's own ``ForCausalLM`` output logits at each step's label rows, restricted to the draft
+    vocabulary; the raw ``lm_head`` logits are visibly different."""
+    from transformers import Gemma2Config, Gemma2ForCausalLM, LlamaConfig
+
+    from recipe.model.draft import Eagle3Draft
+    from recipe.model.draft_config import Eagle3DraftConfig
+    from recipe.model.loss import soft_ce
+    from recipe.model.target_head import load_embedding_and_head
+    from recipe.model.ttt import TTTModel, make_ttt_batch
+
+    torch.manual_seed(0)
+    vocab, draft_vocab, cap = 96, 40, 0.1
+    config = Gemma2Config(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=8,
+                          num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=64,
+                          final_logit_softcapping=cap)
+    Gemma2ForCausalLM(config).eval().save_pretrained(tmp_path / "gemma2")
+    target = TargetModel(tmp_path / "gemma2", device="cpu")
+    embed_VH, lm_head_VH, hf_config = load_embedding_and_head(tmp_path / "gemma2")
+    assert final_logit_softcap(hf_config) == final_logit_softcap(target.config) == cap
+    assert final_logit_softcap(Gemma2Config()) == 30.0 and final_logit_softcap(LlamaConfig()) is None
+
+    ids = torch.randint(0, vocab, (2, 11))
+    mask = torch.ones_like(ids)
+    with torch.no_grad():
+        out_BSV = target.model(input_ids=ids, attention_mask=mask).logits
+    got = target.capture(ids, mask)
+    draft_config = Eagle3DraftConfig.from_target_config(hf_config, draft_vocab)
+    draft = Eagle3Draft(draft_config, seed=0)
+    draft.load_target_embeddings(embed_VH)
+    draft_ids = torch.randperm(vocab, generator=torch.Generator().manual_seed(1))[:draft_vocab].sort().values
+    t2d = torch.zeros(vocab, dtype=torch.bool)
+    t2d[draft_ids] = True
+    draft.set_vocab_map(draft_ids - torch.arange(draft_vocab), t2d)
+    K = 3
+    batch = make_ttt_batch(ids, mask, mask, got.aux_hidden_BSA, got.last_hidden_BSH, torch.ones_like(mask), K)
+
+    seen = []
+
+    def spy(logits, target_logits, valid):
+        seen.append(target_logits.detach().reshape(-1, draft_vocab))
+        return soft_ce(logits, target_logits, valid)
+
+    for chunk in (None, 5):
+        seen.clear()
+        TTTModel(draft, lm_head_VH, loss_fn=spy, loss_chunk_size=chunk, target_softcap=final_logit_softcap(hf_config))(
+            batch)
+        per_step = torch.cat(seen).view(K, -1, draft_vocab)
+        for k in range(K):
+            expected = out_BSV[:, batch.target_row_KS[k]][..., draft_ids].reshape(-1, draft_vocab)
+            torch.testing.assert_close(per_step[k], expected, rtol=1e-6, atol=1e-6)
+    raw_BSV = got.last_hidden_BSH @ lm_head_VH.T
+    assert out_BSV.abs().max() < cap and raw_BSV.abs().max() > 2 * cap  # the cap changes the distribution
+    assert not torch.allclose(torch.softmax(raw_BSV, -1), torch.softmax(out_BSV, -1), atol=1e-3)

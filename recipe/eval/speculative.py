@@ -27,7 +27,7 @@ from recipe.eval.target_runtime import CachedTarget
 
 
 class Drafter(Protocol):
-    """What speculative decoding needs from a draft (``EagleDrafter``, ``OracleDrafter``)."""
+    """What speculative decoding needs from a draft (``recipe.eval.draft_runtime.EagleDrafter``)."""
 
     def begin(self) -> None:
         """Start a new sequence."""
@@ -134,22 +134,3 @@ def check_lossless(name: str, reference: Generation, speculative: Generation) ->
     raise MismatchError(f"prompt {name!r}: speculative output differs from greedy decoding at new token {i} "
                         f"(greedy {ref[i:i + 5]}, speculative {spec[i:i + 5]}; lengths {len(ref)} vs {len(spec)})")
 
-
-class OracleDrafter:
-    """A drafter that proposes a known continuation (e.g. the target's own greedy output): τ = k + 1 when it is
-    right. ``continuation`` are the new tokens after the prompt; ``prompt_len`` the prompt's length. Proposals
-    past the end of the continuation are token 0."""
-
-    def __init__(self, prompt_len: int, continuation: list[int]):
-        self.prompt_len, self.continuation = prompt_len, list(continuation)
-        self.anchors = 0
-
-    def begin(self) -> None:
-        self.anchors = 0
-
-    def propose(self, aux_SA: torch.Tensor, next_ids_S: torch.Tensor, k: int) -> list[int]:
-        self.anchors += int(next_ids_S.shape[0])
-        # Anchors 0..anchors-1 are known and so is the token after the last one: new token index anchors - prompt_len.
-        first = self.anchors - self.prompt_len + 1
-        padded = self.continuation + [0] * (first + k)
-        return padded[first:first + k]

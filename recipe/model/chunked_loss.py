@@ -1,8 +1,8 @@
 """One TTT step's soft cross-entropy without materialising the [B·S, Vd] logits.
 
 The flattened B·S positions are cut into chunks of ``chunk_size``. Per chunk: draft logits ``logits_fn(h_chunk)``
-(``Eagle3Draft.logits`` = lm_head(norm(h))), target logits ``rows_chunk @ target_head_d.T`` (no grad; the rows are
-gathered inside the chunk), and ``loss_fn(logits, target_logits, valid)`` → (loss sum, correct count). Each chunk
+(``Eagle3Draft.logits`` = lm_head(norm(h))), target logits ``target_head.target_logits(rows_chunk, target_head_d,
+softcap)`` (no grad; the rows are gathered inside the chunk), and ``loss_fn(logits, target_logits, valid)`` → (loss sum, correct count). Each chunk
 runs under ``torch.utils.checkpoint`` (non-reentrant): autograd keeps only the chunk's inputs (a view of the hidden state and
 [c] position indices) and recomputes the chunk's logits during backward, so at most one chunk's [c, Vd] logits (and
 their softmax temporaries) are alive at a time instead of K·[B·S, Vd].
@@ -19,6 +19,8 @@ from typing import Callable
 import torch
 from torch.utils.checkpoint import checkpoint
 
+from recipe.model.target_head import target_logits
+
 
 def target_rows(target_hidden_BLH: torch.Tensor, target_row_S: torch.Tensor, flat_index_N: torch.Tensor,
                 seq_len: int) -> torch.Tensor:
@@ -30,7 +32,7 @@ def target_rows(target_hidden_BLH: torch.Tensor, target_row_S: torch.Tensor, fla
 def chunked_soft_ce(logits_fn: Callable[[torch.Tensor], torch.Tensor], loss_fn: Callable,
                     hidden_BSH: torch.Tensor, target_hidden_BLH: torch.Tensor, target_row_S: torch.Tensor,
                     target_head_VdH: torch.Tensor, valid_BS: torch.Tensor,
-                    chunk_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+                    chunk_size: int, target_softcap: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Soft CE sum and argmax-match count of one TTT step, ``chunk_size`` flattened positions at a time.
 
     Args:
@@ -40,6 +42,7 @@ def chunked_soft_ce(logits_fn: Callable[[torch.Tensor], torch.Tensor], loss_fn: 
         target_hidden_BLH: [B, L, H_t] target last hidden rows; target_row_S: [S] int64, the row of each anchor's
             label (``TTTBatch.target_row_KS[k]``).  target_head_VdH: [Vd (or Vd/tp), H_t] target head rows.
         valid_BS: [B, S] bool.  chunk_size: positions per chunk (>= 1).
+        target_softcap: the target's final logit soft-cap (None: none), see ``target_head.target_logits``.
     Returns:
         (loss_sum 0-d float32 (float64 for float64 inputs) with grad, correct 0-d int64): the same values as
         ``loss_fn`` over all positions at once, up to float summation order.
@@ -61,8 +64,8 @@ def chunked_soft_ce(logits_fn: Callable[[torch.Tensor], torch.Tensor], loss_fn: 
     def chunk_loss(hidden_CH: torch.Tensor, flat_C: torch.Tensor, valid_C: torch.Tensor):
         logits_1CV = logits_fn(hidden_CH.unsqueeze(0))
         with torch.no_grad():  # gathered here, not passed in: checkpoint keeps its inputs alive until backward
-            rows_CH = target_rows(target_hidden_BLH, row_S, flat_C, s).to(head.dtype)
-            target_1CV = (rows_CH @ head.T).unsqueeze(0)
+            rows_CH = target_rows(target_hidden_BLH, row_S, flat_C, s)
+            target_1CV = target_logits(rows_CH, head, target_softcap).unsqueeze(0)
         return loss_fn(logits_1CV, target_1CV, valid_C.unsqueeze(0))
 
     losses, corrects = [], []

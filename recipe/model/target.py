@@ -8,7 +8,8 @@ Conventions (transformers 5.23, Llama-family decoders):
 - aux layer id ``i`` is the *output* of decoder layer ``i`` (0-based), i.e. ``output_hidden_states[i + 1]`` for
   ``i < L - 1``. (For ``i = L - 1`` HF returns the final-norm output at index ``L``; the hook keeps the raw output.)
 - ``last_hidden`` is the decoder's ``last_hidden_state``: the final RMSNorm output, the input of ``lm_head``, so
-  ``lm_head(last_hidden) == CausalLM(...).logits`` (``hidden_states[-1]`` is tied to the same tensor).
+  ``target_head.target_logits(last_hidden, lm_head_weight, final_logit_softcap(config)) == CausalLM(...).logits``
+  (``hidden_states[-1]`` is tied to the same tensor).
 """
 from __future__ import annotations
 
@@ -102,7 +103,8 @@ class TargetCapture:
     """What the draft needs from one target forward pass.
 
     aux_hidden_BSA:  [B, S, 3·H_t], the aux layers' outputs concatenated in ``aux_layer_ids`` order (target dtype).
-    last_hidden_BSH: [B, S, H_t], the final-norm output (input of ``lm_head``); logits = ``lm_head(last_hidden)``.
+    last_hidden_BSH: [B, S, H_t], the final-norm output (input of ``lm_head``); the target's logits are
+        ``recipe.model.target_head.target_logits(last_hidden, lm_head_weight, final_logit_softcap(config))``.
     """
 
     aux_hidden_BSA: torch.Tensor
@@ -184,11 +186,3 @@ class TargetModel:
                                use_cache=False)
         aux = torch.cat([captured[i] for i in self.aux_layer_ids], dim=-1)
         return TargetCapture(aux_hidden_BSA=aux, last_hidden_BSH=out.last_hidden_state)
-
-    @torch.no_grad()
-    def logits(self, last_hidden_BSH: torch.Tensor) -> torch.Tensor:
-        """[..., H_t] final-norm hidden states → [..., V] target logits: ``lm_head``, then the config's
-        ``final_logit_softcapping`` (``tanh(z / c) · c``) for targets that have one."""
-        logits = self.model.get_output_embeddings()(last_hidden_BSH.to(self.device, self.dtype))
-        cap = getattr(self.config, "final_logit_softcapping", None)
-        return torch.tanh(logits / cap) * cap if cap else logits

@@ -21,6 +21,7 @@ from kernels.ttt_attention import TTTKVCache
 from recipe.model.chunked_loss import chunked_soft_ce
 from recipe.model.draft import Eagle3Draft
 from recipe.model.loss import soft_ce
+from recipe.model.target_head import target_logits
 
 
 @dataclass
@@ -148,8 +149,10 @@ class TTTModel(nn.Module):
     """The draft unrolled K steps against the frozen target head.
 
     ``target_head_d`` [Vd, H_t] is a non-persistent buffer: the target lm_head rows of the draft ids (a function of the
-    target and the vocab map; refresh it with ``set_target_head`` after changing the map). ``loss_fn`` has the
-    signature of ``loss.soft_ce`` (TP swaps in a vocab-parallel one).
+    target and the vocab map; refresh it with ``set_target_head`` after changing the map). ``target_softcap``: the
+    target's final logit soft-cap (``target_head.final_logit_softcap``; None: none); the teacher logits are
+    ``target_head.target_logits(last_hidden, target_head_d, target_softcap)``, the target's own output logits on the
+    draft vocabulary. ``loss_fn`` has the signature of ``loss.soft_ce`` (TP swaps in a vocab-parallel one).
 
     Memory switches (plain attributes, changeable after construction; neither changes the numbers beyond float
     summation order):
@@ -164,10 +167,12 @@ class TTTModel(nn.Module):
     """
 
     def __init__(self, draft: Eagle3Draft, target_lm_head_weight: torch.Tensor, loss_fn: Callable = soft_ce,
-                 loss_chunk_size: int | None = None, checkpoint_steps: bool = False):
+                 loss_chunk_size: int | None = None, checkpoint_steps: bool = False,
+                 target_softcap: float | None = None):
         super().__init__()
         self.draft = draft
         self.loss_fn = loss_fn
+        self.target_softcap = target_softcap
         if loss_chunk_size is not None and (isinstance(loss_chunk_size, bool) or not isinstance(loss_chunk_size, int)
                                             or loss_chunk_size < 1):
             raise ValueError(f"loss_chunk_size={loss_chunk_size!r} must be None or a positive integer")
@@ -216,11 +221,11 @@ class TTTModel(nn.Module):
         if self.loss_chunk_size is not None:
             return chunked_soft_ce(self.draft.logits, self.loss_fn, hidden_BSH, batch.target_hidden_BLH,
                                    batch.target_row_KS[k], self.target_head_d, batch.valid_KBS[k],
-                                   self.loss_chunk_size)
+                                   self.loss_chunk_size, target_softcap=self.target_softcap)
         logits_BSV = self.draft.logits(hidden_BSH)
         with torch.no_grad():
-            rows_BSH = batch.target_hidden_BLH[:, batch.target_row_KS[k]].to(self.target_head_d.dtype)
-            target_logits_BSV = rows_BSH @ self.target_head_d.T
+            rows_BSH = batch.target_hidden_BLH[:, batch.target_row_KS[k]]
+            target_logits_BSV = target_logits(rows_BSH, self.target_head_d, self.target_softcap)
         return self.loss_fn(logits_BSV, target_logits_BSV, batch.valid_KBS[k])
 
     def _checkpointed_step(self, hidden_BSH, input_ids_BS, position_ids_BS, key_valid_BS, kv_cache):

@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Mapping, NamedTuple
 
-SECTION = "parallelism"
+PARALLEL_SECTION = "parallelism"  # our section of the run JSON (recipe.config reads it)
 _KNOWN_KEYS = ("tp_size", "cp_size", "dp_size")
 AXES = ("dp", "cp", "tp")
 
@@ -129,10 +129,10 @@ class ParallelDims:
         merged.update({k: v for k, v in (overrides or {}).items() if v is not None})
         unknown = sorted(set(merged) - set(_KNOWN_KEYS))
         if unknown:
-            raise ValueError(f"unknown key(s) {unknown} in the '{SECTION}' config section; known keys: "
+            raise ValueError(f"unknown key(s) {unknown} in the '{PARALLEL_SECTION}' config section; known keys: "
                              f"{list(_KNOWN_KEYS)}")
         for key, value in merged.items():
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"'{SECTION}.{key}' must be an integer >= 1, got {value!r}")
+                raise ValueError(f"'{PARALLEL_SECTION}.{key}' must be an integer >= 1, got {value!r}")
         return cls(world_size=world_size, tp=merged.get("tp_size", 1), cp=merged.get("cp_size", 1),
                    dp=merged.get("dp_size", -1))

@@ -41,7 +41,7 @@ class BatchBuilder:
     """
 
     def __init__(self, *, examples=None, store=None, target=None, lm_head_VH, t2d, ttt_steps, seq_divisor,
-                 cp_size=1, cp_rank=0, device=torch.device("cpu"), dtype=torch.float32, vocab_chunk=1024):
+                 cp_size=1, cp_rank=0, device=torch.device("cpu"), dtype=torch.float32):
         if (examples is None) == (store is None):
             raise ValueError("BatchBuilder needs exactly one of examples (online) or store (offline)")
         if examples is not None and target is None:
@@ -50,7 +50,7 @@ class BatchBuilder:
         self.lm_head_VH, self.t2d = lm_head_VH, t2d
         self.ttt_steps, self.seq_divisor = ttt_steps, seq_divisor
         self.cp_size, self.cp_rank = cp_size, cp_rank
-        self.device, self.dtype, self.vocab_chunk = device, dtype, vocab_chunk
+        self.device, self.dtype = device, dtype
 
     def __len__(self) -> int:
         return len(self.examples) if self.examples is not None else len(self.store)
@@ -88,8 +88,7 @@ class BatchBuilder:
         for row, (ids, mask) in enumerate(tokens):
             input_ids[row, :len(ids)], loss_mask[row, :len(ids)], attention[row, :len(ids)] = ids, mask, 1
         aux, last = self._hidden(indices, [len(ids) for ids, _ in tokens], input_ids, attention, seq)
-        in_vocab = target_in_draft_vocab(last, self.lm_head_VH.to(last.device, last.dtype), self.t2d.to(last.device),
-                                         self.vocab_chunk)
+        in_vocab = target_in_draft_vocab(last, self.lm_head_VH.to(last.device, last.dtype), self.t2d.to(last.device))
         ttt = make_ttt_batch(input_ids.to(aux.device), loss_mask.to(aux.device), attention.to(aux.device),
                              aux, last, in_vocab, self.ttt_steps)
         if self.cp_size > 1:

@@ -71,7 +71,6 @@ class InjectedFault(RuntimeError):
 
 
 FAULT_ENV = "RECIPE_CHECKPOINT_FAULT"
-FAULT_STAGES = ("written", "renamed")
 
 
 def fault_point(stage: str, step: int) -> None:

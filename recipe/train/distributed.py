@@ -60,9 +60,3 @@ def release_shm_buffer() -> None:
         os.unlink(os.path.join("/dev/shm", name))
     except OSError:
         pass
-
-
-def is_rank0() -> bool:
-    import torch.distributed as dist
-
-    return not dist.is_initialized() or dist.get_rank() == 0

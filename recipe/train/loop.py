@@ -16,13 +16,15 @@ counted in metrics.jsonl (``"skipped"``) and at the end.
 from __future__ import annotations
 
 import time
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from rich.console import Console
 from rich.markup import escape
 
+from recipe.config import TrainArgs
 from recipe.export import export_tensors, write_export
 from recipe.model.ttt import step_weights, ttt_objective
 from recipe.parallel.parallelize import gather_full_state
@@ -59,9 +61,36 @@ def _global_sum(t: torch.Tensor, group) -> torch.Tensor:
     return t
 
 
+@dataclass(frozen=True)
+class TrainSettings:
+    """What the loop reads of the flags (``run.py --help`` explains each): the run folder, the TTT steps K, the
+    sequence length cap and seed (recorded in the checkpoint's run state), the checkpoint cadence and count, the
+    non-finite policy, whether to export, and the progress cadence."""
+
+    output: Path
+    ttt_steps: int
+    max_length: int
+    seed: int
+    save_every: int = 0
+    keep_checkpoints: int = 2
+    skip_nonfinite: bool = False
+    no_export: bool = False
+    log_every: int = 1
+
+    @classmethod
+    def from_args(cls, args: TrainArgs) -> "TrainSettings":
+        return cls(output=args.output, ttt_steps=args.ttt_steps, max_length=args.max_length, seed=args.seed,
+                   save_every=args.save_every, keep_checkpoints=args.keep_checkpoints,
+                   skip_nonfinite=args.skip_nonfinite, no_export=args.no_export, log_every=args.log_every)
+
+
 class Trainer:
-    def __init__(self, args, parts: RunParts, console: Console):
-        self.args, self.parts, self.console = args, parts, console
+    """Runs the optimizer steps of a built run (``recipe.train.setup.build_run``) with ``settings``; see
+    :meth:`train`. Resumes from ``parts.resume_from`` (refusing a checkpoint of another layout or data)."""
+
+    def __init__(self, settings: TrainSettings, parts: RunParts, console: Console):
+        self.settings, self.parts, self.console = settings, parts, console
+        self.config = parts.config
         self.engine, self.pstate = parts.engine, parts.pstate
         self.rank0 = dist.get_rank() == 0
         self.step = 0
@@ -77,7 +106,7 @@ class Trainer:
                 console.print(f"resumed from {parts.resume_from} at step {self.step}")
         else:
             self._start_scheduler()
-        self.metrics = MetricsLog(args.output / "metrics.jsonl", self.rank0, resume_step=self.step)
+        self.metrics = MetricsLog(settings.output / "metrics.jsonl", self.rank0, resume_step=self.step)
 
     def _start_scheduler(self) -> None:
         """Advance a fresh DeepSpeed LR scheduler from iteration -1 to 0 before the first step.
@@ -93,28 +122,27 @@ class Trainer:
 
     def _check_settings(self) -> None:
         """ValueError for settings that only make sense together with the layout and the data."""
-        parts, args = self.parts, self.args
-        store = parts.builder.store
-        length = min(args.max_length, store.meta.max_length) if store is not None else args.max_length
-        if length < parts.dims.seq_divisor:
-            source = f"the store's max_length ({store.path})" if store is not None and length < args.max_length \
+        settings, d, grad_accum = self.settings, self.config.dims, self.config.plan.grad_accum
+        store = self.parts.builder.store
+        length = min(settings.max_length, store.meta.max_length) if store is not None else settings.max_length
+        if length < d.seq_divisor:
+            source = f"the store's max_length ({store.path})" if store is not None and length < settings.max_length \
                 else "--max-length"
-            d = parts.dims
             raise ValueError(f"{source} = {length} is shorter than 2·cp·tp = {d.seq_divisor} (cp={d.cp}, tp={d.tp}): "
                              "every context-parallel chunk needs at least one token per tp rank; lower cp/tp or use "
                              "longer sequences")
-        if args.skip_nonfinite and parts.plan.grad_accum != 1:
-            raise ValueError(f"--skip-nonfinite needs gradient_accumulation_steps = 1 (got {parts.plan.grad_accum} in "
-                             f"{args.ds_config}): a step cannot be dropped once some of its micro-batches have "
+        if settings.skip_nonfinite and grad_accum != 1:
+            raise ValueError(f"--skip-nonfinite needs gradient_accumulation_steps = 1 (got {grad_accum} in "
+                             f"{self.config.path}): a step cannot be dropped once some of its micro-batches have "
                              "back-propagated")
 
     def run_state(self, step: int) -> dict:
-        d, p = self.parts.dims, self.parts.plan
-        return {"step": step, "epoch": self.parts.sampler.epoch_of(step) if step < self.parts.total_steps else None,
+        d, p, total = self.config.dims, self.config.plan, self.config.total_steps
+        return {"step": step, "epoch": self.parts.sampler.epoch_of(step) if step < total else None,
                 "world_size": d.world_size, "tp": d.tp, "cp": d.cp, "dp": d.dp, "global_batch": p.global_batch,
-                "data_fingerprint": self.parts.data_fingerprint, "ttt_steps": self.args.ttt_steps,
-                "draft_vocab_size": self.parts.draft_config.draft_vocab_size, "max_length": self.args.max_length,
-                "seed": self.args.seed, "total_steps": self.parts.total_steps,
+                "data_fingerprint": self.parts.data_fingerprint, "ttt_steps": self.settings.ttt_steps,
+                "draft_vocab_size": self.parts.draft_config.draft_vocab_size, "max_length": self.settings.max_length,
+                "seed": self.settings.seed, "total_steps": total,
                 "zero_stage": self.engine.zero_optimization_stage(),
                 "aux_layer_ids": list(self.parts.draft_config.aux_layer_ids)}
 
@@ -127,12 +155,10 @@ class Trainer:
         bad_ranks = flags.nonzero().flatten().tolist()
         if not bad_ranks:
             return None
-        parts = self.parts
+        parts, d, p = self.parts, self.config.dims, self.config.plan
         samples = set()
         for r in bad_ranks:
-            dp_rank = parts.dims.coords(r).dp
-            samples.update(rank_micro_batches(indices, parts.plan.micro_batch, parts.plan.grad_accum, parts.dims.dp,
-                                              dp_rank)[micro])
+            samples.update(rank_micro_batches(indices, p.micro_batch, p.grad_accum, d.dp, d.coords(r).dp)[micro])
         samples = sorted(samples)
         rows = ""
         if parts.builder.examples is not None:
@@ -141,14 +167,13 @@ class Trainer:
                 f"samples {samples}{rows}")
 
     def train_step(self) -> dict:
-        parts, K = self.parts, self.args.ttt_steps
+        parts, K, d, p = self.parts, self.settings.ttt_steps, self.config.dims, self.config.plan
         indices = parts.sampler.step_indices(self.step)
-        micro = rank_micro_batches(indices, parts.plan.micro_batch, parts.plan.grad_accum, parts.dims.dp,
-                                   self.pstate.dp_rank)
+        micro = rank_micro_batches(indices, p.micro_batch, p.grad_accum, d.dp, self.pstate.dp_rank)
         batches = [parts.builder.build(ix) for ix in micro]
         local_valid = torch.stack([b.ttt.valid_KBS.sum(dim=(1, 2)) for b in batches]).sum(0).double()
         n_valid = _global_sum(local_valid, self.pstate.dp_cp_group)
-        scale = parts.dims.dp_cp * parts.plan.grad_accum
+        scale = d.dp_cp * p.grad_accum
         loss_sum = torch.zeros(K, dtype=torch.float64)
         correct = torch.zeros(K, dtype=torch.float64)
         own_norm = self.engine.zero_optimization_stage() == 0 and not self.engine.bfloat16_enabled()
@@ -157,7 +182,7 @@ class Trainer:
             out = self.engine(b.ttt)
             problem = self._nonfinite(out.loss_sum_K, m, indices)
             if problem is not None:
-                if not self.args.skip_nonfinite:
+                if not self.settings.skip_nonfinite:
                     raise NonFiniteLossError(f"{problem}; stopped before the optimizer step (pass --skip-nonfinite "
                                              "to skip such steps)")
                 # grad_accum == 1 (checked at start): nothing was back-propagated, the engine is untouched
@@ -189,22 +214,22 @@ class Trainer:
         """Checkpoint the current step (collective); return the full draft state it gathered."""
         state = gather_full_state(self.engine, self.pstate)
         vocab = {"d2t": self.parts.vocab.d2t, "t2d": self.parts.vocab.t2d}
-        checkpoint.save(self.engine, self.args.output / "checkpoints", self.step, self.run_state(self.step),
+        checkpoint.save(self.engine, self.settings.output / "checkpoints", self.step, self.run_state(self.step),
                         state if self.rank0 else None, self.parts.draft_config.to_hf_dict(), vocab,
-                        keep=self.args.keep_checkpoints,
-                        extra_files={"run_config.json": self.args.output / "run_config.json"})
+                        keep=self.settings.keep_checkpoints,
+                        extra_files={"run_config.json": self.settings.output / "run_config.json"})
         return state
 
     def train(self) -> int:
         """Train to the last step, save and export; return 0. On SIGTERM/SIGINT (any rank) every rank stops after
         the same step and saves a checkpoint; return :data:`recipe.train.signals.EXIT_INTERRUPTED`."""
-        parts, args = self.parts, self.args
-        progress = TrainProgress(parts.total_steps, self.step, self.rank0, self.console)
+        parts, settings, total = self.parts, self.settings, self.config.total_steps
+        progress = TrainProgress(total, self.step, self.rank0, self.console, log_every=settings.log_every)
         epoch = parts.sampler.epoch_of(self.step)
         interrupted = False
         with StopRequest() as stop:
             try:
-                while self.step < parts.total_steps:
+                while self.step < total:
                     lr = self.lr()
                     t0 = time.perf_counter()
                     record = self.train_step()
@@ -218,13 +243,13 @@ class Trainer:
                             self.console.print(f"[yellow]skipped step[/yellow] {escape(record['skipped'])}")
                     else:
                         progress.update(record)
-                    if stop.agreed() and self.step < parts.total_steps:
+                    if stop.agreed() and self.step < total:
                         interrupted = True
                         break
-                    if args.save_every and self.step % args.save_every == 0 and self.step < parts.total_steps:
+                    if settings.save_every and self.step % settings.save_every == 0 and self.step < total:
                         self.save()
                     new_epoch = parts.sampler.epoch_of(self.step)
-                    if new_epoch != epoch or self.step == parts.total_steps:
+                    if new_epoch != epoch or self.step == total:
                         progress.end_epoch(epoch)
                         epoch = new_epoch
             finally:
@@ -236,23 +261,26 @@ class Trainer:
         if interrupted:
             if self.rank0:
                 self.console.print(f"interrupted: checkpoint of step {self.step} saved in "
-                                   f"{args.output / 'checkpoints'}; continue with --resume")
+                                   f"{settings.output / 'checkpoints'}; continue with --resume")
             return EXIT_INTERRUPTED
-        if not args.no_export:
+        if not settings.no_export:
             self.export(final_state)
         return 0
 
     def export(self, state: dict[str, torch.Tensor]) -> None:
         """Write OUTPUT/export from the full draft state (rank 0), then barrier."""
         if self.rank0:
-            out = write_export(export_tensors(state), self.parts.draft_config.to_hf_dict(), self.args.output / "export")
+            out = write_export(export_tensors(state), self.parts.draft_config.to_hf_dict(),
+                               self.settings.output / "export")
             self.console.print(f"export written to {out}")
         dist.barrier()
 
 
 def plan_summary(parts: RunParts) -> str:
-    d, p = parts.dims, parts.plan
+    """One line: layout, ZeRO stage, batch plan, steps, samples and dtype of a built run."""
+    config = parts.config
+    d, p = config.dims, config.plan
     return (f"layout dp={d.dp} cp={d.cp} tp={d.tp} (world {d.world_size}); ZeRO stage "
             f"{parts.engine.zero_optimization_stage()}; global batch {p.global_batch} = micro {p.micro_batch} × "
-            f"accum {p.grad_accum} × dp {p.dp}; {parts.total_steps} steps over {len(parts.builder)} samples; "
-            f"dtype {str(parts.dtype).removeprefix('torch.')}; batch {asdict(p)}")
+            f"accum {p.grad_accum} × dp {p.dp}; {config.total_steps} steps over {len(parts.builder)} samples; "
+            f"dtype {str(config.dtype).removeprefix('torch.')}; batch {asdict(p)}")

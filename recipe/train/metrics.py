@@ -42,10 +42,19 @@ class MetricsLog:
 
 
 class TrainProgress:
-    """Rich progress bar (loss, acc_0, tokens/s, lr) and a per-epoch table of acc_0..acc_{K-1}; rank 0 only."""
+    """Rich progress bar (loss, acc_0, tokens/s, lr) and a per-epoch table of acc_0..acc_{K-1}; rank 0 only.
 
-    def __init__(self, total_steps: int, start_step: int, enabled: bool, console: Console | None = None):
-        self.enabled = enabled
+    The bar advances every step; its statistics are refreshed every ``log_every`` steps and at the last step. When
+    the console is not a terminal (a log file, where rich draws the bar only once at the end) those refreshes are
+    also printed as one line each: ``step 20/100  loss … acc0 … tok/s … lr …``. Raises ValueError on
+    ``log_every < 1``.
+    """
+
+    def __init__(self, total_steps: int, start_step: int, enabled: bool, console: Console | None = None,
+                 log_every: int = 1):
+        if isinstance(log_every, bool) or not isinstance(log_every, int) or log_every < 1:
+            raise ValueError(f"log_every must be a positive integer, got {log_every!r}")
+        self.enabled, self.total_steps, self.log_every = enabled, total_steps, log_every
         self.console = console or Console(stderr=True)
         self.epoch_acc: list[list[float]] = []
         self._t0, self._tokens = time.perf_counter(), 0
@@ -58,13 +67,20 @@ class TrainProgress:
         self.progress.start()
 
     def update(self, record: dict) -> None:
+        """Account one finished step's metrics record (``step``, ``loss``, ``acc``, ``tokens``, ``lr``)."""
         self._tokens += record["tokens"]
         rate = self._tokens / max(time.perf_counter() - self._t0, 1e-9)
-        if self.enabled:
-            stats = (f"loss {record['loss']:.4f}  acc0 {record['acc'][0]:.3f}  {rate:,.0f} tok/s  "
-                     f"lr {record['lr']:.2e}")
-            self.progress.update(self.task, completed=record["step"], stats=stats)
         self.epoch_acc.append(record["acc"])
+        if not self.enabled:
+            return
+        step = record["step"]
+        if step % self.log_every and step != self.total_steps:
+            self.progress.update(self.task, completed=step)
+            return
+        stats = f"loss {record['loss']:.4f}  acc0 {record['acc'][0]:.3f}  {rate:,.0f} tok/s  lr {record['lr']:.2e}"
+        self.progress.update(self.task, completed=step, stats=stats)
+        if not self.console.is_terminal:
+            self.console.print(f"step {step}/{self.total_steps}  {stats}")
 
     def end_epoch(self, epoch: int) -> None:
         if not self.enabled or not self.epoch_acc:

@@ -6,7 +6,7 @@ them, so every (tp, cp, dp) layout and ZeRO stage starts from the same weights.
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 import deepspeed
@@ -14,13 +14,12 @@ import torch
 import torch.distributed as dist
 from rich.console import Console
 
-from recipe.config import BatchPlan, MemoryOptions, TrainArgs, load_ds_config, resolve_batch, resolve_scheduler
+from recipe.config import RunConfig, TrainArgs, load_run_config
 from recipe.data.vocab import VocabMap, build_vocab_map
 from recipe.model.draft import Eagle3Draft
 from recipe.model.draft_config import Eagle3DraftConfig, load_draft_config_overrides
-from recipe.model.target_head import load_embedding_and_head
+from recipe.model.target_head import final_logit_softcap, load_embedding_and_head
 from recipe.model.ttt import TTTModel
-from recipe.parallel.dims import ParallelDims
 from recipe.parallel.parallelize import parallelize
 from recipe.parallel.topology import ParallelState
 from recipe.train import checkpoint
@@ -30,18 +29,18 @@ from recipe.train.sampler import StepSampler
 
 @dataclass
 class RunParts:
-    dims: ParallelDims
+    """What ``build_run`` made: the resolved config (layout, batch plan, dtype, total steps, DeepSpeed dict), the
+    process groups, the draft's config and vocabulary map, the data (builder, sampler, fingerprint), the DeepSpeed
+    engine and the checkpoint to resume from (None: a fresh run)."""
+
+    config: RunConfig
     pstate: ParallelState
-    plan: BatchPlan
-    ds_config: dict
     draft_config: Eagle3DraftConfig
     vocab: VocabMap
     builder: BatchBuilder
     sampler: StepSampler
-    total_steps: int
     engine: object
     data_fingerprint: str
-    dtype: torch.dtype
     resume_from: Path | None
 
 
@@ -93,14 +92,14 @@ def _token_rows(examples, store):
 
 
 def build_run(args: TrainArgs, device: torch.device, console: Console) -> RunParts:
-    ds_cfg, section = load_ds_config(args.ds_config)
-    memory = MemoryOptions.pop_from(ds_cfg, args.ds_config)
-    world = dist.get_world_size()
-    dims = ParallelDims.from_config(section, world, {"tp_size": args.tp_size, "cp_size": args.cp_size})
+    """Everything a run needs before its first step (module docstring); collective over the world.
+
+    Raises ConfigError/ValueError/KeyError/OSError naming the file or field for bad input (``run.py`` prints them).
+    """
+    config = load_run_config(args.ds_config, dist.get_world_size(),
+                             {"tp_size": args.tp_size, "cp_size": args.cp_size})
+    dims, memory = config.dims, config.memory
     pstate = ParallelState(dims)
-    plan = resolve_batch(ds_cfg, dims.dp, dims.cp, args.ds_config)
-    bf16 = bool((ds_cfg.get("bf16") or {}).get("enabled"))
-    dtype = torch.bfloat16 if bf16 else torch.float32
 
     examples, store, fingerprint = _data(args, console)
     embed_VH, lm_head_VH, hf_config = load_embedding_and_head(args.target)
@@ -128,7 +127,7 @@ def build_run(args: TrainArgs, device: torch.device, console: Console) -> RunPar
     if args.lm_head_init == "target":
         draft.init_lm_head_from_target(lm_head_VH, vocab.draft_ids)
     model = TTTModel(draft, lm_head_VH[vocab.draft_ids].clone(), loss_chunk_size=memory.loss_chunk_size,
-                     checkpoint_steps=memory.checkpoint_ttt_steps)
+                     checkpoint_steps=memory.checkpoint_ttt_steps, target_softcap=final_logit_softcap(hf_config))
     parallelize(model, pstate, memory)
 
     target = None
@@ -139,26 +138,23 @@ def build_run(args: TrainArgs, device: torch.device, console: Console) -> RunPar
                              dtype=torch.bfloat16 if device.type == "cuda" else torch.float32, device=device)
     builder = BatchBuilder(examples=examples, store=store, target=target, lm_head_VH=lm_head_VH, t2d=vocab.t2d,
                            ttt_steps=args.ttt_steps, seq_divisor=dims.seq_divisor, cp_size=dims.cp,
-                           cp_rank=pstate.cp_rank, device=device, dtype=dtype)
-    sampler = StepSampler(len(builder), plan.global_batch, args.seed)
-    total_steps = sampler.total_steps(args.epochs, args.max_steps)
-    resolve_scheduler(ds_cfg, total_steps)
+                           cp_rank=pstate.cp_rank, device=device, dtype=config.dtype)
+    sampler = StepSampler(len(builder), config.plan.global_batch, args.seed)
+    config = config.with_total_steps(sampler.total_steps(args.epochs, args.max_steps))
 
     params = [p for p in model.parameters() if p.requires_grad]
-    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=params, config=ds_cfg, mpu=pstate.mpu())
-    return RunParts(dims=dims, pstate=pstate, plan=plan, ds_config=ds_cfg, draft_config=draft_config, vocab=vocab,
-                    builder=builder, sampler=sampler, total_steps=total_steps, engine=engine,
-                    data_fingerprint=fingerprint, dtype=dtype, resume_from=resume_from)
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=params, config=config.deepspeed_config(),
+                                           mpu=pstate.mpu())
+    return RunParts(config=config, pstate=pstate, draft_config=draft_config, vocab=vocab, builder=builder,
+                    sampler=sampler, engine=engine, data_fingerprint=fingerprint, resume_from=resume_from)
 
 
 def write_resolved_config(args: TrainArgs, parts: RunParts) -> None:
-    """OUTPUT/run_config.json: the flags and the resolved DeepSpeed/parallel settings (rank 0)."""
+    """OUTPUT/run_config.json (rank 0): ``args`` (the flags), the resolved settings (``RunConfig.record``:
+    ``deepspeed``, ``parallelism``, ``batch``, ``memory``, ``dtype``, ``total_steps``) and ``draft_config``."""
     if dist.get_rank() != 0:
         return
     record = {"args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
-              "deepspeed": parts.ds_config,
-              "parallelism": {"tp": parts.dims.tp, "cp": parts.dims.cp, "dp": parts.dims.dp},
-              "batch": asdict(parts.plan),
-              "total_steps": parts.total_steps, "draft_config": parts.draft_config.to_hf_dict()}
+              **parts.config.record(), "draft_config": parts.draft_config.to_hf_dict()}
     args.output.mkdir(parents=True, exist_ok=True)
     (args.output / "run_config.json").write_text(json.dumps(record, indent=2, default=str) + "\n")

@@ -65,14 +65,3 @@ class StopRequest:
         if dist.is_initialized() and dist.get_world_size(group) > 1:
             dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
         return bool(flag.item())
-
-
-def describe_exit(code: int) -> str:
-    """A one-line meaning of ``run.py``'s exit codes (for logs and the README)."""
-    meanings = {0: "finished", 2: "bad input or configuration (message printed)",
-                EXIT_INTERRUPTED: "interrupted by a signal; checkpoint saved, continue with --resume"}
-    if code in meanings:
-        return meanings[code]
-    if code - 128 in {int(s) for s in STOP_SIGNALS}:
-        return f"stopped by a second {signal.Signals(code - 128).name}: no checkpoint of the current step"
-    return "failed"
