@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from dist import run_ranks
+from helpers.ranks import run_ranks
 from recipe.train import checkpoint as ckpt
 
 

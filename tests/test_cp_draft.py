@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dist import run_ranks
-from draft_case import assert_parity, run_layout
+from helpers.ranks import run_ranks
+from helpers.parity import assert_parity, run_layout
 
 SEQ = 24  # rows of 19 and 14 tokens padded to a multiple of 2·cp·tp = 8
 SEED = 2  # a case where the draft already matches a few target argmaxes, so the correct counts are not all 0

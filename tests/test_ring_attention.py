@@ -1,6 +1,6 @@
 """Ring attention (CP causal block) vs dense single-process attention: out, lse and every gradient, in fp64.
 
-Multi-rank cases run once per cp size (module fixture, gloo via tests/dist.py) and feed several tests.
+Multi-rank cases run once per cp size (module fixture, gloo via helpers.ranks) and feed several tests.
 """
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from dist import run_ranks
+from helpers.ranks import run_ranks
 from kernels.block_attention import block_attention, expand_kv, merge_lse
 from kernels.ring_attention import RingComm, make_ring_causal_attention, ring_block_attention
 from kernels.tiled_attention import attention_block_backward

@@ -5,7 +5,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from dist import run_ranks
+from helpers.ranks import run_ranks
 from recipe.parallel.parallelize import gather_full_tensors
 from recipe.parallel.dims import ParallelDims
 from recipe.parallel.topology import ParallelState

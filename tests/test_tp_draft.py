@@ -8,8 +8,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from dist import run_ranks
-from draft_case import assert_parity, build_case, run_layout, tiny_config
+from helpers.ranks import run_ranks
+from helpers.parity import assert_parity, build_case, run_layout, tiny_config
 
 SEQ = 20  # rows of 19 and 14 tokens, padded to a multiple of 2·tp = 4
 SEED = 2  # a case where the draft already matches a few target argmaxes, so the correct counts are not all 0

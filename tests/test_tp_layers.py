@@ -13,7 +13,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from dist import run_ranks
+from helpers.ranks import run_ranks
 from recipe.parallel.apply_tp import apply_tensor_parallel
 from recipe.parallel.parallelize import gather_full_tensors
 from recipe.parallel.mappings import (copy_to_tp_region, gather_from_tp_region, reduce_from_tp_region,

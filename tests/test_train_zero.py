@@ -5,22 +5,16 @@ from __future__ import annotations
 
 import json
 
-import pytest
 import torch
 
-from dist import run_ranks
-from train_helpers import assert_curves_close, make_target_and_store, run_training, train_argv, write_ds_config
+from helpers.ranks import run_ranks
+from helpers.training import assert_curves_close, run_training, train_argv, write_ds_config
 
 STEPS = 5
 
 
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    return make_target_and_store(tmp_path_factory.mktemp("tiny"))
-
-
-def test_zero_stages_and_accumulation_match_single_process(tiny, tmp_path):
-    target, store = tiny
+def test_zero_stages_and_accumulation_match_single_process(tiny_target_and_store, tmp_path):
+    target, store = tiny_target_and_store
     # global batch 4 with constant LR (no scheduler): every step moves the weights, so curves diverge on any bug
     ref_cfg = write_ds_config(tmp_path / "ref.json", train_batch_size=4, train_micro_batch_size_per_gpu=2,
                               scheduler=None)
@@ -43,12 +37,12 @@ def test_zero_stages_and_accumulation_match_single_process(tiny, tmp_path):
         assert_curves_close(ref, curve, 1e-5, f"ZeRO-{stage} dp=2")
 
 
-def test_export_round_trip_and_check(tiny, tmp_path):
+def test_export_round_trip_and_check(tiny_target_and_store, tmp_path):
     from recipe.export import check_export, export_checkpoint, load_export
     from recipe.model.draft import Eagle3Draft
     from recipe.model.draft_config import Eagle3DraftConfig
 
-    target, store = tiny
+    target, store = tiny_target_and_store
     cfg = write_ds_config(tmp_path / "z3.json", base="zero3.json", train_batch_size=4,
                           train_micro_batch_size_per_gpu=2)
     ((first, second),) = run_ranks(1, run_training, [train_argv(cfg, target, store, tmp_path / "run", "--max-steps",

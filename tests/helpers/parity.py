@@ -20,7 +20,7 @@ from recipe.parallel.cp_shard import pad_to_multiple, shard_ttt_batch
 from recipe.parallel.dims import ParallelDims
 from recipe.parallel.topology import ParallelState
 from recipe.parallel.tp_layers import gather_tensor
-from ttt_cases import random_draft
+from helpers.cases import random_draft
 
 V, VD, H, HT = 96, 64, 32, 24
 LENGTHS = (19, 14)  # two rows of different length: right padding in row 1 (and in row 0 once S is rounded up)
