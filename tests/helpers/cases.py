@@ -1,21 +1,51 @@
-"""Small random TTT problems (draft, target head, batch) for the memory-switch tests; any sequence length."""
+"""Small random TTT problems (draft, target head, padded batch) of a given geometry, and the forward+backward and
+comparison helpers of the memory-switch tests.
+
+Two geometries: ``MEMORY`` (vocab 100, draft vocab 8, rows of 13 and 9 tokens) for the memory-switch / TTT tests
+and ``PARITY`` (vocab 96, draft vocab 64 so the lm_head shards over tp, rows of 19 and 14 tokens, aux hidden states
+zero at padding) for the TP / CP parity harness (``helpers.parity``). The same (seed, geometry, lengths) gives the
+same tensors for every ``seq_len``: the rows are drawn at their longest length and padded after.
+"""
 from __future__ import annotations
 
 import copy
+from dataclasses import dataclass
 
 import torch
 
-from recipe.model.draft import Eagle3Draft, Eagle3DraftConfig
+from recipe.model.draft import Eagle3Draft
+from recipe.model.draft_config import Eagle3DraftConfig
 from recipe.model.ttt import TTTBatch, TTTModel, make_ttt_batch, target_in_draft_vocab
+from recipe.parallel.cp_shard import pad_to_multiple
 
-V, VD, H, HT = 100, 8, 32, 24
+H, HT = 32, 24  # draft hidden, target hidden
 
 
-def tiny_config(**kw) -> Eagle3DraftConfig:
-    base = dict(hidden_size=H, intermediate_size=48, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
-                vocab_size=V, draft_vocab_size=VD, target_hidden_size=HT, aux_layer_ids=[1, 2, 4], rope_theta=500.0)
-    base.update(kw)
-    return Eagle3DraftConfig(**base)
+@dataclass(frozen=True)
+class CaseGeometry:
+    """Sizes of a random case: target vocab V, draft vocab Vd, the draft MLP width, the rows' true lengths (right
+    padding after), whether the aux hidden states are zeroed at padding (else random there too), and the position
+    chunk of ``target_in_draft_vocab`` (None: all positions at once)."""
+
+    vocab_size: int
+    draft_vocab_size: int
+    intermediate_size: int
+    lengths: tuple[int, ...]
+    mask_padding: bool
+    vocab_chunk: int | None
+
+    def draft_config(self) -> Eagle3DraftConfig:
+        """hidden 32, 4 heads / 2 KV heads of dim 8, target hidden 24, aux layers [1, 2, 4], RoPE base 500."""
+        return Eagle3DraftConfig(hidden_size=H, intermediate_size=self.intermediate_size, num_attention_heads=4,
+                                 num_key_value_heads=2, head_dim=8, vocab_size=self.vocab_size,
+                                 draft_vocab_size=self.draft_vocab_size, target_hidden_size=HT,
+                                 aux_layer_ids=[1, 2, 4], rope_theta=500.0)
+
+
+MEMORY = CaseGeometry(vocab_size=100, draft_vocab_size=8, intermediate_size=48, lengths=(13, 9), mask_padding=False,
+                      vocab_chunk=5)
+PARITY = CaseGeometry(vocab_size=96, draft_vocab_size=64, intermediate_size=64, lengths=(19, 14), mask_padding=True,
+                      vocab_chunk=None)
 
 
 def random_draft(seed: int, config: Eagle3DraftConfig, g: torch.Generator):
@@ -35,20 +65,36 @@ def random_draft(seed: int, config: Eagle3DraftConfig, g: torch.Generator):
     return draft, head_VH, t2d
 
 
-def build_case(seed: int, K: int, seq_len: int = 13, lengths=(13, 9), dtype=torch.float32):
-    """A draft with a random vocab map, the full target head [V, H_t] and a padded TTT batch (rows of ``lengths``)."""
+def build_case(seed: int, K: int, seq_len: int | None = None, lengths: tuple[int, ...] | None = None,
+               geometry: CaseGeometry = MEMORY, dtype: torch.dtype = torch.float32):
+    """(draft, target head [V, H_t], TTTBatch of K steps) for ``seed``, all floating tensors in ``dtype``.
+
+    Rows of ``lengths`` (default ``geometry.lengths``) are drawn at the longest length: 80% of the real positions
+    supervised, random ids, aux [B, S, 3·H_t] and last [B, S, H_t] hidden states from N(0, 1) (aux zero at padding
+    when ``geometry.mask_padding``); then padded to ``seq_len`` (default: the longest length). The in-draft-vocab
+    flags come from the fp32 hidden states. ValueError if ``seq_len`` is shorter than the longest row.
+    """
+    lengths = geometry.lengths if lengths is None else tuple(lengths)
+    b, s = len(lengths), max(lengths)
+    seq_len = s if seq_len is None else seq_len
+    if seq_len < s:
+        raise ValueError(f"seq_len={seq_len} is shorter than the longest row ({s})")
     g = torch.Generator().manual_seed(seed)
-    draft, head_VH, t2d = random_draft(seed, tiny_config(), g)
-    b = len(lengths)
-    attention = torch.zeros(b, seq_len, dtype=torch.bool)
+    draft, head_VH, t2d = random_draft(seed, geometry.draft_config(), g)
+    attention = torch.zeros(b, s, dtype=torch.bool)
     for row, n in enumerate(lengths):
         attention[row, :n] = True
-    loss_mask = (torch.rand(b, seq_len, generator=g) < 0.8) & attention
-    input_ids = torch.randint(0, V, (b, seq_len), generator=g) * attention
-    aux = torch.randn(b, seq_len, 3 * HT, generator=g)
-    last = torch.randn(b, seq_len, HT, generator=g)
-    in_vocab = target_in_draft_vocab(last, head_VH, t2d, chunk_size=5)
-    batch = make_ttt_batch(input_ids, loss_mask, attention, aux, last, in_vocab, K)
+    loss_mask = (torch.rand(b, s, generator=g) < 0.8) & attention
+    input_ids = torch.randint(0, geometry.vocab_size, (b, s), generator=g) * attention
+    aux = torch.randn(b, s, 3 * HT, generator=g)
+    if geometry.mask_padding:
+        aux = aux * attention[..., None]
+    last = torch.randn(b, s, HT, generator=g)
+    attention, loss_mask, input_ids, aux, last = (pad_to_multiple(t, seq_len, dim=1)
+                                                  for t in (attention, loss_mask, input_ids, aux, last))
+    chunk = {} if geometry.vocab_chunk is None else {"chunk_size": geometry.vocab_chunk}
+    in_vocab = target_in_draft_vocab(last, head_VH, t2d, **chunk)
+    batch = make_ttt_batch(input_ids, loss_mask, attention, aux.to(dtype), last.to(dtype), in_vocab, K)
     return draft.to(dtype), head_VH.to(dtype), batch
 
 
