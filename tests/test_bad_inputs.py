@@ -155,6 +155,7 @@ SINGLE = ["ds_config_missing", "ds_config_invalid_json", "unknown_parallelism_ke
           "target_no_chat_template", "nonfinite_loss", "skip_nonfinite_needs_accum_1", "disk_full"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", SINGLE)
 def test_bad_input_gives_a_clear_error(cases, name):
     out, fragments = cases[name]
@@ -166,6 +167,7 @@ def test_bad_input_gives_a_clear_error(cases, name):
     assert "Traceback" not in out.stderr
 
 
+@pytest.mark.slow
 def test_disk_full_keeps_the_previous_checkpoint(cases):
     checkpoints = cases["_tmp"] / "full" / "checkpoints"
     assert cases["disk_full_setup"][0].rc == 0
@@ -175,6 +177,7 @@ def test_disk_full_keeps_the_previous_checkpoint(cases):
     assert (checkpoints / "step-00000002" / "draft.safetensors").is_file()
 
 
+@pytest.mark.slow
 def test_skip_nonfinite_counts_and_skips_the_step(cases):
     out, nan_step = cases["skip_nonfinite"]
     assert out.rc == 0, out.stderr
@@ -231,6 +234,7 @@ def test_data_and_hidden_states_are_exclusive(capsys, tmp_path):
     assert exc.value.code == 2 and "give exactly one of --data" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_parallel_layout_errors_on_two_ranks(tiny_target_and_store, tmp_path):
     target, store = tiny_target_and_store
     tp2 = write_ds_config(tmp_path / "tp2.json", base="zero3_tp2.json", train_batch_size=2)

@@ -168,6 +168,7 @@ def test_read_prompts(tmp_path):
         read_prompts(f)
 
 
+@pytest.mark.slow
 def test_cli_on_real_target(assets, tmp_path, monkeypatch):
     """``python -m recipe.eval`` with the SmolLM2 target, MT-Bench prompts through the chat template, a random
     export: exit 0, JSON with τ per (draft, k); a bad export folder exits 2; a lossless failure exits 1."""

@@ -17,6 +17,7 @@ from recipe.train.signals import EXIT_INTERRUPTED
 STEPS, STOP = 20, 10
 
 
+@pytest.mark.slow
 def test_interrupt_resume_and_crash_mid_save_are_exact(tiny_target_and_store, tmp_path):
     target, store = tiny_target_and_store
     # global batch 4 = micro 1 x accum 2 x dp 2 (or accum 4 x dp 1 under tp=2); warmup-cosine LR over 20 steps;

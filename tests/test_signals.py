@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 
+import pytest
 
 from helpers.faults import Job, run_jobs, same_curve
 from helpers.ranks import run_ranks
@@ -29,6 +30,7 @@ def _wait_for_steps(metrics, proc, steps: int, timeout: float = 240.0) -> None:
     raise AssertionError(f"no {steps} steps within {timeout} s")
 
 
+@pytest.mark.slow
 def test_sigterm_to_torchrun_saves_a_checkpoint_that_resumes_exactly(tiny_target_and_store, tmp_path):
     target, store = tiny_target_and_store
     # constant LR (no scheduler): the step budget of the interrupted run may differ from the resumed one

@@ -12,6 +12,8 @@ from helpers.ranks import run_ranks
 from helpers.cases import PARITY, build_case
 from helpers.parity import assert_parity, run_layout
 
+pytestmark = pytest.mark.slow  # every test reads the 2-rank launch
+
 SEQ = 20  # rows of 19 and 14 tokens, padded to a multiple of 2·tp = 4
 SEED = 2  # a case where the draft already matches a few target argmaxes, so the correct counts are not all 0
 CASES = [(1, torch.float64), (7, torch.float64), (3, torch.float32)]

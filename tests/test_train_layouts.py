@@ -14,6 +14,8 @@ import pytest
 from helpers.ranks import run_ranks
 from helpers.training import assert_curves_close, run_training, train_argv, write_ds_config
 
+pytestmark = pytest.mark.slow  # DeepSpeed training runs on 1, 2 and 4 ranks
+
 STEPS = 10
 # name -> (world, tp, cp, ZeRO stage); dp = world / (tp·cp)
 LAYOUTS = {

@@ -6,11 +6,14 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 
 from helpers.ranks import run_ranks
 from helpers.training import assert_curves_close, run_training, train_argv, write_ds_config
 from recipe.train.checkpoint import LATEST
+
+pytestmark = pytest.mark.slow  # DeepSpeed training runs
 
 STEPS = 5
 
