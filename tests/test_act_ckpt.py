@@ -6,12 +6,12 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from dist import run_ranks
+from helpers.cases import assert_same_run, build_case, model_pair, run_model, step_weights
+from helpers.ranks import run_ranks
 from kernels.ring_attention import make_ring_causal_attention
 from kernels.ttt_attention import TTTKVCache
 from recipe.model.ttt import TTTModel
 from recipe.parallel.cp_shard import shard_ttt_batch, zigzag_unsplit
-from ttt_cases import assert_same_run, build_case, model_pair, run_model, step_weights
 
 K = 4
 

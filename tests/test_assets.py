@@ -90,6 +90,7 @@ def test_prompts_are_mt_bench(assets):
     assert len({q["question_id"] for q in questions}) == 80
 
 
+@pytest.mark.slow
 def test_target_folder_matches_gguf(assets):
     """The plain folder reproduces logits the GGUF model gave at conversion (exact fp32 equality)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer

@@ -10,19 +10,13 @@ import shutil
 
 import pytest
 
-from dist import run_ranks
+from helpers.faults import Job, run_jobs
+from helpers.ranks import run_ranks
+from helpers.training import ROOT, train_argv, write_ds_config
 from recipe.train.checkpoint import LATEST
 from recipe.train.sampler import StepSampler
-from reliability_helpers import Job, run_jobs
-from tiny_llama import save_tiny_llama
-from train_helpers import ROOT, make_target_and_store, train_argv, write_ds_config
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    return make_target_and_store(tmp_path_factory.mktemp("tiny"))
 
 
 def _store_variant(store, folder, edit):
@@ -59,17 +53,17 @@ def _chat(*turns):
 
 
 @pytest.fixture(scope="module")
-def cases(tiny, assets, tmp_path_factory):
+def cases(tiny_target_and_store, other_tiny_target, assets, tmp_path_factory):
     """Run every single-process bad case once; return {name: (Outcome, expected fragments, tmp folder)}."""
     tmp = tmp_path_factory.mktemp("bad")
-    target, store = tiny
+    target, store = tiny_target_and_store
     online = shutil.copytree(target, tmp / "online_target")
     for name in TOKENIZER_FILES:
         shutil.copy(assets.target / name, online / name)
     no_template = shutil.copytree(target, tmp / "no_template")
     for name in TOKENIZER_FILES[:2]:
         shutil.copy(assets.target / name, no_template / name)
-    other_target = save_tiny_llama(tmp / "other_target", vocab=96, hidden=32, seed=1)
+    other_target = other_tiny_target
     cfg = write_ds_config(tmp / "z0.json", train_batch_size=2, train_micro_batch_size_per_gpu=2)
     accum = write_ds_config(tmp / "accum.json", train_batch_size=2, train_micro_batch_size_per_gpu=1)
     bad_json = _write(tmp / "bad.json", '{"train_batch_size": 2,\n  "optimizer": {oops}\n}')
@@ -161,6 +155,7 @@ SINGLE = ["ds_config_missing", "ds_config_invalid_json", "unknown_parallelism_ke
           "target_no_chat_template", "nonfinite_loss", "skip_nonfinite_needs_accum_1", "disk_full"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", SINGLE)
 def test_bad_input_gives_a_clear_error(cases, name):
     out, fragments = cases[name]
@@ -172,6 +167,7 @@ def test_bad_input_gives_a_clear_error(cases, name):
     assert "Traceback" not in out.stderr
 
 
+@pytest.mark.slow
 def test_disk_full_keeps_the_previous_checkpoint(cases):
     checkpoints = cases["_tmp"] / "full" / "checkpoints"
     assert cases["disk_full_setup"][0].rc == 0
@@ -181,6 +177,7 @@ def test_disk_full_keeps_the_previous_checkpoint(cases):
     assert (checkpoints / "step-00000002" / "draft.safetensors").is_file()
 
 
+@pytest.mark.slow
 def test_skip_nonfinite_counts_and_skips_the_step(cases):
     out, nan_step = cases["skip_nonfinite"]
     assert out.rc == 0, out.stderr
@@ -237,8 +234,9 @@ def test_data_and_hidden_states_are_exclusive(capsys, tmp_path):
     assert exc.value.code == 2 and "give exactly one of --data" in capsys.readouterr().err
 
 
-def test_parallel_layout_errors_on_two_ranks(tiny, tmp_path):
-    target, store = tiny
+@pytest.mark.slow
+def test_parallel_layout_errors_on_two_ranks(tiny_target_and_store, tmp_path):
+    target, store = tiny_target_and_store
     tp2 = write_ds_config(tmp_path / "tp2.json", base="zero3_tp2.json", train_batch_size=2)
     cp2 = write_ds_config(tmp_path / "cp2.json", base="zero3_cp2.json", train_batch_size=2)
     tp2cp2 = write_ds_config(tmp_path / "tp2cp2.json", base="zero3_tp2_cp2.json", train_batch_size=2)

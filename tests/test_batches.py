@@ -12,12 +12,6 @@ from recipe.data.vocab import VocabMap
 from recipe.model.target_head import load_embedding_and_head
 from recipe.parallel.cp_shard import shard_ttt_batch
 from recipe.train.batches import BatchBuilder
-from train_helpers import make_target_and_store
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    return make_target_and_store(tmp_path_factory.mktemp("tiny"), num_samples=6)
 
 
 class CountingStore(HiddenStateStore):
@@ -34,8 +28,8 @@ class CountingStore(HiddenStateStore):
 
 
 @pytest.mark.parametrize("cp", [2, 4])
-def test_cp_rank_reads_only_its_rows_and_equals_the_shard(tiny, cp):
-    target, store_dir = tiny
+def test_cp_rank_reads_only_its_rows_and_equals_the_shard(tiny_target_and_store, cp):
+    target, store_dir = tiny_target_and_store
     _, lm_head, _ = load_embedding_and_head(target)
     vocab = VocabMap.from_draft_ids(torch.arange(0, 96, 2), 96)
     K, divisor = 3, 2 * cp

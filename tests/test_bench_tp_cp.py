@@ -10,6 +10,7 @@ TINY = ["--hidden", "64", "--heads", "4", "--kv-heads", "2", "--head-dim", "16",
         "--draft-vocab", "256", "--vocab", "512"]
 
 
+@pytest.mark.slow
 def test_tp_bench_json(tmp_path):
     from recipe.bench.__main__ import main
 
@@ -29,6 +30,7 @@ def test_tp_bench_json(tmp_path):
     assert two["param_bytes"] - replicated == (one["param_bytes"] - replicated) // 2
 
 
+@pytest.mark.slow
 def test_cp_bench_json(tmp_path):
     from recipe.bench.__main__ import main
 

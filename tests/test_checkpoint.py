@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from dist import run_ranks
+from helpers.ranks import run_ranks
 from recipe.train import checkpoint as ckpt
 
 
@@ -83,6 +83,7 @@ def _agree_worker(rank, world_size):
     return outcomes
 
 
+@pytest.mark.slow
 def test_agree_raises_on_every_rank_naming_the_failing_ones():
     results = run_ranks(2, _agree_worker)
     assert results[0] == results[1]

@@ -6,13 +6,13 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from dist import run_ranks
+from helpers.cases import assert_rel_close, assert_same_run, build_case, model_pair, run_model
+from helpers.ranks import run_ranks
 from recipe.model.chunked_loss import chunked_soft_ce
 from recipe.model.loss import soft_ce
 from recipe.model.ttt import TTTModel
 from recipe.parallel.apply_tp import apply_tensor_parallel
 from recipe.parallel.tp_layers import gather_tensor
-from ttt_cases import assert_rel_close, assert_same_run, build_case, model_pair, run_model
 
 K = 3
 

@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dist import run_ranks
-from draft_case import assert_parity, run_layout
+from helpers.ranks import run_ranks
+from helpers.parity import assert_parity, run_layout
 
 SEQ = 24  # rows of 19 and 14 tokens padded to a multiple of 2·cp·tp = 8
 SEED = 2  # a case where the draft already matches a few target argmaxes, so the correct counts are not all 0
@@ -60,12 +60,14 @@ def _check(results, name, layout):
     assert torch.equal(local_valid, results[0][name]["ref"][2]), name
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(WORLD2))
 def test_cp2_matches_single_process(world2, name):
     _check(world2, name, WORLD2[name])
     assert all(0 < r[name]["local_valid"][0] < r[name]["ref"][2][0] for r in world2)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(WORLD4))
 def test_cp4_and_tp2_cp2_match_single_process(world4, name):
     _check(world4, name, WORLD4[name])

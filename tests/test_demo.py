@@ -12,11 +12,10 @@ from recipe.export import check_export, export_tensors, load_export, write_expor
 from recipe.model.draft import Eagle3Draft
 from recipe.model.draft_config import Eagle3DraftConfig
 from recipe.model.target_head import load_embedding_and_head
-from tiny_llama import save_tiny_llama
 
 
-def test_untrained_export_is_the_seed_draft_with_the_trained_vocab(tmp_path):
-    target = save_tiny_llama(tmp_path / "target", vocab=96, hidden=32)
+def test_untrained_export_is_the_seed_draft_with_the_trained_vocab(tiny_target, tmp_path):
+    target = tiny_target
     _, lm_head_VH, hf_config = load_embedding_and_head(target)
     config = Eagle3DraftConfig.from_target_config(hf_config, 16)
     trained = Eagle3Draft(config, seed=9)

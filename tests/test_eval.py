@@ -17,7 +17,6 @@ from kernels.ttt_attention import TTTKVCache
 from recipe.model.draft import Eagle3Draft
 from recipe.model.draft_config import Eagle3DraftConfig
 from recipe.model.target import TargetModel
-from tiny_llama import save_tiny_llama
 
 VOCAB, DRAFT_VOCAB = 96, 64
 
@@ -43,11 +42,10 @@ class OracleDrafter:
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    """A tiny random Llama target, loaded, and a random-weights draft export for it."""
+def tiny(tiny_target, tmp_path_factory):
+    """The tiny random Llama target (vocab VOCAB), loaded, and a random-weights draft export for it."""
     tmp = tmp_path_factory.mktemp("eval")
-    target_dir = save_tiny_llama(tmp / "target", vocab=VOCAB, hidden=32)
-    target = TargetModel(target_dir, dtype=torch.float32, device="cpu")
+    target = TargetModel(tiny_target, dtype=torch.float32, device="cpu")
     config = Eagle3DraftConfig.from_target_config(target.config, DRAFT_VOCAB)
     draft = Eagle3Draft(config, seed=1)
     draft.load_target_embeddings(target.embed_tokens_weight)
@@ -189,6 +187,7 @@ def test_read_prompts(tmp_path):
         read_prompts(f)
 
 
+@pytest.mark.slow
 def test_cli_on_real_target(assets, tmp_path, monkeypatch):
     """``python -m recipe.eval`` with the SmolLM2 target, MT-Bench prompts through the chat template, a random
     export: exit 0, JSON with τ per (draft, k); a bad export folder exits 2; a lossless failure exits 1."""

@@ -8,22 +8,18 @@ import json
 
 import pytest
 
-from dist import run_ranks
-from reliability_helpers import Job, run_jobs, same_curve
+from helpers.faults import Job, run_jobs, same_curve
+from helpers.ranks import run_ranks
+from helpers.training import train_argv, write_ds_config
 from recipe.train.checkpoint import FAULT_ENV, LATEST, PARTIAL, check_compatible
 from recipe.train.signals import EXIT_INTERRUPTED
-from train_helpers import make_target_and_store, train_argv, write_ds_config
 
 STEPS, STOP = 20, 10
 
 
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    return make_target_and_store(tmp_path_factory.mktemp("tiny"))
-
-
-def test_interrupt_resume_and_crash_mid_save_are_exact(tiny, tmp_path):
-    target, store = tiny
+@pytest.mark.slow
+def test_interrupt_resume_and_crash_mid_save_are_exact(tiny_target_and_store, tmp_path):
+    target, store = tiny_target_and_store
     # global batch 4 = micro 1 x accum 2 x dp 2 (or accum 4 x dp 1 under tp=2); warmup-cosine LR over 20 steps;
     # 24 samples -> 6 steps per epoch, so the runs cross three epoch boundaries
     z3 = write_ds_config(tmp_path / "z3.json", base="zero3.json", train_batch_size=4)

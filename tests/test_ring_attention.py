@@ -1,6 +1,6 @@
 """Ring attention (CP causal block) vs dense single-process attention: out, lse and every gradient, in fp64.
 
-Multi-rank cases run once per cp size (module fixture, gloo via tests/dist.py) and feed several tests.
+Multi-rank cases run once per cp size (module fixture, gloo via helpers.ranks) and feed several tests.
 """
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from dist import run_ranks
+from helpers.ranks import run_ranks
 from kernels.block_attention import block_attention, expand_kv, merge_lse
 from kernels.ring_attention import RingComm, make_ring_causal_attention, ring_block_attention
 from kernels.tiled_attention import attention_block_backward
@@ -158,6 +158,7 @@ def _close(a, b, what):
     torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10, msg=lambda m: f"{what}: {m}")
 
 
+@pytest.mark.slow
 def test_ring_matches_dense_forward_and_grads(ring_run):
     cp, seq_len, results = ring_run
     x = _inputs(seq_len)
@@ -183,6 +184,7 @@ def _check_against_dense(results, key, out, lse, dq, dk, dv):
         _close(got[name], ref, name)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("steps", [1, 3])
 def test_ttt_composition_matches_dense(ring_run, steps):
     cp, seq_len, results = ring_run
@@ -195,6 +197,7 @@ def test_ttt_composition_matches_dense(ring_run, steps):
         _close(_unsplit([r[f"ttt{steps}"][i] for r in results], idxs, 2), leaf.grad, f"grad of input {i}")
 
 
+@pytest.mark.slow
 def test_comm_counts(ring_run):
     """Per rank per call: forward cp-1 K/V hops (2 tensors each), backward cp-1 K/V + cp-1 dK/dV hops (1 each);
     tiling changes the work per block, not the traffic."""
@@ -211,6 +214,7 @@ def test_comm_counts(ring_run):
     assert sum(r["tiled"]["bwd_counts"]["backward_pairs"] for r in results) == readable
 
 
+@pytest.mark.slow
 def test_work_balance_zigzag_vs_contiguous(ring_run):
     """Pairs of (query chunk, key chunk) with any readable key: zigzag 2cp+1 on every rank; contiguous 4r+3."""
     cp, seq_len, results = ring_run

@@ -11,16 +11,11 @@ import time
 
 import pytest
 
-from dist import run_ranks
+from helpers.faults import Job, run_jobs, same_curve
+from helpers.ranks import run_ranks
+from helpers.training import ROOT, train_argv, write_ds_config
 from recipe.train.checkpoint import LATEST
 from recipe.train.signals import EXIT_INTERRUPTED, StopRequest
-from reliability_helpers import Job, run_jobs, same_curve
-from train_helpers import ROOT, make_target_and_store, train_argv, write_ds_config
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    return make_target_and_store(tmp_path_factory.mktemp("tiny"))
 
 
 def _wait_for_steps(metrics, proc, steps: int, timeout: float = 240.0) -> None:
@@ -35,8 +30,9 @@ def _wait_for_steps(metrics, proc, steps: int, timeout: float = 240.0) -> None:
     raise AssertionError(f"no {steps} steps within {timeout} s")
 
 
-def test_sigterm_to_torchrun_saves_a_checkpoint_that_resumes_exactly(tiny, tmp_path):
-    target, store = tiny
+@pytest.mark.slow
+def test_sigterm_to_torchrun_saves_a_checkpoint_that_resumes_exactly(tiny_target_and_store, tmp_path):
+    target, store = tiny_target_and_store
     # constant LR (no scheduler): the step budget of the interrupted run may differ from the resumed one
     cfg = write_ds_config(tmp_path / "z3.json", base="zero3.json", train_batch_size=4, scheduler=None)
     cut = tmp_path / "cut"

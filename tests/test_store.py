@@ -7,12 +7,11 @@ import torch
 from datasets import Dataset
 from safetensors.torch import load_file, save_file
 
-from dist import run_ranks
+from helpers.ranks import run_ranks
 from recipe.data.store import HiddenStateStore, StoreError, StoreMeta, write_json_atomic
 from recipe.data.store_writer import ShardPlan, StoreWriter, shard_plan
 from recipe.dump import dump_hidden_states
 from recipe.model.target import TargetModel
-from tiny_llama import save_tiny_llama
 
 H = 32
 LENGTHS = [5, 12, 3, 9, 9, 7, 11, 4, 6, 10]
@@ -26,13 +25,8 @@ def make_dataset(lengths=LENGTHS, seed=0):
 
 
 @pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    return save_tiny_llama(tmp_path_factory.mktemp("tiny_llama"))
-
-
-@pytest.fixture(scope="module")
-def target(tiny_dir):
-    return TargetModel(tiny_dir, device="cpu")
+def target(tiny_target):
+    return TargetModel(tiny_target, device="cpu")
 
 
 @pytest.fixture(scope="module")
@@ -165,15 +159,15 @@ def test_resume_with_other_settings_refused(target, dataset, tmp_path):
         dump(target, make_dataset(seed=1), tmp_path)
 
 
-def _dump_rank(rank, world_size, tiny_dir, lengths, out):
-    target = TargetModel(tiny_dir, device="cpu")
+def _dump_rank(rank, world_size, tiny_target, lengths, out):
+    target = TargetModel(tiny_target, device="cpu")
     stats = dump(target, make_dataset(lengths), out, rank=rank, world_size=world_size, dtype="fp32")
     return stats.samples_written, None if stats.index_path is None else str(stats.index_path)
 
 
 @pytest.mark.slow
-def test_two_rank_dump_merges_one_index(tiny_dir, target, dataset, tmp_path):
-    results = run_ranks(2, _dump_rank, tiny_dir, LENGTHS, tmp_path / "two")
+def test_two_rank_dump_merges_one_index(tiny_target, target, dataset, tmp_path):
+    results = run_ranks(2, _dump_rank, tiny_target, LENGTHS, tmp_path / "two")
     assert [r[0] for r in results] == [5, 5] and results[1][1] is None
     assert results[0][1] == str(tmp_path / "two" / "index.json")
     store = HiddenStateStore(tmp_path / "two")
@@ -248,14 +242,14 @@ def test_validate_shard_count_and_coverage(store_dir):
     assert f"shards hold {10 - len(dropped['sample_ids'])} sample ids" in str(err.value)
 
 
-def test_check_compatible(store_dir, target, tiny_dir, tmp_path):
+def test_check_compatible(store_dir, target, tiny_target, other_tiny_target):
     store = HiddenStateStore(store_dir)
     store.check_compatible(target, [1, 3, 4])
     store.check_compatible(target.fingerprint, None)
-    store.check_compatible(tiny_dir, [1, 3, 4])  # a path is fingerprinted from config + weights
+    store.check_compatible(tiny_target, [1, 3, 4])  # a path is fingerprinted from config + weights
     with pytest.raises(StoreError, match=r"aux_layer_ids \[1, 3, 4\] != requested \[1, 2, 4\]"):
         store.check_compatible(target, [1, 2, 4])
-    other = TargetModel(save_tiny_llama(tmp_path / "other", seed=1), device="cpu")
+    other = TargetModel(other_tiny_target, device="cpu")
     with pytest.raises(StoreError, match="target fingerprint .* != the current target's"):
         store.check_compatible(other, [1, 3, 4])
 

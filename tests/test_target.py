@@ -4,7 +4,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from tiny_llama import save_tiny_llama
 
 from recipe.model.aux_layers import default_aux_layer_ids, validate_aux_layer_ids
 from recipe.model.target import TargetModel, target_fingerprint
@@ -12,13 +11,8 @@ from recipe.model.target_head import final_logit_softcap, target_logits
 
 
 @pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    return save_tiny_llama(tmp_path_factory.mktemp("tiny_llama"))
-
-
-@pytest.fixture(scope="module")
-def tiny(tiny_dir):
-    return TargetModel(tiny_dir, device="cpu")
+def tiny(tiny_target):
+    return TargetModel(tiny_target, device="cpu")
 
 
 def test_default_aux_layer_ids():
@@ -42,9 +36,9 @@ def test_validate_aux_layer_ids():
         validate_aux_layer_ids([], 8)
 
 
-def test_constructor_rejects_bad_layer_ids_and_paths(tiny_dir, tmp_path):
+def test_constructor_rejects_bad_layer_ids_and_paths(tiny_target, tmp_path):
     with pytest.raises(ValueError, match="outside"):
-        TargetModel(tiny_dir, aux_layer_ids=[0, 1, 8], device="cpu")
+        TargetModel(tiny_target, aux_layer_ids=[0, 1, 8], device="cpu")
     with pytest.raises(FileNotFoundError, match="missing"):
         TargetModel(tmp_path / "missing", device="cpu")
 
@@ -75,8 +69,8 @@ def test_capture_matches_output_hidden_states_and_logits(tiny):
     assert [len(layer._forward_hooks) for layer in tiny.layers] == hooks_before  # capture's hooks are removed
 
 
-def test_capture_custom_layer_order(tiny_dir):
-    target = TargetModel(tiny_dir, aux_layer_ids=[6, 0, 5], device="cpu")
+def test_capture_custom_layer_order(tiny_target):
+    target = TargetModel(tiny_target, aux_layer_ids=[6, 0, 5], device="cpu")
     ids = torch.arange(7).unsqueeze(0)
     with torch.no_grad():
         ref = target.model(input_ids=ids, output_hidden_states=True)
@@ -85,9 +79,9 @@ def test_capture_custom_layer_order(tiny_dir):
                                                       ref.hidden_states[6]], dim=-1))
 
 
-def test_last_layer_aux_is_pre_norm(tiny_dir):
+def test_last_layer_aux_is_pre_norm(tiny_target):
     """Aux id L-1 is the last layer's raw output; HF's hidden_states[L] is post-norm instead (tied to last_hidden)."""
-    target = TargetModel(tiny_dir, aux_layer_ids=[7], device="cpu")
+    target = TargetModel(tiny_target, aux_layer_ids=[7], device="cpu")
     ids = torch.arange(5).unsqueeze(0)
     got = target.capture(ids)
     with torch.no_grad():
@@ -106,11 +100,11 @@ def test_capture_with_right_padding_matches_unpadded(tiny):
     torch.testing.assert_close(padded.last_hidden_BSH[1, :5], alone.last_hidden_BSH[0], rtol=1e-5, atol=1e-6)
 
 
-def test_fingerprint_stable_across_dtype_and_distinguishes_models(tiny, tiny_dir, tmp_path):
+def test_fingerprint_stable_across_dtype_and_distinguishes_models(tiny, tiny_target, other_tiny_target):
     assert len(tiny.fingerprint) == 16
-    assert TargetModel(tiny_dir, dtype=torch.bfloat16, device="cpu").fingerprint == tiny.fingerprint
-    assert target_fingerprint(tiny_dir) == tiny.fingerprint  # from config + safetensors rows, no model load
-    other = TargetModel(save_tiny_llama(tmp_path / "other", seed=1), device="cpu")
+    assert TargetModel(tiny_target, dtype=torch.bfloat16, device="cpu").fingerprint == tiny.fingerprint
+    assert target_fingerprint(tiny_target) == tiny.fingerprint  # from config + safetensors rows, no model load
+    other = TargetModel(other_tiny_target, device="cpu")
     assert other.fingerprint != tiny.fingerprint
 
 

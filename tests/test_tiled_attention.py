@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from helpers.cases import assert_same_run, model_pair, run_model
 from kernels.block_attention import block_attention
 from kernels.tiled_attention import TiledCausalAttention, forward_tiles, split_tiles, tiled_block_attention
 from recipe.model.ttt import TTTModel
-from ttt_cases import assert_same_run, model_pair, run_model
 
 B, H, HKV, D = 2, 4, 2, 8
 

@@ -5,7 +5,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from dist import run_ranks
+from helpers.ranks import run_ranks
 from recipe.parallel.parallelize import gather_full_tensors
 from recipe.parallel.dims import ParallelDims
 from recipe.parallel.topology import ParallelState
@@ -38,6 +38,7 @@ def _groups(rank, world):
     return out
 
 
+@pytest.mark.slow
 def test_parallel_state_groups_match_rank_grid():
     results = run_ranks(4, _groups)
     for i, (dp, cp, tp) in enumerate(LAYOUTS):
@@ -61,6 +62,7 @@ def _parallel_state_wrong_world(rank, world):
     return str(err.value)
 
 
+@pytest.mark.slow
 def test_parallel_state_rejects_wrong_world_size():
     assert all("world_size=4" in m for m in run_ranks(2, _parallel_state_wrong_world))
 

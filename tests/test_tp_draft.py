@@ -8,8 +8,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from dist import run_ranks
-from draft_case import assert_parity, build_case, run_layout, tiny_config
+from helpers.ranks import run_ranks
+from helpers.cases import PARITY, build_case
+from helpers.parity import assert_parity, run_layout
+
+pytestmark = pytest.mark.slow  # every test reads the 2-rank launch
 
 SEQ = 20  # rows of 19 and 14 tokens, padded to a multiple of 2·tp = 4
 SEED = 2  # a case where the draft already matches a few target argmaxes, so the correct counts are not all 0
@@ -19,12 +22,14 @@ CASES = [(1, torch.float64), (7, torch.float64), (3, torch.float32)]
 def _export(rank, world):
     """Export tensors of the same full weights at tp=1 and at tp=2 (via the training loop's gather)."""
     from recipe.export import check_tensors, export_tensors
+    from recipe.model.ttt import TTTModel
     from recipe.parallel.apply_tp import apply_tensor_parallel
     from recipe.parallel.dims import ParallelDims
     from recipe.parallel.parallelize import gather_full_state, gather_full_tensors
     from recipe.parallel.topology import ParallelState
 
-    model, _ = build_case(seed=5, K=1, seq_len=SEQ, dtype=torch.float32)
+    draft, head_VH, _ = build_case(seed=5, K=1, seq_len=SEQ, geometry=PARITY, dtype=torch.float32)
+    model = TTTModel(draft, head_VH)
     full = {k: v.clone() for k, v in model.state_dict().items()}
     single = ParallelState(ParallelDims(world_size=world, tp=1))  # dp=2: a tp group of size 1
     tp_state = ParallelState(ParallelDims(world_size=world, tp=2))
@@ -33,7 +38,7 @@ def _export(rank, world):
     sharded_q = tuple(model.draft.midlayer.self_attn.q_proj.weight.shape)
     exported = export_tensors(gather_full_state(SimpleNamespace(module=model), tp_state))
     consolidated = gather_full_tensors(model, tp_state.tp_group)
-    problems = check_tensors(exported, tiny_config().to_hf_dict())
+    problems = check_tensors(exported, PARITY.draft_config().to_hf_dict())
     return {"ref": ref, "tp": exported, "consolidated": consolidated, "full": full, "problems": problems,
             "sharded_q": sharded_q}
 

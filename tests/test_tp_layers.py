@@ -13,7 +13,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from dist import run_ranks
+from helpers.ranks import run_ranks
 from recipe.parallel.apply_tp import apply_tensor_parallel
 from recipe.parallel.parallelize import gather_full_tensors
 from recipe.parallel.mappings import (copy_to_tp_region, gather_from_tp_region, reduce_from_tp_region,
@@ -106,6 +106,7 @@ def _mappings(rank, world, dtype=None):
     return ours, any("autograd kernel was not registered" in str(w.message) for w in control)
 
 
+@pytest.mark.slow
 def test_mappings_directions_and_no_autograd_warning(ranks):
     for result in ranks:
         ours, control_warned = result["mappings"]
@@ -166,6 +167,7 @@ def _linear_layers(rank, world, dtype):
     return rels, exact
 
 
+@pytest.mark.slow
 def test_column_row_linear_match_unsharded(ranks):
     for result in ranks:
         rels, exact = result["linear"]
@@ -217,6 +219,7 @@ def _soft_ce(rank, world, dtype):
     return loss.item(), correct.item(), rel
 
 
+@pytest.mark.slow
 def test_vocab_parallel_soft_ce_matches_single_device(ranks, world_dtype):
     world, dtype = world_dtype
     logits, target, valid = _soft_ce_case(world, dtype)
@@ -354,6 +357,7 @@ def _apply_tp(rank, world, dtype):
     return rel, checked
 
 
+@pytest.mark.slow
 def test_apply_tensor_parallel_stand_in_matches_single_device(ranks):
     assert all(result["apply_tp"][1] == 10 for result in ranks)  # 8 linears + LayerNorm weight, bias
 
@@ -367,6 +371,7 @@ def _apply_tp_bad_heads(rank, world, dtype):
     return str(err.value)
 
 
+@pytest.mark.slow
 def test_apply_tensor_parallel_rejects_indivisible_kv_heads(ranks):
     assert all("num_key_value_heads=3" in result["bad_heads"] for result in ranks)
 

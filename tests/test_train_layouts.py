@@ -11,8 +11,10 @@ import time
 
 import pytest
 
-from dist import run_ranks
-from train_helpers import assert_curves_close, make_target_and_store, run_training, train_argv, write_ds_config
+from helpers.ranks import run_ranks
+from helpers.training import assert_curves_close, run_training, train_argv, write_ds_config
+
+pytestmark = pytest.mark.slow  # DeepSpeed training runs on 1, 2 and 4 ranks
 
 STEPS = 10
 # name -> (world, tp, cp, ZeRO stage); dp = world / (tp·cp)
@@ -26,10 +28,10 @@ CLIP = 0.2  # below this draft's early grad norms (~0.23-0.26), so clipping (and
 
 
 @pytest.fixture(scope="module")
-def curves(tmp_path_factory):
+def curves(tiny_target_and_store, tmp_path_factory):
     """name -> metrics.jsonl records of each layout's run (and the export folder)."""
     tmp = tmp_path_factory.mktemp("layouts")
-    target, store = make_target_and_store(tmp)
+    target, store = tiny_target_and_store
     out = {}
     for world in (1, 2, 4):
         names = [n for n, layout in LAYOUTS.items() if layout[0] == world]

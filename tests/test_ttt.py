@@ -8,19 +8,18 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from helpers import cases
 from kernels.block_attention import block_attention
 from recipe.model.draft import Eagle3Draft
 from recipe.model.loss import soft_ce
 from recipe.model.ttt import TTTBatch, TTTModel, make_ttt_batch, target_in_draft_vocab, ttt_objective
-
-import ttt_cases
 
 S = 13
 
 
 def build_case(seed: int, K: int, lengths=(S, 9)):
     """A draft with a random vocab map, its target head, and a TTT batch with padding (rows of different length)."""
-    return ttt_cases.build_case(seed, K, seq_len=S, lengths=lengths)
+    return cases.build_case(seed, K, seq_len=S, lengths=lengths)
 
 
 # ---------------------------------------------------------------- dense reference (independent of the model code)

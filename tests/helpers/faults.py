@@ -13,7 +13,7 @@ import signal
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from train_helpers import ROOT
+from helpers.training import ROOT
 
 
 @dataclass

@@ -1,37 +1,12 @@
-"""Shared set-up for end-to-end training tests: a tiny random Llama target, an fp32 offline store, DeepSpeed
-configs derived from the shipped ones, and a worker that runs ``run.main`` on every rank of a gloo group."""
+"""Shared set-up for end-to-end training tests (the tiny target and its store: ``helpers.tiny_target``): DeepSpeed
+configs derived from the shipped ones, ``run.py`` argv, and a worker that runs ``run.main`` on every rank of a gloo
+group."""
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
-import torch
-
-ROOT = Path(__file__).resolve().parent.parent
-
-
-def make_target_and_store(tmp: Path, num_samples: int = 24, seed: int = 0) -> tuple[Path, Path]:
-    """Tiny Llama target (vocab 96, hidden 32, 4/2 heads, 8 layers) and an fp32 store of random chats."""
-    from datasets import Dataset
-
-    from recipe.dump import dump_hidden_states
-    from recipe.model.target import TargetModel
-    from tiny_llama import save_tiny_llama
-
-    target_dir = save_tiny_llama(tmp / "target", vocab=96, hidden=32)
-    gen = torch.Generator().manual_seed(seed)
-    rows = {"input_ids": [], "loss_mask": [], "row": []}
-    for i in range(num_samples):
-        n = int(torch.randint(10, 23, (1,), generator=gen))
-        ids = torch.randint(1, 96, (n,), generator=gen).tolist()
-        start = int(torch.randint(2, n // 2, (1,), generator=gen))
-        rows["input_ids"].append(ids)
-        rows["loss_mask"].append([0] * start + [1] * (n - start))
-        rows["row"].append(i)
-    store = tmp / "store"
-    target = TargetModel(target_dir, dtype=torch.float32, device="cpu")
-    dump_hidden_states(target, Dataset.from_dict(rows), store, max_length=64, dtype="fp32", batch_size=8)
-    return target_dir, store
+ROOT = Path(__file__).resolve().parents[2]  # the repository
 
 
 def write_ds_config(path: Path, base: str = "zero0.json", **changes) -> Path:

@@ -1,5 +1,6 @@
-"""Whole-draft parity harness for the TP / CP integration tests: a tiny EAGLE-3 draft, a padded TTT batch, the
-single-process reference and the same forward+backward under any (tp, cp) layout of a gloo group.
+"""Whole-draft parity harness for the TP / CP integration tests: a tiny EAGLE-3 draft and a padded TTT batch (the
+``PARITY`` geometry of ``helpers.cases``), the single-process reference and the same forward+backward under any
+(tp, cp) layout of a gloo group.
 
 Every rank builds the same full model and batch from the seed (weights first, then sharded from outside), runs the
 single-process reference itself, then its own layout, and returns both as full tensors (CP partial sums summed over
@@ -12,49 +13,14 @@ import copy
 import torch
 import torch.distributed as dist
 
+from helpers.cases import PARITY, build_case
 from recipe.config import MemoryOptions
-from recipe.model.draft_config import Eagle3DraftConfig
-from recipe.model.ttt import TTTModel, make_ttt_batch, target_in_draft_vocab, ttt_objective
+from recipe.model.ttt import TTTModel, ttt_objective
 from recipe.parallel.parallelize import parallelize
-from recipe.parallel.cp_shard import pad_to_multiple, shard_ttt_batch
+from recipe.parallel.cp_shard import shard_ttt_batch
 from recipe.parallel.dims import ParallelDims
 from recipe.parallel.topology import ParallelState
 from recipe.parallel.tp_layers import gather_tensor
-from ttt_cases import random_draft
-
-V, VD, H, HT = 96, 64, 32, 24
-LENGTHS = (19, 14)  # two rows of different length: right padding in row 1 (and in row 0 once S is rounded up)
-
-
-def tiny_config() -> Eagle3DraftConfig:
-    """hidden 32, 4 heads / 2 KV heads of dim 8, intermediate 64, vocab 96, draft vocab 64, target hidden 24."""
-    return Eagle3DraftConfig(hidden_size=H, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
-                             head_dim=8, vocab_size=V, draft_vocab_size=VD, target_hidden_size=HT,
-                             aux_layer_ids=[1, 2, 4], rope_theta=500.0)
-
-
-def build_case(seed: int, K: int, seq_len: int, dtype: torch.dtype = torch.float64):
-    """(TTTModel with full weights, full TTTBatch) for ``seed``: random vocab map, scaled embeddings/lm_head so the
-    soft CE is far from uniform, a target head favouring draft ids, and rows of ``LENGTHS`` padded to ``seq_len``."""
-    g = torch.Generator().manual_seed(seed)
-    draft, head_VH, t2d = random_draft(seed, tiny_config(), g)
-    b, s = len(LENGTHS), max(LENGTHS)
-    if seq_len < s:
-        raise ValueError(f"seq_len={seq_len} is shorter than the longest row ({s})")
-    # drawn at the true length, then padded: the same case for every seq_len
-    attention = torch.zeros(b, s, dtype=torch.bool)
-    for row, n in enumerate(LENGTHS):
-        attention[row, :n] = True
-    loss_mask = (torch.rand(b, s, generator=g) < 0.8) & attention
-    input_ids = torch.randint(0, V, (b, s), generator=g) * attention
-    aux = torch.randn(b, s, 3 * HT, generator=g) * attention[..., None]
-    last = torch.randn(b, s, HT, generator=g)
-    attention, loss_mask, input_ids = (pad_to_multiple(t, seq_len, dim=1) for t in (attention, loss_mask, input_ids))
-    aux, last = (pad_to_multiple(t, seq_len, dim=1) for t in (aux, last))
-    in_vocab = target_in_draft_vocab(last, head_VH, t2d)
-    batch = make_ttt_batch(input_ids, loss_mask, attention, aux.to(dtype), last.to(dtype), in_vocab, K)
-    model = TTTModel(draft, head_VH).to(dtype)
-    return model, batch
 
 
 def forward_backward(model: TTTModel, batch, n_valid_K: torch.Tensor):
@@ -93,7 +59,8 @@ def run_layout(rank: int, world: int, tp: int, cp: int, K: int, seed: int, seq_l
     Returns {"ref": (loss_K, correct_K, valid_K, grads), "par": (same, full), "counts": RingCounts dict or None,
     "cp_rank", "tp_rank", "local_valid" (this rank's valid_K), "local_seq" (S/cp), "lm_head_shape" (local shard)}.
     """
-    model, batch = build_case(seed, K, seq_len, dtype)
+    draft, head_VH, batch = build_case(seed, K, seq_len, geometry=PARITY, dtype=dtype)
+    model = TTTModel(draft, head_VH)
     n_valid = batch.valid_KBS.sum(dim=(1, 2))
     ref_model = copy.deepcopy(model)
     ref = forward_backward(ref_model, batch, n_valid)

@@ -1,0 +1,45 @@
+"""A tiny random Llama target saved as a HF folder, and an fp32 offline hidden-state store of random chats made with
+it, for fast target/store/dump/training tests (built once per session by the fixtures in ``tests/conftest.py``)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+
+def save_tiny_llama(folder: Path, num_layers: int = 8, hidden: int = 32, vocab: int = 96, seed: int = 0) -> Path:
+    """Write a random fp32 Llama (``num_layers`` layers, hidden ``hidden``, 4 heads / 2 KV heads) to ``folder``.
+
+    The weights are drawn from ``torch.manual_seed(seed)`` inside a forked RNG, so the caller's global RNG is untouched.
+    """
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        config = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden,
+                             num_hidden_layers=num_layers, num_attention_heads=4, num_key_value_heads=2,
+                             max_position_embeddings=256, tie_word_embeddings=False)
+        model = LlamaForCausalLM(config).eval()
+    model.save_pretrained(folder)
+    return Path(folder)
+
+
+def dump_random_chats(target_dir: Path, store: Path, num_samples: int = 24, seed: int = 0) -> Path:
+    """An fp32 store at ``store`` of ``num_samples`` random chats (10-22 ids in [1, 96), the first 2..n/2 tokens
+    unsupervised) run through the target at ``target_dir`` (max length 64, batches of 8); returns ``store``."""
+    from datasets import Dataset
+
+    from recipe.dump import dump_hidden_states
+    from recipe.model.target import TargetModel
+
+    gen = torch.Generator().manual_seed(seed)
+    rows = {"input_ids": [], "loss_mask": [], "row": []}
+    for i in range(num_samples):
+        n = int(torch.randint(10, 23, (1,), generator=gen))
+        ids = torch.randint(1, 96, (n,), generator=gen).tolist()
+        start = int(torch.randint(2, n // 2, (1,), generator=gen))
+        rows["input_ids"].append(ids)
+        rows["loss_mask"].append([0] * start + [1] * (n - start))
+        rows["row"].append(i)
+    target = TargetModel(target_dir, dtype=torch.float32, device="cpu")
+    dump_hidden_states(target, Dataset.from_dict(rows), store, max_length=64, dtype="fp32", batch_size=8)
+    return store
