@@ -12,6 +12,7 @@ import copy
 import torch
 import torch.distributed as dist
 
+from kernels.attention_backends import make_causal_attention
 from kernels.ring_attention import make_ring_causal_attention
 from recipe.model.draft import Eagle3DraftConfig
 from recipe.model.ttt import TTTModel, make_ttt_batch, target_in_draft_vocab, ttt_objective
@@ -87,8 +88,9 @@ def full_grads(model: TTTModel, cp_group, tp_group) -> dict[str, torch.Tensor]:
 
 
 def run_layout(rank: int, world: int, tp: int, cp: int, K: int, seed: int, seq_len: int,
-               dtype: torch.dtype = torch.float64) -> dict:
+               dtype: torch.dtype = torch.float64, attention_backend: str | None = None) -> dict:
     """Reference and (tp, cp) layout on this rank (world = tp·cp·dp, dp ignored: every dp rank repeats the case).
+    ``attention_backend``: the ring's backend by ``make_causal_attention`` name (None: the default tiled ring).
 
     Returns {"ref": (loss_K, correct_K, valid_K, grads), "par": (same, full), "counts": RingCounts dict or None,
     "cp_rank", "tp_rank", "local_valid" (this rank's valid_K), "local_seq" (S/cp), "lm_head_shape" (local shard)}.
@@ -104,7 +106,8 @@ def run_layout(rank: int, world: int, tp: int, cp: int, K: int, seed: int, seq_l
     counts = None
     local = batch
     if cp > 1:
-        ring = make_ring_causal_attention(pstate.cp_group)
+        ring = make_ring_causal_attention(pstate.cp_group) if attention_backend is None else \
+            make_causal_attention(attention_backend, None, "cpu", pstate.cp_group)
         par_model.draft.midlayer.self_attn.causal_attention = ring
         local = shard_ttt_batch(batch, cp, pstate.cp_rank)
     loss_K, correct_K, valid_K = forward_backward(par_model, local, n_valid)
