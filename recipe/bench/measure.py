@@ -21,8 +21,8 @@ from dataclasses import dataclass
 
 import torch
 
+from kernels.attention_backends import make_causal_attention
 from recipe.bench.estimate import StepShape
-from recipe.parallel.apply_attention import install_causal_attention
 from recipe.parallel.spawn import free_port
 
 LAYOUTS = {"full": (False, False), "chunked": (True, False), "ckpt": (False, True), "chunked+ckpt": (True, True)}
@@ -35,7 +35,8 @@ MALLOC_ENV = "MALLOC_MMAP_THRESHOLD_"
 
 @dataclass(frozen=True)
 class BenchSpec:
-    """One measurement: draft geometry, sequence length, layout and parallel degrees (see ``StepShape``)."""
+    """One measurement: draft geometry, sequence length, layout and parallel degrees (see ``StepShape``), and the
+    causal-block backend (``kernels.attention_backends``; "tiled" is the reference)."""
 
     seq_len: int
     layout: str = "full"
@@ -55,6 +56,7 @@ class BenchSpec:
     device: str = "cpu"
     loss_chunk_size: int = 1024
     attention_tile: int | None = 1024
+    attention_backend: str = "tiled"
     steps: int = 1
     seed: int = 0
 
@@ -152,8 +154,9 @@ def build_model(spec: BenchSpec, device: torch.device, pstate=None):
         from recipe.parallel.apply_tp import apply_tensor_parallel
 
         apply_tensor_parallel(model, pstate.tp_group)
-    cp_size = 1 if pstate is None else pstate.cp_size
-    install_causal_attention(draft, spec.attention_tile, None if pstate is None else pstate.cp_group, cp_size)
+    cp_group = pstate.cp_group if pstate is not None and pstate.cp_size > 1 else None
+    draft.midlayer.self_attn.causal_attention = make_causal_attention(spec.attention_backend, spec.attention_tile,
+                                                                      device, cp_group)
     return model.to(device=device, dtype=DTYPES[spec.dtype])
 
 
