@@ -142,6 +142,7 @@ def test_sdpa_float32_and_bfloat16_against_the_fp64_reference():
         assert ((got.double() - ref).norm() / ref.norm()).item() < 2e-2
 
 
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")  # eager on purpose
 @pytest.mark.parametrize("kind", ["square", "subset", "later", "mixed"])
 @pytest.mark.parametrize("block", [1, 3, 4, 128])
 def test_flex_forward_matches_reference_on_cpu(kind, block):
@@ -238,3 +239,32 @@ def test_inference_cache_with_auto_matches_dense():
             got.append(model.step(got[-1][:, -1:], ids[:, :1], torch.tensor([[9]]), kv_cache=cache)[0])
             outs[name] = torch.cat(got, dim=1)
     torch.testing.assert_close(outs["auto"], outs["dense"], rtol=1e-12, atol=1e-12)
+
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="flex attention's backward runs on CUDA only")
+
+
+@needs_cuda
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-4), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("kind", ["square", "subset", "later", "mixed"])
+@pytest.mark.parametrize("how", ["direct", "ring-pair"])
+def test_flex_on_cuda_matches_fp64_reference(how, kind, dtype, tol):
+    """Compiled flex on CUDA, differentiated directly (one device) and through the ring's per-pair recompute:
+    fp32 elementwise within 1e-4 of the fp64 reference; bf16 each tensor's relative error < 2e-2 (out, dq, dk,
+    dv; lse within 1e-2, it is float32 from bf16 scores)."""
+    from kernels.flex_attention import FLEX_KERNEL, FlexCausalAttention
+
+    case = [t.cuda() for t in _case(kind, dtype=torch.float64)]
+    case = [t.to(dtype) if t.is_floating_point() else t for t in case]
+    attention = FlexCausalAttention() if how == "direct" else TiledCausalAttention(None, FLEX_KERNEL)
+    got = [x.cpu() if torch.is_tensor(x) else [g.cpu() for g in x] for x in _run(attention, *case)]
+    cpu_case = [t.cpu() for t in case]
+    if dtype == torch.float32:
+        _assert_matches_reference(got, cpu_case, tol)
+        return
+    out, lse, grads = got
+    ref_out, ref_lse, ref_grads = _run(reference, *[t.double() if t.is_floating_point() else t for t in cpu_case])
+    assert torch.equal(torch.isinf(lse), torch.isinf(ref_lse)) and lse.dtype == torch.float32
+    torch.testing.assert_close(lse.double(), ref_lse, rtol=1e-2, atol=1e-2)
+    for g, ref in zip([out, *grads], [ref_out, *ref_grads]):
+        assert g.dtype == torch.bfloat16 and ((g.double() - ref).norm() / ref.norm()).item() < tol

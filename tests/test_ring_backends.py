@@ -89,6 +89,7 @@ def test_ring_backend_matches_dense_fp64_reference(ring_run, key):
 
 
 @pytest.mark.slow
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
 def test_flex_forward_in_the_ring_matches_reference(ring_run):
     cp, seq_len, results = ring_run
     ref = _dense(seq_len)
