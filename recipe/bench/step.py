@@ -36,7 +36,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m recipe.bench step", description=__doc__.split("\n\n")[0])
     p.add_argument("--lengths", type=lengths_arg, default=[512, 2048], help="e.g. 512,2k (k = 1024)")
     p.add_argument("--backends", type=names, help="default: every backend that runs on the device")
-    p.add_argument("--rounds", type=int, default=2, help="interleaved measurements per (backend, length)")
+    p.add_argument("--rounds", type=int, default=3, help="interleaved measurements per (backend, length)")
     p.add_argument("--steps", type=int, default=2, help="steps per measurement (time: mean after the first)")
     p.add_argument("--hidden", type=int, default=576)
     p.add_argument("--heads", type=int, default=8)
