@@ -1,6 +1,6 @@
 """Whole-draft TTT step time per causal-attention backend, relative to the tiled reference, in one run.
 
-``python -m recipe.bench step [--lengths 512,2k] [--backends tiled,sdpa] [--rounds 2] [--steps 2] [--json OUT]``
+``python -m recipe.bench step [--lengths 512,2k] [--backends tiled,sdpa] [--rounds 3] [--steps 2] [--json OUT]``
 measures forward + backward of ``TTTModel`` (``recipe.bench.measure``: random aux states, every position a valid
 label, one fresh process per measurement) at the geometry of issue 13 by default — hidden 576, 8 / 4 heads of dim
 64, intermediate 1536, target vocab 49152, draft vocab 4096, target hidden 576, K = 7, fp32, batch 1, full logits
