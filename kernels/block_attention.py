@@ -34,18 +34,19 @@ def block_attention(
     q_pos_BS: torch.Tensor,
     k_pos_BS: torch.Tensor,
     k_valid_BS: torch.Tensor | None = None,
-    causal: bool = True,
+    *,
     scale: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Softmax attention of queries over one block of keys, returning the normalised output and its LSE.
 
-    Query i may read key j when ``k_valid[j]`` and (if ``causal``) ``k_pos[j] <= q_pos[i]``.
+    Query i may read key j when ``k_valid[j]`` and ``k_pos[j] <= q_pos[i]`` (position-causal: positions are global,
+    so the same rule serves one device, a context-parallel shard and an inference KV cache).
 
     Args:
         q_BHSD: [B, H, Sq, D] queries.  k_BHkvSD, v_BHkvSD: [B, Hkv, Sk, D] keys and values.
         q_pos_BS: [B, Sq] int64 global positions of the queries.  k_pos_BS: [B, Sk] int64 of the keys.
         k_valid_BS: [B, Sk] bool, False for padding keys (None: all valid).
-        scale: softmax scale, default 1/sqrt(D).
+        scale: softmax scale (keyword only), default 1/sqrt(D).
     Returns:
         out_BHSD: [B, H, Sq, D] in q's dtype; rows with no readable key are 0.
         lse_BHS: [B, H, Sq] log-sum-exp (accumulation dtype, float32 for half inputs) of the scaled scores; -inf for rows with no readable key.
@@ -57,9 +58,7 @@ def block_attention(
     k = expand_kv(k_BHkvSD, h).to(acc)
     v = expand_kv(v_BHkvSD, h).to(acc)
     s_BHQK = torch.matmul(q_BHSD.to(acc), k.transpose(-1, -2)) * scale
-    allowed_BQK = torch.ones(s_BHQK.shape[0], s_BHQK.shape[2], s_BHQK.shape[3], dtype=torch.bool, device=q_BHSD.device)
-    if causal:
-        allowed_BQK = k_pos_BS[:, None, :] <= q_pos_BS[:, :, None]
+    allowed_BQK = k_pos_BS[:, None, :] <= q_pos_BS[:, :, None]
     if k_valid_BS is not None:
         allowed_BQK = allowed_BQK & k_valid_BS[:, None, :]
     s_BHQK = s_BHQK.masked_fill(~allowed_BQK[:, None], float("-inf"))

@@ -14,6 +14,9 @@ Work skipping and memory: the local shard and each received block are cut into `
 zigzag chunks), each into tiles of at most ``tile_size`` positions; the per-block work is the tile loop of
 ``kernels.tiled_attention`` (score memory bounded by tile², no S² matrix saved for the backward). A (query tile,
 key tile) pair in which no query can read any key (all keys later than all queries, or all padding) is skipped.
+Each pair is computed by a ``BlockKernel``: the pure-PyTorch reference, the fused CPU kernel (its backward takes the
+final LSE directly) or flex attention (whose backward recomputes the pair under autograd and pulls the final
+merge's gradient through the pair's own (out, lse): ``recompute_block_backward``).
 
 Exact communication per rank per call, for a group of size cp (``RingCounts``; 0 when cp = 1):
   forward : cp-1 K/V hops, each 2 tensors (stacked K/V, stacked positions/validity): 2(cp-1) sends, 2(cp-1) recvs.
@@ -28,8 +31,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from kernels.tiled_attention import (backward_queries, check_block_shapes, check_tile_size, forward_accumulators,
-                                     forward_tiles, key_block_gradients, key_tiles, keys_valid)
+from kernels.tiled_attention import (DENSE_KERNEL, BlockKernel, backward_queries, check_block_shapes, check_tile_size,
+                                     forward_accumulators, forward_tiles, key_block_gradients, key_tiles, keys_valid)
 
 
 @dataclass
@@ -109,44 +112,47 @@ def _pack_keys_meta(k_pos_BS: torch.Tensor, k_valid_BS: torch.Tensor | None) -> 
 
 
 def ring_attention_forward(q_BHSD, k_BHkvSD, v_BHkvSD, q_pos_BS, k_pos_BS, k_valid_BS, comm: RingComm,
-                           scale: float | None = None, num_chunks: int = 2, tile_size: int | None = None):
+                           scale: float | None = None, num_chunks: int = 2, tile_size: int | None = None,
+                           kernel: BlockKernel = DENSE_KERNEL):
     """Causal attention of the local queries over all ranks' keys, passing K/V blocks around the ring.
 
     Args: local shards q [B, H, Sq, D]; k, v [B, Hkv, Sk, D]; q_pos [B, Sq], k_pos [B, Sk] int64 global positions;
     k_valid [B, Sk] bool or None (all valid); ``comm`` the ring; ``scale`` default 1/sqrt(D); the local shard and
     each received block are cut into ``num_chunks`` equal chunks (2 = the two zigzag chunks), each into tiles of at
     most ``tile_size`` positions (None: one tile per chunk), for work skipping and bounded score memory
-    (``kernels.tiled_attention``). Every rank must have the same Sk, B, Hkv, D.
+    (``kernels.tiled_attention``); ``kernel`` computes each (query tile, key tile) pair. Every rank must have the
+    same Sk, B, Hkv, D.
     Returns (out [B, H, Sq, D] in q's dtype, lse [B, H, Sq] in accum dtype (-inf where no key is readable),
     key_meta): key_meta[s] is the [2, B, Sk] int64 positions/validity of the block of group rank (r - s) mod cp,
     which the backward reuses instead of re-sending it.
     """
     scale = 1.0 / math.sqrt(q_BHSD.shape[-1]) if scale is None else scale
-    queries, outs, lses = forward_accumulators(q_BHSD, q_pos_BS, tile_size, num_chunks)
+    queries, outs, lses = forward_accumulators(q_BHSD, q_pos_BS, tile_size, num_chunks, kernel)
     kv = torch.stack([k_BHkvSD, v_BHkvSD])  # [2, B, Hkv, Sk, D]
+    compute = kernel.compute_dtype(kv.dtype)
     meta = _pack_keys_meta(k_pos_BS, k_valid_BS)
     key_meta = []
     for step in range(comm.size):
         hop = comm.start([kv, meta], "kv") if step + 1 < comm.size else None  # overlaps the compute below
         key_meta.append(meta)
-        keys = key_tiles(kv[0], kv[1], meta[0], meta[1].bool(), tile_size, num_chunks)
-        comm.counts.forward_pairs += forward_tiles(queries, keys, outs, lses, scale)
+        keys = key_tiles(kv[0].to(compute), kv[1].to(compute), meta[0], meta[1].bool(), tile_size, num_chunks)
+        comm.counts.forward_pairs += forward_tiles(queries, keys, outs, lses, scale, kernel)
         if hop is not None:
             kv, meta = hop.wait()
     return torch.cat(outs, dim=2).to(q_BHSD.dtype), torch.cat(lses, dim=2), key_meta
 
 
-def _backward_one_block(kv, meta, queries, dq_tiles, comm, scale, num_chunks, tile_size):
+def _backward_one_block(kv, meta, queries, dq_tiles, comm, scale, num_chunks, tile_size, kernel):
     """dK/dV [2, B, Hkv, Sk, D] (fp32+) of one key block from the local queries; adds into dq_tiles in place."""
     dkv, pairs = key_block_gradients(queries, dq_tiles, kv[0], kv[1], meta[0], meta[1].bool(), scale, tile_size,
-                                     num_chunks)
+                                     num_chunks, kernel)
     comm.counts.backward_pairs += pairs
     return dkv
 
 
 def ring_attention_backward(dout_BHSD, dlse_BHS, q_BHSD, k_BHkvSD, v_BHkvSD, out_BHSD, lse_BHS, q_pos_BS,
                             key_meta, comm: RingComm, scale: float | None = None, num_chunks: int = 2,
-                            tile_size: int | None = None):
+                            tile_size: int | None = None, kernel: BlockKernel = DENSE_KERNEL):
     """Gradients (dq, dk, dv) of the local shards for the loss gradients ``dout`` [B, H, Sq, D] and ``dlse`` [B, H, Sq].
 
     ``out``, ``lse`` and ``key_meta`` are what ``ring_attention_forward`` returned; ``dlse=None`` means zero.
@@ -156,8 +162,8 @@ def ring_attention_backward(dout_BHSD, dlse_BHS, q_BHSD, k_BHkvSD, v_BHkvSD, out
     """
     scale = 1.0 / math.sqrt(q_BHSD.shape[-1]) if scale is None else scale
     queries, dq, dq_tiles = backward_queries(dout_BHSD, dlse_BHS, q_BHSD, q_pos_BS, out_BHSD, lse_BHS, tile_size,
-                                             num_chunks)
-    args = (queries, dq_tiles, comm, scale, num_chunks, tile_size)
+                                             num_chunks, kernel)
+    args = (queries, dq_tiles, comm, scale, num_chunks, tile_size, kernel)
     kv = torch.stack([k_BHkvSD, v_BHkvSD])
     kv_hop = comm.start([kv], "kv") if comm.size > 1 else None
     dkv_own = _backward_one_block(kv, key_meta[0], *args)
@@ -176,38 +182,38 @@ def ring_attention_backward(dout_BHSD, dlse_BHS, q_BHSD, k_BHkvSD, v_BHkvSD, out
 
 class RingAttention(torch.autograd.Function):
     """Thin autograd wrapper: ``RingAttention.apply(q, k, v, q_pos, k_pos, k_valid, comm, scale, num_chunks,
-    tile_size)`` -> (out, lse). Gradients flow to q, k, v (lse's gradient included)."""
+    tile_size, kernel)`` -> (out, lse). Gradients flow to q, k, v (lse's gradient included)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, q_pos, k_pos, k_valid, comm, scale, num_chunks, tile_size):
+    def forward(ctx, q, k, v, q_pos, k_pos, k_valid, comm, scale, num_chunks, tile_size, kernel):
         out, lse, key_meta = ring_attention_forward(q, k, v, q_pos, k_pos, k_valid, comm, scale, num_chunks,
-                                                    tile_size)
+                                                    tile_size, kernel)
         ctx.save_for_backward(q, k, v, out, lse, q_pos, *key_meta)
-        ctx.comm, ctx.scale, ctx.num_chunks, ctx.tile_size = comm, scale, num_chunks, tile_size
+        ctx.comm, ctx.scale, ctx.num_chunks, ctx.tile_size, ctx.kernel = comm, scale, num_chunks, tile_size, kernel
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, dlse):
         q, k, v, out, lse, q_pos, *key_meta = ctx.saved_tensors
         dq, dk, dv = ring_attention_backward(dout, dlse, q, k, v, out, lse, q_pos, key_meta, ctx.comm,
-                                             ctx.scale, ctx.num_chunks, ctx.tile_size)
-        return dq, dk, dv, None, None, None, None, None, None, None
+                                             ctx.scale, ctx.num_chunks, ctx.tile_size, ctx.kernel)
+        return dq, dk, dv, None, None, None, None, None, None, None, None
 
 
 def ring_block_attention(q_BHSD, k_BHkvSD, v_BHkvSD, q_pos_BS, k_pos_BS, k_valid_BS=None, group=None, *,
                          scale: float | None = None, comm: RingComm | None = None, num_chunks: int = 2,
-                         tile_size: int | None = None):
-    """Drop-in for ``block_attention`` (causal) under CP: local zigzag shards in, local (out, lse) out.
+                         tile_size: int | None = None, kernel: BlockKernel = DENSE_KERNEL):
+    """Drop-in for ``block_attention`` under CP: local zigzag shards in, local (out, lse) out.
 
     Same shapes as ``block_attention``; ``group`` the cp group (or pass a ``comm`` to read its counters);
-    ``num_chunks``/``tile_size`` as ``ring_attention_forward``. Raises ValueError when shard shapes disagree within
-    the rank (naming them) or ``tile_size`` is not a positive integer or None.
+    ``num_chunks``/``tile_size``/``kernel`` as ``ring_attention_forward``. Raises ValueError when shard shapes
+    disagree within the rank (naming them) or ``tile_size`` is not a positive integer or None.
     """
     check_block_shapes(q_BHSD, k_BHkvSD, v_BHkvSD, q_pos_BS, k_pos_BS, k_valid_BS, "ring_block_attention")
     check_tile_size(tile_size)
     comm = RingComm(group) if comm is None else comm
     return RingAttention.apply(q_BHSD, k_BHkvSD, v_BHkvSD, q_pos_BS, k_pos_BS, k_valid_BS, comm, scale, num_chunks,
-                               tile_size)
+                               tile_size, kernel)
 
 
 class RingCausalAttention:
@@ -216,16 +222,24 @@ class RingCausalAttention:
     Owns one ``RingComm`` (``.comm.counts`` accumulate over calls; ``reset()`` them per step if wanted).
     """
 
-    def __init__(self, group=None, num_chunks: int = 2, tile_size: int | None = None):
+    def __init__(self, group=None, num_chunks: int = 2, tile_size: int | None = None,
+                 kernel: BlockKernel = DENSE_KERNEL):
         self.comm = RingComm(group)
-        self.num_chunks, self.tile_size = num_chunks, tile_size
+        self.num_chunks, self.tile_size, self.kernel = num_chunks, tile_size, kernel
 
     def __call__(self, q_BHSD, k_BHkvSD, v_BHkvSD, q_pos_BS, k_pos_BS, k_valid_BS=None):
         return ring_block_attention(q_BHSD, k_BHkvSD, v_BHkvSD, q_pos_BS, k_pos_BS, k_valid_BS,
-                                    comm=self.comm, num_chunks=self.num_chunks, tile_size=self.tile_size)
+                                    comm=self.comm, num_chunks=self.num_chunks, tile_size=self.tile_size,
+                                    kernel=self.kernel)
+
+    def __repr__(self) -> str:
+        return (f"RingCausalAttention(cp={self.comm.size}, num_chunks={self.num_chunks}, tile_size={self.tile_size}, "
+                f"kernel={self.kernel.name!r})")
 
 
-def make_ring_causal_attention(group=None, num_chunks: int = 2, tile_size: int | None = None) -> RingCausalAttention:
+def make_ring_causal_attention(group=None, num_chunks: int = 2, tile_size: int | None = None,
+                               kernel: BlockKernel = DENSE_KERNEL) -> RingCausalAttention:
     """Factory for the draft attention's ``causal_attention`` attribute under CP (``group`` = the cp group;
-    ``tile_size`` bounds each score block to tile_size² per head, None = one tile per zigzag chunk)."""
-    return RingCausalAttention(group, num_chunks, tile_size)
+    ``tile_size`` bounds each score block to tile_size² per head, None = one tile per zigzag chunk; ``kernel``
+    computes each pair, default the pure-PyTorch reference)."""
+    return RingCausalAttention(group, num_chunks, tile_size, kernel)

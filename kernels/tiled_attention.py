@@ -9,11 +9,14 @@ Pairs in which no query can read any key (every key later than every query, or p
 block costs about half the pairs.
 
 The same tile loops serve the ring attention (``kernels.ring_attention``), which runs them on every K/V block that
-arrives around the context-parallel ring.
+arrives around the context-parallel ring. What one (query tile, key tile) pair computes is a ``BlockKernel``: the
+pure-PyTorch ``DENSE_KERNEL`` here (the reference), the fused CPU kernel of ``kernels.sdpa_attention``, or flex
+attention (``kernels.flex_attention``); the loops, the pair skipping and the fp32 merges are the same for all.
 """
 from __future__ import annotations
 
 import math
+from typing import Callable, NamedTuple
 
 import torch
 
@@ -117,11 +120,67 @@ def attention_block_backward(dout_BHSD, dlse_BHS, delta_BHS, lse_BHS, q_BHSD, k_
     return dq, dk, dv
 
 
-def forward_tiles(queries, keys, outs: list[torch.Tensor], lses: list[torch.Tensor], scale: float) -> int:
+class BlockKernel(NamedTuple):
+    """What the tile loops run on one readable (query tile, key tile) pair.
+
+    ``forward(q, k, v, q_pos, k_pos, k_valid, scale) -> (out, lse)``: ``block_attention``'s contract (k_valid a bool
+    tensor, out [B, H, Tq, D], lse [B, H, Tq] in the accumulation dtype, -inf / 0 on rows without a readable key);
+    called without autograd. ``backward(dout, dlse, delta, lse, q, k, v, q_pos, k_pos, k_valid, scale) -> (dq, dk,
+    dv)``: ``attention_block_backward``'s contract (lse, delta and dlse are the FINAL ones, over all key blocks).
+    ``compute_dtype(dtype)``: the dtype q/k/v are cast to before reaching the kernel (outputs and merges always
+    accumulate in ``accum_dtype``).
+    """
+
+    name: str
+    forward: Callable
+    backward: Callable
+    compute_dtype: Callable[[torch.dtype], torch.dtype] = accum_dtype
+
+
+def _dense_forward(q_BHSD, k_BHkvSD, v_BHkvSD, q_pos_BS, k_pos_BS, k_valid_BS, scale):
+    return block_attention(q_BHSD, k_BHkvSD, v_BHkvSD, q_pos_BS, k_pos_BS, k_valid_BS, scale=scale)
+
+
+DENSE_KERNEL = BlockKernel("tiled", _dense_forward, attention_block_backward)
+"""The reference kernel: dense scores of one pair in the accumulation dtype (``block_attention``), backward by the
+flash-attention formulas (``attention_block_backward``). Any device, any float dtype (fp64 included)."""
+
+
+def recompute_block_backward(forward: Callable) -> Callable:
+    """A ``BlockKernel.backward`` for a kernel whose per-block ``forward`` is differentiable (through out AND lse)
+    but whose backward cannot be handed the final LSE (flex attention): it recomputes the block under autograd and
+    pulls back the gradient that the final merge sends to this block's ``(out_b, lse_b)``.
+
+    With the final ``out = Σ_b w_b out_b``, ``lse = logsumexp_b lse_b`` and ``w_b = exp(lse_b - lse)``
+    (``merge_lse``): ``dL/dout_b = w_b·dout`` and ``dL/dlse_b = w_b·(dlse + rowsum(dout·out_b) - delta)`` with
+    ``delta = rowsum(dout·out)``; pulled through the block's own softmax this gives exactly
+    ``attention_block_backward``'s ``dS = P·(dP - delta + dlse)``. Costs one extra block forward per pair.
+    """
+
+    def backward(dout_BHSD, dlse_BHS, delta_BHS, lse_BHS, q_BHSD, k_BHkvSD, v_BHkvSD, q_pos_BS, k_pos_BS,
+                 k_valid_BS, scale):
+        leaves = [t.detach().requires_grad_() for t in (q_BHSD, k_BHkvSD, v_BHkvSD)]
+        with torch.enable_grad():
+            out_b, lse_b = forward(*leaves, q_pos_BS, k_pos_BS, k_valid_BS, scale)
+        lse_b_acc = lse_b.detach().to(lse_BHS.dtype)
+        live = torch.isfinite(lse_b_acc) & torch.isfinite(lse_BHS)
+        w = torch.where(live, torch.exp(lse_b_acc - torch.where(live, lse_BHS, torch.zeros_like(lse_BHS))),
+                        torch.zeros_like(lse_BHS))
+        g_out = (w[..., None] * dout_BHSD).to(out_b.dtype)
+        g_lse = w * (dlse_BHS + (dout_BHSD * out_b.detach().to(dout_BHSD.dtype)).sum(-1) - delta_BHS)
+        grads = torch.autograd.grad((out_b, lse_b), leaves, (g_out, g_lse.to(lse_b.dtype)), allow_unused=True)
+        return tuple(torch.zeros_like(t) if g is None else g for g, t in zip(grads, leaves))
+
+    return backward
+
+
+def forward_tiles(queries, keys, outs: list[torch.Tensor], lses: list[torch.Tensor], scale: float,
+                  kernel: BlockKernel = DENSE_KERNEL) -> int:
     """Attend every query tile over every key tile it can read, merging into ``outs``/``lses`` (replaced in place).
 
-    ``queries``: (q tiles [B, H, Tq, D] in accum dtype, q_pos tiles [B, Tq]); ``keys``: (k tiles, v tiles
-    [B, Hkv, Tk, D], k_pos tiles [B, Tk], k_valid tiles [B, Tk] bool). Returns the number of pairs computed.
+    ``queries``: (q tiles [B, H, Tq, D] in the kernel's compute dtype, q_pos tiles [B, Tq]); ``keys``: (k tiles,
+    v tiles [B, Hkv, Tk, D], k_pos tiles [B, Tk], k_valid tiles [B, Tk] bool); ``kernel`` computes each pair.
+    Returns the number of pairs computed.
     """
     q_tiles, qpos_tiles = queries
     needed = readable_pairs(qpos_tiles, keys[2], keys[3])
@@ -131,17 +190,18 @@ def forward_tiles(queries, keys, outs: list[torch.Tensor], lses: list[torch.Tens
             if not needed[i][j]:
                 continue
             pairs += 1
-            out_t, lse_t = block_attention(q_t, k_t, v_t, qpos_t, kpos_t, kvalid_t, scale=scale)
+            out_t, lse_t = kernel.forward(q_t, k_t, v_t, qpos_t, kpos_t, kvalid_t, scale)
             outs[i], lses[i] = merge_lse(outs[i], lses[i], out_t, lse_t)
     return pairs
 
 
-def backward_tiles(queries, keys, dq_tiles, dk_tiles, dv_tiles, scale: float) -> int:
+def backward_tiles(queries, keys, dq_tiles, dk_tiles, dv_tiles, scale: float,
+                   kernel: BlockKernel = DENSE_KERNEL) -> int:
     """Accumulate the gradients of every readable (query tile, key tile) pair into the given views.
 
-    ``queries``: (q, q_pos, dout, dlse, delta, lse) tiles; ``keys``: (k, v, k_pos, k_valid) tiles; all float tensors
-    in the accumulation dtype. ``dq_tiles``/``dk_tiles``/``dv_tiles`` are views of the gradient buffers, added to in
-    place. Returns the number of pairs computed.
+    ``queries``: (q, q_pos, dout, dlse, delta, lse) tiles; ``keys``: (k, v, k_pos, k_valid) tiles; q/k/v in the
+    kernel's compute dtype, dout/dlse/delta/lse in the accumulation dtype. ``dq_tiles``/``dk_tiles``/``dv_tiles``
+    are views of the (accumulation dtype) gradient buffers, added to in place. Returns the number of pairs computed.
     """
     needed = readable_pairs(queries[1], keys[2], keys[3])
     pairs = 0
@@ -150,8 +210,8 @@ def backward_tiles(queries, keys, dq_tiles, dk_tiles, dv_tiles, scale: float) ->
             if not needed[i][j]:
                 continue
             pairs += 1
-            dq, dk, dv = attention_block_backward(dout_t, dlse_t, delta_t, lse_t, q_t, k_t, v_t, qpos_t, kpos_t,
-                                                  kvalid_t, scale)
+            dq, dk, dv = kernel.backward(dout_t, dlse_t, delta_t, lse_t, q_t, k_t, v_t, qpos_t, kpos_t, kvalid_t,
+                                         scale)
             dq_tiles[i] += dq
             dk_tiles[j] += dk
             dv_tiles[j] += dv
@@ -177,22 +237,24 @@ def key_tiles(k_BHkvSD, v_BHkvSD, k_pos_BS, k_valid_BS, tile_size: int | None, g
             split_tiles(k_pos_BS, 1, tile_size, groups), split_tiles(k_valid_BS, 1, tile_size, groups))
 
 
-def forward_accumulators(q_BHSD, q_pos_BS, tile_size: int | None, groups: int = 1):
-    """(queries, outs, lses) for ``forward_tiles``: the query tiles in the accumulation dtype with their int64
-    positions, and per tile an output of zeros and an LSE of -inf (nothing read yet). ``torch.cat(outs/lses, 2)``
-    gives the result."""
+def forward_accumulators(q_BHSD, q_pos_BS, tile_size: int | None, groups: int = 1,
+                         kernel: BlockKernel = DENSE_KERNEL):
+    """(queries, outs, lses) for ``forward_tiles``: the query tiles in the kernel's compute dtype with their int64
+    positions, and per tile an output of zeros and an LSE of -inf (nothing read yet), both in the accumulation
+    dtype. ``torch.cat(outs/lses, 2)`` gives the result."""
     acc = accum_dtype(q_BHSD.dtype)
-    queries = (split_tiles(q_BHSD.to(acc), 2, tile_size, groups), split_tiles(q_pos_BS.long(), 1, tile_size, groups))
-    outs = [torch.zeros_like(t) for t in queries[0]]
+    queries = (split_tiles(q_BHSD.to(kernel.compute_dtype(q_BHSD.dtype)), 2, tile_size, groups),
+               split_tiles(q_pos_BS.long(), 1, tile_size, groups))
+    outs = [torch.zeros(t.shape, dtype=acc, device=t.device) for t in queries[0]]
     lses = [torch.full(t.shape[:-1], float("-inf"), dtype=acc, device=t.device) for t in queries[0]]
     return queries, outs, lses
 
 
 def backward_queries(dout_BHSD, dlse_BHS, q_BHSD, q_pos_BS, out_BHSD, lse_BHS, tile_size: int | None,
-                     groups: int = 1):
-    """(queries, dq, dq_tiles) for ``backward_tiles``: per query tile (q, q_pos, dout, dlse, delta, lse) in the
-    accumulation dtype, with delta = rowsum(dout · out) and dlse from ``lse_gradient``; dq a zero buffer in the
-    accumulation dtype and ``dq_tiles`` its tile views."""
+                     groups: int = 1, kernel: BlockKernel = DENSE_KERNEL):
+    """(queries, dq, dq_tiles) for ``backward_tiles``: per query tile (q, q_pos, dout, dlse, delta, lse), q in the
+    kernel's compute dtype and the rest in the accumulation dtype, with delta = rowsum(dout · out) and dlse from
+    ``lse_gradient``; dq a zero buffer in the accumulation dtype and ``dq_tiles`` its tile views."""
     acc = accum_dtype(q_BHSD.dtype)
     dout, lse = dout_BHSD.to(acc), lse_BHS.to(acc)
     delta = (dout * out_BHSD.to(acc)).sum(-1)
@@ -200,72 +262,82 @@ def backward_queries(dout_BHSD, dlse_BHS, q_BHSD, q_pos_BS, out_BHSD, lse_BHS, t
 
     def cut(x, dim):
         return split_tiles(x, dim, tile_size, groups)
-    queries = (cut(q_BHSD.to(acc), 2), cut(q_pos_BS.long(), 1), cut(dout, 2), cut(lse_gradient(dlse_BHS, lse), 2),
+    queries = (cut(q_BHSD.to(kernel.compute_dtype(q_BHSD.dtype)), 2), cut(q_pos_BS.long(), 1), cut(dout, 2),
+               cut(lse_gradient(dlse_BHS, lse), 2),
                cut(delta, 2), cut(lse, 2))
     return queries, dq, cut(dq, 2)
 
 
 def key_block_gradients(queries, dq_tiles, k_BHkvSD, v_BHkvSD, k_pos_BS, k_valid_BS, scale: float,
-                        tile_size: int | None, groups: int = 1) -> tuple[torch.Tensor, int]:
+                        tile_size: int | None, groups: int = 1,
+                        kernel: BlockKernel = DENSE_KERNEL) -> tuple[torch.Tensor, int]:
     """(dkv [2, B, Hkv, Sk, D] in the accumulation dtype, pairs computed) of one key block from the query tiles of
     ``backward_queries``; adds the block's dq contribution into ``dq_tiles`` in place."""
-    acc = queries[0][0].dtype
+    acc = queries[2][0].dtype  # dout's: the accumulation dtype
+    compute = kernel.compute_dtype(k_BHkvSD.dtype)
     dkv = torch.zeros((2, *k_BHkvSD.shape), dtype=acc, device=k_BHkvSD.device)
-    keys = key_tiles(k_BHkvSD.to(acc), v_BHkvSD.to(acc), k_pos_BS, k_valid_BS, tile_size, groups)
+    keys = key_tiles(k_BHkvSD.to(compute), v_BHkvSD.to(compute), k_pos_BS, k_valid_BS, tile_size, groups)
     pairs = backward_tiles(queries, keys, dq_tiles, split_tiles(dkv[0], 2, tile_size, groups),
-                           split_tiles(dkv[1], 2, tile_size, groups), scale)
+                           split_tiles(dkv[1], 2, tile_size, groups), scale, kernel)
     return dkv, pairs
 
 
 class TiledAttention(torch.autograd.Function):
-    """``TiledAttention.apply(q, k, v, q_pos, k_pos, k_valid, scale, tile_size) -> (out, lse)``; gradients flow to
-    q, k, v, including the LSE's. Saves q, k, v, out, lse and the positions only (no score matrices)."""
+    """``TiledAttention.apply(q, k, v, q_pos, k_pos, k_valid, scale, tile_size, kernel) -> (out, lse)``; gradients
+    flow to q, k, v, including the LSE's. Saves q, k, v, out, lse and the positions only (no score matrices); the
+    backward recomputes each pair from the final LSE through ``kernel.backward``."""
 
     @staticmethod
-    def forward(ctx, q, k, v, q_pos, k_pos, k_valid, scale, tile_size):
+    def forward(ctx, q, k, v, q_pos, k_pos, k_valid, scale, tile_size, kernel):
         q_pos, k_pos, k_valid = q_pos.long(), k_pos.long(), keys_valid(k_pos, k_valid)
-        queries, outs, lses = forward_accumulators(q, q_pos, tile_size)
-        forward_tiles(queries, key_tiles(k, v, k_pos, k_valid, tile_size), outs, lses, scale)
+        queries, outs, lses = forward_accumulators(q, q_pos, tile_size, kernel=kernel)
+        compute = kernel.compute_dtype(k.dtype)
+        forward_tiles(queries, key_tiles(k.to(compute), v.to(compute), k_pos, k_valid, tile_size), outs, lses, scale,
+                      kernel)
         out, lse = torch.cat(outs, dim=2).to(q.dtype), torch.cat(lses, dim=2)
         ctx.save_for_backward(q, k, v, out, lse, q_pos, k_pos, k_valid)
-        ctx.scale, ctx.tile_size = scale, tile_size
+        ctx.scale, ctx.tile_size, ctx.kernel = scale, tile_size, kernel
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, dlse):
         q, k, v, out, lse, q_pos, k_pos, k_valid = ctx.saved_tensors
-        queries, dq, dq_tiles = backward_queries(dout, dlse, q, q_pos, out, lse, ctx.tile_size)
-        dkv, _ = key_block_gradients(queries, dq_tiles, k, v, k_pos, k_valid, ctx.scale, ctx.tile_size)
-        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None, None
+        queries, dq, dq_tiles = backward_queries(dout, dlse, q, q_pos, out, lse, ctx.tile_size, kernel=ctx.kernel)
+        dkv, _ = key_block_gradients(queries, dq_tiles, k, v, k_pos, k_valid, ctx.scale, ctx.tile_size,
+                                     kernel=ctx.kernel)
+        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None, None, None
 
 
 def tiled_block_attention(q_BHSD, k_BHkvSD, v_BHkvSD, q_pos_BS, k_pos_BS, k_valid_BS=None, *,
-                          tile_size: int = 1024, scale: float | None = None):
-    """Drop-in for causal ``block_attention`` with memory O(B·H·(Sq + Sk)·D + B·H·tile²) instead of O(B·H·Sq·Sk).
+                          tile_size: int | None = 1024, scale: float | None = None,
+                          kernel: BlockKernel = DENSE_KERNEL):
+    """Drop-in for ``block_attention`` with memory O(B·H·(Sq + Sk)·D + B·H·tile²) instead of O(B·H·Sq·Sk).
 
     Args and returns as ``block_attention`` (q [B, H, Sq, D], k/v [B, Hkv, Sk, D], int64 positions [B, Sq]/[B, Sk],
     k_valid [B, Sk] bool or None; out [B, H, Sq, D] in q's dtype, lse [B, H, Sq] in the accumulation dtype, -inf
-    and out 0 on rows with no readable key). ``tile_size``: positions per query/key tile.
-    Raises ValueError when ``tile_size`` is not a positive integer, the shapes disagree (naming them), or H is not
-    a multiple of Hkv.
+    and out 0 on rows with no readable key). ``tile_size``: positions per query/key tile (None: one tile, i.e. the
+    whole block in one pair). ``kernel``: what each pair computes (``DENSE_KERNEL``: the pure-PyTorch reference).
+    Raises ValueError when ``tile_size`` is not a positive integer or None, the shapes disagree (naming them), or H
+    is not a multiple of Hkv.
     """
-    check_tile_size(tile_size, allow_none=False)
+    check_tile_size(tile_size)
     check_block_shapes(q_BHSD, k_BHkvSD, v_BHkvSD, q_pos_BS, k_pos_BS, k_valid_BS, "tiled_block_attention")
     scale = 1.0 / math.sqrt(q_BHSD.shape[-1]) if scale is None else scale
-    return TiledAttention.apply(q_BHSD, k_BHkvSD, v_BHkvSD, q_pos_BS, k_pos_BS, k_valid_BS, scale, tile_size)
+    return TiledAttention.apply(q_BHSD, k_BHkvSD, v_BHkvSD, q_pos_BS, k_pos_BS, k_valid_BS, scale, tile_size, kernel)
 
 
 class TiledCausalAttention:
     """Callable with the draft's causal-block signature ``(q, k, v, q_pos, k_pos, k_valid) -> (out, lse)``, tiled
-    at ``tile_size`` positions (see ``tiled_block_attention``)."""
+    at ``tile_size`` positions (None: one tile), each pair computed by ``kernel`` (see ``tiled_block_attention``).
+    Raises ValueError when ``tile_size`` is not a positive integer or None."""
 
-    def __init__(self, tile_size: int = 1024):
-        check_tile_size(tile_size, allow_none=False)
-        self.tile_size = tile_size
+    def __init__(self, tile_size: int | None = 1024, kernel: BlockKernel = DENSE_KERNEL):
+        check_tile_size(tile_size)
+        self.tile_size, self.kernel = tile_size, kernel
 
     def __call__(self, q_BHSD, k_BHkvSD, v_BHkvSD, q_pos_BS, k_pos_BS, k_valid_BS=None):
         return tiled_block_attention(q_BHSD, k_BHkvSD, v_BHkvSD, q_pos_BS, k_pos_BS, k_valid_BS,
-                                     tile_size=self.tile_size)
+                                     tile_size=self.tile_size, kernel=self.kernel)
 
     def __repr__(self) -> str:
-        return f"TiledCausalAttention(tile_size={self.tile_size})"
+        return f"TiledCausalAttention(tile_size={self.tile_size}, kernel={self.kernel.name!r})"

@@ -185,7 +185,10 @@ class MemoryOptions:
     tile of the causal block attention (``kernels.tiled_attention``; under CP, tiles within each zigzag chunk of the
     ring); score memory is O(H·tile²) and nothing of size S² is kept for backward. Absent: 1024;
     null: no tiling: on one cp rank the dense block (O(H·S²) scores kept for backward; short sequences only), under
-    CP one tile per zigzag chunk of the ring. DeepSpeed's own
+    CP one tile per zigzag chunk of the ring. ``attention_backend``: which kernel computes the causal block
+    (``kernels.attention_backends``): ``"auto"`` (default: flex on CUDA, the fused CPU kernel sdpa on CPU),
+    ``"tiled"`` (pure PyTorch, the reference), ``"sdpa"`` (CPU only) or ``"flex"`` (CUDA only); the run resolves
+    it for its device (:meth:`RunConfig.for_device`) and records the choice. DeepSpeed's own
     ``activation_checkpointing`` section configures ``deepspeed.checkpointing`` only, which this recipe does not
     use, so it is not read.
     """
@@ -193,6 +196,7 @@ class MemoryOptions:
     loss_chunk_size: int | None = None
     checkpoint_ttt_steps: bool = False
     attention_tile_size: int | None = 1024
+    attention_backend: str = "auto"
 
     @classmethod
     def pop_from(cls, cfg: dict, path: Path | str) -> "MemoryOptions":
@@ -201,8 +205,9 @@ class MemoryOptions:
         section = {} if section is None else section
         if not isinstance(section, dict):
             raise ConfigError(f"{path}: '{MEMORY_SECTION}' must be an object like "
-                              '{"loss_chunk_size": 4096, "checkpoint_ttt_steps": true, "attention_tile_size": 1024}')
-        known = ("loss_chunk_size", "checkpoint_ttt_steps", "attention_tile_size")
+                              '{"loss_chunk_size": 4096, "checkpoint_ttt_steps": true, "attention_tile_size": 1024, '
+                              '"attention_backend": "auto"}')
+        known = ("loss_chunk_size", "checkpoint_ttt_steps", "attention_tile_size", "attention_backend")
         unknown = sorted(set(section) - set(known))
         if unknown:
             raise ConfigError(f"{path}: unknown key(s) {unknown} in '{MEMORY_SECTION}'; known keys: {list(known)}")
@@ -215,7 +220,14 @@ class MemoryOptions:
         ckpt = section.get("checkpoint_ttt_steps", False)
         if not isinstance(ckpt, bool):
             raise ConfigError(f"{path}: '{MEMORY_SECTION}.checkpoint_ttt_steps' must be true or false, got {ckpt!r}")
-        return cls(checkpoint_ttt_steps=ckpt, **sizes)
+        from kernels.attention_backends import BACKENDS
+
+        backend = section.get("attention_backend", cls.attention_backend)
+        names = ("auto", *BACKENDS)
+        if backend not in names:
+            raise ConfigError(f"{path}: '{MEMORY_SECTION}.attention_backend' must be one of {list(names)}, "
+                              f"got {backend!r}")
+        return cls(checkpoint_ttt_steps=ckpt, attention_backend=backend, **sizes)
 
 
 @dataclass(frozen=True)
@@ -305,6 +317,18 @@ class RunConfig:
         ds_cfg = copy.deepcopy(self.deepspeed)
         resolve_scheduler(ds_cfg, total_steps)
         return dataclasses.replace(self, deepspeed=ds_cfg, total_steps=total_steps)
+
+    def for_device(self, device) -> "RunConfig":
+        """A copy whose ``memory.attention_backend`` is what the configured name stands for on ``device``
+        (``kernels.attention_backends.resolve_attention_backend``: "auto" becomes a backend name). Raises
+        ConfigError naming the file when the configured backend cannot run on ``device``."""
+        from kernels.attention_backends import resolve_attention_backend
+
+        try:
+            backend = resolve_attention_backend(self.memory.attention_backend, device)
+        except ValueError as exc:
+            raise ConfigError(f"{self.path}: '{MEMORY_SECTION}.attention_backend': {exc}") from None
+        return dataclasses.replace(self, memory=dataclasses.replace(self.memory, attention_backend=backend))
 
     def deepspeed_config(self) -> dict:
         """The dict for ``deepspeed.initialize(config=...)``. Raises ValueError before :meth:`with_total_steps`

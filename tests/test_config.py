@@ -14,6 +14,8 @@ def test_memory_section_parsed_and_removed():
     dense = MemoryOptions.pop_from({"memory": {"attention_tile_size": None}}, "x.json")
     assert dense.attention_tile_size is None
     assert MemoryOptions.pop_from({"memory": {"attention_tile_size": 256}}, "x.json").attention_tile_size == 256
+    assert MemoryOptions.pop_from({}, "x.json").attention_backend == "auto"
+    assert MemoryOptions.pop_from({"memory": {"attention_backend": "sdpa"}}, "x.json").attention_backend == "sdpa"
 
 
 @pytest.mark.parametrize("section, message", [
@@ -23,6 +25,7 @@ def test_memory_section_parsed_and_removed():
     ({"checkpoint_ttt_steps": "yes"}, "memory.checkpoint_ttt_steps' must be true or false"),
     ({"attention_tile_size": 0}, "memory.attention_tile_size' must be a positive integer or null"),
     ({"attention_tile_size": 1.5}, "memory.attention_tile_size' must be a positive integer or null"),
+    ({"attention_backend": "flash"}, "memory.attention_backend' must be one of ['auto', 'tiled', 'sdpa', 'flex']"),
     ([1], "'memory' must be an object"),
     (0, "'memory' must be an object"),
     ("", "'memory' must be an object"),
@@ -102,3 +105,21 @@ def test_run_config_resolves_layout_batch_dtype_memory_and_scheduler(tmp_path):
     assert record["memory"]["loss_chunk_size"] == 64 and json.dumps(record)
     with pytest.raises(ConfigError, match=r"run.json: cannot infer dp.*world_size=3"):
         load_run_config(path, world_size=3)
+
+
+def test_attention_backend_is_resolved_for_the_device_and_recorded(tmp_path):
+    import json
+
+    from kernels.sdpa_attention import sdpa_available
+
+    path = tmp_path / "run.json"
+    path.write_text(json.dumps({"train_batch_size": 1, "memory": {"attention_backend": "auto"}}))
+    config = load_run_config(path, world_size=1)
+    assert config.memory.attention_backend == "auto"
+    on_cpu = config.for_device("cpu").with_total_steps(1)
+    assert on_cpu.memory.attention_backend == ("sdpa" if sdpa_available() else "tiled")
+    assert on_cpu.record()["memory"]["attention_backend"] == on_cpu.memory.attention_backend
+    assert config.for_device("cuda").memory.attention_backend == "flex"  # a name only: nothing runs on CUDA here
+    path.write_text(json.dumps({"train_batch_size": 1, "memory": {"attention_backend": "flex"}}))
+    with pytest.raises(ConfigError, match=r"run.json: 'memory.attention_backend': .*'flex' needs a CUDA device"):
+        load_run_config(path, world_size=1).for_device("cpu")

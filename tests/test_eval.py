@@ -7,6 +7,7 @@ import json
 import pytest
 import torch
 
+from kernels.block_attention import block_attention
 from recipe.eval.draft_runtime import EagleDrafter, load_draft_export
 from recipe.eval.prompts import Prompt, read_prompts
 from recipe.eval.report import summarise_run
@@ -68,6 +69,11 @@ def test_loader_round_trip_and_errors(tiny, tmp_path):
     loaded = load_draft_export(export, target.embed_tokens_weight)
     for name, value in draft.state_dict().items():
         assert torch.equal(loaded.state_dict()[name], value), name
+    assert loaded.midlayer.self_attn.causal_attention.kernel.name == "sdpa"  # "auto" on CPU: the fused kernel
+    tiled = load_draft_export(export, target.embed_tokens_weight, attention_backend="tiled")
+    assert tiled.midlayer.self_attn.causal_attention is block_attention
+    with pytest.raises(ValueError, match="unknown attention backend 'fast'"):
+        load_draft_export(export, target.embed_tokens_weight, attention_backend="fast")
     with pytest.raises(ValueError, match="missing"):
         load_draft_export(tmp_path, target.embed_tokens_weight)
     with pytest.raises(ValueError, match=str(export)):

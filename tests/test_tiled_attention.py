@@ -133,18 +133,27 @@ def test_ttt_draft_with_tiled_attention_matches_dense(K, memory_switches):
     assert_same_run(got, ref, tol=1e-6)
 
 
-def test_install_causal_attention_selects_tiled_dense_or_refuses():
-    from recipe.parallel.parallelize import install_causal_attention
+def test_parallelize_installs_the_configured_attention_or_refuses():
+    from kernels.sdpa_attention import sdpa_available
+    from recipe.config import MemoryOptions
+    from recipe.parallel.parallelize import parallelize
 
-    draft, _, _, _ = model_pair(seed=1, K=1)
-    attention = install_causal_attention(draft, 256)
+    draft, _, head_VH, _ = model_pair(seed=1, K=1)
+    model = TTTModel(draft, head_VH)
+    parallelize(model, None, MemoryOptions(attention_tile_size=256, attention_backend="tiled"))
+    attention = draft.midlayer.self_attn.causal_attention
     assert isinstance(attention, TiledCausalAttention) and attention.tile_size == 256
-    assert draft.midlayer.self_attn.causal_attention is attention
-    assert install_causal_attention(draft, None) is block_attention
+    parallelize(model, None, MemoryOptions(attention_tile_size=None, attention_backend="tiled"))
+    assert draft.midlayer.self_attn.causal_attention is block_attention
+    if sdpa_available():  # "auto" on the CPU is the fused kernel inside the same tile loops
+        parallelize(model, None, MemoryOptions(attention_tile_size=128))
+        attention = draft.midlayer.self_attn.causal_attention
+        assert isinstance(attention, TiledCausalAttention) and attention.tile_size == 128
+        assert attention.kernel.name == "sdpa"
     with pytest.raises(ValueError, match="tile_size must be a positive"):
-        install_causal_attention(draft, 0)
-    with pytest.raises(ValueError, match="cp_size=2 needs the cp process group"):
-        install_causal_attention(draft, 256, None, cp_size=2)
+        parallelize(model, None, MemoryOptions(attention_tile_size=0))
+    with pytest.raises(ValueError, match="'flex' needs a CUDA device"):
+        parallelize(model, None, MemoryOptions(attention_backend="flex"))
 
 
 def test_mismatched_positions_or_validity_are_refused_naming_the_shapes():

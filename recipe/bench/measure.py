@@ -37,7 +37,8 @@ MALLOC_ENV = "MALLOC_MMAP_THRESHOLD_"
 
 @dataclass(frozen=True)
 class BenchSpec:
-    """One measurement: draft geometry, sequence length, layout and parallel degrees (see ``StepShape``)."""
+    """One measurement: draft geometry, sequence length, layout and parallel degrees (see ``StepShape``), and the
+    causal-block backend (``kernels.attention_backends``; "tiled" is the reference)."""
 
     seq_len: int
     layout: str = "full"
@@ -57,6 +58,7 @@ class BenchSpec:
     device: str = "cpu"
     loss_chunk_size: int = 1024
     attention_tile: int | None = 1024
+    attention_backend: str = "tiled"
     steps: int = 1
     seed: int = 0
 
@@ -147,7 +149,8 @@ def build_model(spec: BenchSpec, device: torch.device, pstate=None):
     head = torch.randn(spec.draft_vocab, spec.target_hidden, generator=torch.Generator().manual_seed(spec.seed + 1))
     chunked, ckpt = LAYOUTS[spec.layout]
     model = TTTModel(draft, head, loss_chunk_size=spec.loss_chunk_size if chunked else None, checkpoint_steps=ckpt)
-    parallelize(model, pstate, MemoryOptions(attention_tile_size=spec.attention_tile))
+    parallelize(model, pstate, MemoryOptions(attention_tile_size=spec.attention_tile,
+                                             attention_backend=spec.attention_backend), device)
     return model.to(device=device, dtype=DTYPES[spec.dtype])
 
 

@@ -27,14 +27,20 @@ from recipe.model.draft_config import Eagle3DraftConfig
 
 
 def load_draft_export(path: str | Path, embed_VH: torch.Tensor, device: str | torch.device = "cpu",
-                      dtype: torch.dtype = torch.float32) -> Eagle3Draft:
+                      dtype: torch.dtype = torch.float32, attention_backend: str = "auto") -> Eagle3Draft:
     """Build an ``Eagle3Draft`` from an export folder (``config.json`` + ``model.safetensors``,
     docs/algorithm.md, "Export format").
 
     ``embed_VH`` [V, H_t] is the target's input embedding (the export has none). Returns the draft in eval mode on
-    ``device`` in ``dtype``. Raises ValueError naming the folder and every problem when the export does not load
-    (missing/unreadable files, wrong keys/shapes/dtypes, d2t/t2d disagreeing) or the embedding shape does not fit.
+    ``device`` in ``dtype``, its causal block (the ``DraftKVCache`` attention) from
+    ``kernels.attention_backends.make_causal_attention(attention_backend, None, device)``. Raises ValueError naming
+    the folder and every problem when the export does not load (missing/unreadable files, wrong keys/shapes/dtypes,
+    d2t/t2d disagreeing) or the embedding shape does not fit, and ValueError for an attention backend that is
+    unknown or cannot run on ``device``.
     """
+    from kernels.attention_backends import make_causal_attention
+
+    attention = make_causal_attention(attention_backend, None, device)
     tensors, cfg = load_export(Path(path))
     problems = check_tensors(tensors, cfg)
     if problems:
@@ -47,6 +53,7 @@ def load_draft_export(path: str | Path, embed_VH: torch.Tensor, device: str | to
         raise ValueError(f"{path}: {exc}") from None
     state = dict(tensors, **{"embed_tokens.weight": draft.embed_tokens.weight})
     draft.load_state_dict({k: v.to(torch.float32) if v.is_floating_point() else v for k, v in state.items()})
+    draft.midlayer.self_attn.causal_attention = attention
     return draft.to(device=device, dtype=dtype).eval().requires_grad_(False)
 
 

@@ -134,6 +134,22 @@ def target_in_draft_vocab(last_hidden_BSH: torch.Tensor, target_lm_head_weight_V
     return t2d.to(argmax_N.device)[argmax_N].view(last_hidden_BSH.shape[:2])
 
 
+@torch.no_grad()
+def teacher_logits(target_hidden_BLH: torch.Tensor, target_row_KS: torch.Tensor, target_head_VdH: torch.Tensor,
+                   target_softcap: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The target logits over the draft vocabulary of every row some TTT step reads, each row computed once.
+
+    Args: target_hidden_BLH [B, L, H_t] target last hidden rows; target_row_KS [K, S] int64, step k's label row of
+    anchor p (``TTTBatch.target_row_KS``); target_head_VdH [Vd (or the TP shard Vd/tp), H_t] target head rows;
+    target_softcap: the target's final logit soft-cap (``recipe.model.target_head.target_logits``). Returns ``(logits_BUV, index_KS)``: logits_BUV [B, U, Vd] in the head's dtype for the U distinct rows (sorted;
+    about S + K of them, since step k reads rows p + 1 + k), and index_KS [K, S] int64 such that step k's target
+    logits are ``logits_BUV[:, index_KS[k]]`` — the same rows ``target_hidden[:, target_row_KS[k]] @ head.T``
+    gives, K times less head matmul work.
+    """
+    rows_U, index_KS = torch.unique(target_row_KS, sorted=True, return_inverse=True)
+    return target_logits(target_hidden_BLH[:, rows_U], target_head_VdH, target_softcap), index_KS
+
+
 class TTTOutput(NamedTuple):
     """Per-step sums of one forward: ``loss_sum_K`` [K] float32 (with grad), ``correct_K`` and ``valid_K`` [K] int64.
 
@@ -163,6 +179,11 @@ class TTTModel(nn.Module):
             only the step's inputs and its new K/V are kept, the layer's intermediates (attention scores, MLP
             activations) are recomputed in backward. Under CP the recomputation re-runs the ring's forward
             communication, identically on every rank.
+        teacher_logits_once: True (default) computes the target logits of every label row once per micro-batch
+            (``teacher_logits``, one [B, U, Vd] no-grad tensor, U ~ S + K distinct rows) and indexes them per step;
+            False recomputes each step's [B, S, Vd] target logits. The chunked loss always streams them per chunk
+            (so one chunk's logits live at a time), whatever this switch says. Both give bitwise-equal numbers
+            where the BLAS computes a matmul row independently of the row count (MKL on CPU; the tests check it).
     Raises ValueError on a loss_chunk_size that is not None or a positive integer.
     """
 
@@ -178,6 +199,7 @@ class TTTModel(nn.Module):
             raise ValueError(f"loss_chunk_size={loss_chunk_size!r} must be None or a positive integer")
         self.loss_chunk_size = loss_chunk_size
         self.checkpoint_steps = bool(checkpoint_steps)
+        self.teacher_logits_once = True
         self.register_buffer("target_head_d", torch.empty(0), persistent=False)
         self.set_target_head(target_lm_head_weight)
 
@@ -205,27 +227,37 @@ class TTTModel(nn.Module):
         """Unroll the draft ``batch.num_steps`` times; sums per step (the loop normalises by global counts)."""
         hidden_BSH = self.draft.project_aux(batch.aux_hidden_BSA)
         kv_cache = None
+        teacher = None
+        if self.loss_chunk_size is None and self.teacher_logits_once:
+            teacher = teacher_logits(batch.target_hidden_BLH, batch.target_row_KS, self.target_head_d,
+                                     self.target_softcap)
         losses, corrects = [], []
         for k in range(batch.num_steps):
             step = self._checkpointed_step if self.checkpoint_steps and torch.is_grad_enabled() else self.draft.step
             hidden_BSH, kv_cache = step(hidden_BSH, batch.input_ids_KBS[k], batch.position_ids_BS,
                                         batch.key_valid_BS, kv_cache)
-            loss_sum, correct = self._step_loss(hidden_BSH, batch, k)
+            loss_sum, correct = self._step_loss(hidden_BSH, batch, k, teacher)
             losses.append(loss_sum.float())
             corrects.append(correct.to(torch.int64))
         valid_K = batch.valid_KBS.sum(dim=(1, 2)).to(torch.int64)
         return TTTOutput(loss_sum_K=torch.stack(losses), correct_K=torch.stack(corrects), valid_K=valid_K)
 
-    def _step_loss(self, hidden_BSH: torch.Tensor, batch: TTTBatch, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(loss_sum, correct) of step k, all positions at once or in chunks of ``loss_chunk_size``."""
+    def _step_loss(self, hidden_BSH: torch.Tensor, batch: TTTBatch, k: int,
+                   teacher: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(loss_sum, correct) of step k, all positions at once or in chunks of ``loss_chunk_size``; ``teacher``
+        is ``teacher_logits`` of the batch (None: step k's target logits are computed here)."""
         if self.loss_chunk_size is not None:
             return chunked_soft_ce(self.draft.logits, self.loss_fn, hidden_BSH, batch.target_hidden_BLH,
                                    batch.target_row_KS[k], self.target_head_d, batch.valid_KBS[k],
                                    self.loss_chunk_size, target_softcap=self.target_softcap)
         logits_BSV = self.draft.logits(hidden_BSH)
         with torch.no_grad():
-            rows_BSH = batch.target_hidden_BLH[:, batch.target_row_KS[k]]
-            target_logits_BSV = target_logits(rows_BSH, self.target_head_d, self.target_softcap)
+            if teacher is not None:
+                logits_BUV, index_KS = teacher
+                target_logits_BSV = logits_BUV[:, index_KS[k]]
+            else:
+                rows_BSH = batch.target_hidden_BLH[:, batch.target_row_KS[k]]
+                target_logits_BSV = target_logits(rows_BSH, self.target_head_d, self.target_softcap)
         return self.loss_fn(logits_BSV, target_logits_BSV, batch.valid_KBS[k])
 
     def _checkpointed_step(self, hidden_BSH, input_ids_BS, position_ids_BS, key_valid_BS, kv_cache):

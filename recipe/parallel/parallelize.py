@@ -2,8 +2,8 @@
 
 In: :func:`parallelize` takes a single-device ``TTTModel`` holding the full weights (the same on every rank for the
 same seed) and applies the layout from outside: the tensor-parallel plan (``recipe.parallel.apply_tp``) and the
-causal-block attention (the ring under context parallelism, else the tiled or dense block), chosen by the
-``memory`` section of the run config.
+causal-block attention (the ring under context parallelism, else the single-device block, each with the kernel
+the ``memory`` section's ``attention_backend`` names), chosen by the ``memory`` section of the run config.
 
 Out: :func:`gather_full_state` turns whatever the layout holds (ZeRO-3 partitions, TP shards) back into the full
 draft tensors that checkpoints and the export write; :func:`gather_full_tensors` is the same for any module.
@@ -11,7 +11,6 @@ draft tensors that checkpoints and the export write; :func:`gather_full_tensors`
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from recipe.config import MemoryOptions
@@ -20,53 +19,29 @@ from recipe.parallel.apply_tp import apply_tensor_parallel
 from recipe.parallel.tp_layers import gather_tensor
 
 
-def install_causal_attention(draft: nn.Module, tile_size: int | None, cp_group: dist.ProcessGroup | None = None,
-                             cp_size: int = 1):
-    """Set ``draft.midlayer.self_attn.causal_attention`` and return it.
-
-    The draft attention calls ``causal_attention(q, k, v, q_pos, k_pos, k_valid) -> (out, lse)``
-    (``recipe.model.draft``); its single-device default is the dense ``kernels.block_attention.block_attention``.
-    ``cp_size > 1``: ring attention over ``cp_group`` (zigzag shards), tiles of at most ``tile_size`` positions
-    inside each zigzag chunk. ``cp_size == 1``: ``TiledCausalAttention(tile_size)``, or the dense block when
-    ``tile_size`` is None. Raises ValueError when ``tile_size`` is not a positive integer or None, or when
-    ``cp_size > 1`` and ``cp_group`` is None.
-    """
-    from kernels.tiled_attention import check_tile_size
-
-    check_tile_size(tile_size)
-    if cp_size > 1:
-        if cp_group is None:
-            raise ValueError(f"cp_size={cp_size} needs the cp process group")
-        from kernels.ring_attention import make_ring_causal_attention
-
-        attention = make_ring_causal_attention(cp_group, tile_size=tile_size)
-    elif tile_size is not None:
-        from kernels.tiled_attention import TiledCausalAttention
-
-        attention = TiledCausalAttention(tile_size)
-    else:
-        from kernels.block_attention import block_attention
-
-        attention = block_attention
-    draft.get_submodule("midlayer.self_attn").causal_attention = attention
-    return attention
-
-
-def parallelize(model: nn.Module, pstate=None, memory: MemoryOptions | None = None) -> nn.Module:
+def parallelize(model: nn.Module, pstate=None, memory: MemoryOptions | None = None, device=None) -> nn.Module:
     """Apply the layout of ``pstate`` to the single-device TTT ``model`` in place and return it.
 
     ``pstate``: a ``recipe.parallel.topology.ParallelState`` (None: one process, tp = cp = 1). TP (tp > 1): q/k/v,
     gate/up column-parallel, o/down row-parallel, lm_head and the target head vocab-parallel
-    (``apply_tensor_parallel``). Attention: :func:`install_causal_attention` with ``memory.attention_tile_size``
-    over the cp group. ``memory`` defaults to ``MemoryOptions()``. Raises ValueError when tp does not divide a split
-    draft dimension (every one named) or the tile size is invalid.
+    (``apply_tensor_parallel``). Attention: ``draft.midlayer.self_attn.causal_attention`` (the function the draft's
+    attention calls for the causal block, ``(q, k, v, q_pos, k_pos, k_valid) -> (out, lse)``) becomes
+    ``kernels.attention_backends.make_causal_attention(memory.attention_backend, memory.attention_tile_size,
+    device, cp_group)``: the ring over the cp group under context parallelism, else the single-device block.
+    ``memory`` defaults to ``MemoryOptions()``; ``device`` (where the model will run) to ``pstate.device``, else
+    the CPU. Raises ValueError when tp does not divide a split draft dimension (every one named), the tile size is
+    invalid, or the backend is unknown or cannot run on ``device``.
     """
+    from kernels.attention_backends import make_causal_attention
+
     memory = MemoryOptions() if memory is None else memory
+    if device is None:
+        device = getattr(pstate, "device", None) or "cpu"
     if pstate is not None and pstate.tp_size > 1:
         apply_tensor_parallel(model, pstate.tp_group)
-    cp_size = 1 if pstate is None else pstate.cp_size
-    install_causal_attention(model.draft, memory.attention_tile_size, None if pstate is None else pstate.cp_group,
-                             cp_size)
+    cp_group = pstate.cp_group if pstate is not None and pstate.cp_size > 1 else None
+    model.draft.get_submodule("midlayer.self_attn").causal_attention = make_causal_attention(
+        memory.attention_backend, memory.attention_tile_size, device, cp_group)
     return model
 
 

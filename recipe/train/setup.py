@@ -98,6 +98,7 @@ def build_run(args: TrainArgs, device: torch.device, console: Console) -> RunPar
     """
     config = load_run_config(args.ds_config, dist.get_world_size(),
                              {"tp_size": args.tp_size, "cp_size": args.cp_size})
+    config = config.for_device(device)
     dims, memory = config.dims, config.memory
     pstate = ParallelState(dims)
 
@@ -128,7 +129,7 @@ def build_run(args: TrainArgs, device: torch.device, console: Console) -> RunPar
         draft.init_lm_head_from_target(lm_head_VH, vocab.draft_ids)
     model = TTTModel(draft, lm_head_VH[vocab.draft_ids].clone(), loss_chunk_size=memory.loss_chunk_size,
                      checkpoint_steps=memory.checkpoint_ttt_steps, target_softcap=final_logit_softcap(hf_config))
-    parallelize(model, pstate, memory)
+    parallelize(model, pstate, memory, device)
 
     target = None
     if examples is not None:

@@ -53,8 +53,10 @@ def full_grads(model: TTTModel, cp_group, tp_group) -> dict[str, torch.Tensor]:
 
 
 def run_layout(rank: int, world: int, tp: int, cp: int, K: int, seed: int, seq_len: int,
-               dtype: torch.dtype = torch.float64) -> dict:
+               dtype: torch.dtype = torch.float64, attention_backend: str | None = None) -> dict:
     """Reference and (tp, cp) layout on this rank (world = tp·cp·dp, dp ignored: every dp rank repeats the case).
+    ``attention_backend``: the attention backend of the layout by ``make_causal_attention`` name (None: "tiled",
+    the pure-PyTorch kernel; untiled, i.e. the dense block on one cp rank and one tile per zigzag chunk in the ring).
 
     Returns {"ref": (loss_K, correct_K, valid_K, grads), "par": (same, full), "counts": RingCounts dict or None,
     "cp_rank", "tp_rank", "local_valid" (this rank's valid_K), "local_seq" (S/cp), "lm_head_shape" (local shard)}.
@@ -67,7 +69,8 @@ def run_layout(rank: int, world: int, tp: int, cp: int, K: int, seed: int, seq_l
     ref_grads = {n: p.grad.clone() for n, p in ref_model.named_parameters() if p.requires_grad}
 
     pstate = ParallelState(ParallelDims(world_size=world, tp=tp, cp=cp))
-    par_model = parallelize(copy.deepcopy(model), pstate, MemoryOptions(attention_tile_size=None))
+    memory = MemoryOptions(attention_tile_size=None, attention_backend=attention_backend or "tiled")
+    par_model = parallelize(copy.deepcopy(model), pstate, memory)
     counts = None
     local = batch
     if cp > 1:
