@@ -8,11 +8,11 @@ micro-batch's loss by the accumulation steps, so each rank back-propagates its l
 
 Reliability. Resume continues exactly: the step counter is the data position (``recipe.train.sampler``), and the
 checkpoint holds the engine state, every rank's RNG and the vocabulary map; a checkpoint of another layout or data is
-refused before DeepSpeed touches it, and so is a resume for another run length unless ``--extend`` re-plans the LR
-schedule (:meth:`Trainer._replan_schedule`). SIGTERM/SIGINT stop all ranks after the same step, save and return
-``EXIT_INTERRUPTED`` (``recipe.train.signals``). A NaN/inf loss on any rank (checked before backward, agreed over the
-world) stops with the step and sample indices, or with ``--skip-nonfinite`` skips the step (engine untouched) and is
-counted in metrics.jsonl (``"skipped"``) and at the end.
+refused before DeepSpeed touches it, and so is a resume for another run length (with an LR scheduler) unless
+``--extend`` re-plans the schedule (:meth:`Trainer._replan_schedule`). SIGTERM/SIGINT stop all ranks after the same
+step, save and return ``EXIT_INTERRUPTED`` (``recipe.train.signals``). A NaN/inf loss on any rank (checked before
+backward, agreed over the world) stops with the step and sample indices, or with ``--skip-nonfinite`` skips the step
+(engine untouched) and is counted in metrics.jsonl (``"skipped"``) and at the end.
 """
 from __future__ import annotations
 
@@ -105,7 +105,9 @@ class Trainer:
             # compare first: DeepSpeed fails deep inside on a checkpoint of another layout
             saved = checkpoint.read_run_state(parts.resume_from)
             checkpoint.check_compatible(saved, self.run_state(0), parts.resume_from)
-            replan = checkpoint.check_length(saved, self.config.total_steps, settings.extend, parts.resume_from)
+            # without an LR scheduler (constant lr) the run length may change freely: no schedule to mix
+            replan = self.engine.lr_scheduler is not None and checkpoint.check_length(
+                saved, self.config.total_steps, settings.extend, parts.resume_from)
             saved = checkpoint.load(self.engine, parts.resume_from)
             self.step = saved["step"]
             if self.rank0:
