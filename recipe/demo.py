@@ -27,7 +27,7 @@ from rich.console import Console
 from rich.table import Table
 
 from recipe.config import positive_int_list
-from recipe.plot import plot_note
+from recipe.plot import CURVES_FILE, plot_note
 from recipe.train.distributed import free_port
 
 REPO = Path(__file__).resolve().parent.parent
@@ -226,7 +226,8 @@ def main(argv: list[str] | None = None) -> int:
     result["settings"] = _settings(args)
     (args.output / "eval.json").write_text(json.dumps(result, indent=2) + "\n")
     console.print(summary_table(result, seconds))
-    console.print(plot_note(args.output))  # run.py drew it already unless training was skipped
+    if not (args.output / CURVES_FILE).is_file():  # run.py draws it at the end of training; a skipped one may not
+        console.print(plot_note(args.output))
     console.print(f"outputs in {args.output}: export/, metrics.jsonl, curves.png, eval.json")
     return 0
 
