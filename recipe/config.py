@@ -1,11 +1,12 @@
 """Command-line flags and the DeepSpeed JSON of a training run.
 
 One place reads everything a run is configured by: the flags of ``run.py`` (``TrainArgs``) and the ``--ds_config``
-JSON. :func:`load_run_config` reads the JSON once, removes our sections (``parallelism``, ``memory``) before DeepSpeed
-sees the rest, and resolves them into a :class:`RunConfig`: the parallel layout, the batch plan, the dtype and the
-memory switches. The scheduler's ``"auto"`` values need the run's optimizer steps, which only the data determines;
-:meth:`RunConfig.with_total_steps` fills them, and :meth:`RunConfig.deepspeed_config` refuses to hand DeepSpeed a
-config before that.
+JSON. :func:`load_run_config` reads the JSON once, removes our sections (``parallelism``, ``memory``) and
+DeepSpeed's monitor sections (written by the training loop, see :func:`pop_monitor_sections`) before DeepSpeed sees
+the rest, and resolves them into a :class:`RunConfig`: the parallel layout, the batch plan, the dtype, the memory
+switches and the monitors. The scheduler's ``"auto"`` values need the run's optimizer steps, which only the data
+determines; :meth:`RunConfig.with_total_steps` fills them, and :meth:`RunConfig.deepspeed_config` refuses to hand
+DeepSpeed a config before that.
 
 Batch sizes in the JSON are in **samples**: ``train_batch_size`` is the global batch of one optimizer step and
 ``train_micro_batch_size_per_gpu`` the samples one data-parallel rank reads per micro-batch. Context-parallel ranks
@@ -17,14 +18,19 @@ from __future__ import annotations
 import argparse
 import copy
 import dataclasses
+import importlib.util
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from recipe.parallel.dims import PARALLEL_SECTION, ParallelDims
 
 MEMORY_SECTION = "memory"
+# DeepSpeed's monitor sections and the package each one's writer imports (csv_monitor needs none)
+MONITOR_PACKAGES = {"tensorboard": "tensorboard", "csv_monitor": None, "wandb": "wandb", "comet": "comet_ml"}
+MONITOR_INSTALL = {"tensorboard": "pip install -e '.[monitor]' (or pip install tensorboard)",
+                   "wandb": "pip install wandb", "comet": "pip install 'comet_ml>=3.41.0'"}
 
 
 class ConfigError(ValueError):
@@ -36,7 +42,9 @@ class TrainArgs:
     ds_config: Path
     target: Path
     output: Path
-    data: Path | None = None
+    data: list[str] | None = None
+    data_column: dict[str, str] | None = None
+    data_weights: list[float] | None = None
     hidden_states: Path | None = None
     max_length: int = 2048
     ttt_steps: int = 7
@@ -50,6 +58,7 @@ class TrainArgs:
     save_every: int = 0
     keep_checkpoints: int = 2
     resume: str | None = None
+    extend: bool = False
     tp_size: int | None = None
     cp_size: int | None = None
     aux_layer_ids: list[int] | None = None
@@ -98,6 +107,52 @@ def _positive_float(text: str) -> float:
     return value
 
 
+CONVERSATION_FIELDS = ("conversations", "messages")
+
+
+def column_mapping(text: str) -> tuple[str, str]:
+    """argparse type: ``"messages=dialog"`` -> ("messages", "dialog"): the conversation field (``conversations``:
+    ShareGPT turns {from, value}; ``messages``: OpenAI turns {role, content}) and the column that holds it.
+    ArgumentTypeError for another form or field."""
+    field_name, sep, column = text.partition("=")
+    if not sep or field_name not in CONVERSATION_FIELDS or not column:
+        raise argparse.ArgumentTypeError(f"expected FIELD=COLUMN with FIELD one of {list(CONVERSATION_FIELDS)}, "
+                                         f"e.g. messages=dialog; got {text!r}")
+    return field_name, column
+
+
+def _weights(text: str) -> list[float]:
+    try:
+        values = [float(x) for x in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from None
+    if not all(0 < v < float("inf") for v in values):
+        raise argparse.ArgumentTypeError(f"weights must be positive finite numbers, got {text!r}")
+    return values
+
+
+def add_data_arguments(p: argparse.ArgumentParser, required: bool = False) -> None:
+    """The conversation-data flags shared by ``run.py`` and ``python -m recipe.dump`` (``recipe.data.sources``):
+    ``--data`` (one or more sources), ``--data-column FIELD=COLUMN`` (repeatable), ``--data-weights W1,W2,..``."""
+    p.add_argument("--data", nargs="+", required=required, metavar="SOURCE",
+                   help="conversations: files (.json/.jsonl/.parquet/.csv), folders of them, or Hugging Face hub "
+                   "dataset names (split 'train'; needs a reachable hub); ShareGPT or OpenAI form")
+    p.add_argument("--data-column", type=column_mapping, action="append", metavar="FIELD=COLUMN",
+                   help="read the conversation FIELD ('conversations': ShareGPT turns, 'messages': OpenAI turns) "
+                   "from COLUMN, e.g. messages=dialog; applies to every source that has COLUMN; repeatable")
+    p.add_argument("--data-weights", type=_weights, metavar="W1,W2,...",
+                   help="mixing weights, one per --data source: the sources are interleaved with probabilities "
+                   "W_i/sum(W) until the first one runs out (no sample repeats); default: all rows, in order")
+
+
+def check_data_arguments(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> None:
+    """parser.error for --data-weights not matching --data; turns --data-column pairs into a dict."""
+    if ns.data_weights is not None and (ns.data is None or len(ns.data_weights) != len(ns.data)):
+        parser.error(f"--data-weights has {len(ns.data_weights)} value(s) for {len(ns.data or [])} --data "
+                     "source(s); give one weight per source")
+    ns.data_column = dict(ns.data_column) if ns.data_column else None
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="run.py",
@@ -109,7 +164,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="DeepSpeed JSON (optimizer, scheduler, ZeRO stage, batch sizes) with our 'parallelism' section")
     p.add_argument("--target", type=Path, required=True, help="target model folder (Hugging Face format)")
     p.add_argument("--output", type=Path, required=True, help="run folder: metrics.jsonl, checkpoints/, export/")
-    p.add_argument("--data", type=Path, help="conversations JSON/JSONL (ShareGPT or OpenAI form); online mode")
+    add_data_arguments(p)
     p.add_argument("--hidden-states", type=Path, help="offline store written by `python -m recipe.dump`")
     p.add_argument("--max-length", type=_positive, default=2048, help="tokens per sample after the chat template")
     p.add_argument("--ttt-steps", type=_positive, default=7, help="training-time-test unroll steps K")
@@ -119,13 +174,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--epochs", type=_positive_float, default=1.0, help="passes over the data (fractions allowed)")
     p.add_argument("--max-steps", type=_positive, help="stop after this many optimizer steps")
     p.add_argument("--seed", type=int, default=0, help="seed for weights, data order and dropout-free RNG")
-    p.add_argument("--limit", type=_positive, help="use only the first N conversations / stored samples")
+    p.add_argument("--limit", type=_positive,
+                   help="use only the first N conversations of each data file / the first N stored samples")
     p.add_argument("--num-proc", type=_positive, default=1, help="processes for tokenisation (datasets.map)")
     p.add_argument("--save-every", type=_non_negative, default=0,
                    help="checkpoint every N optimizer steps (0: only at the end)")
     p.add_argument("--keep-checkpoints", type=_positive, default=2, help="how many checkpoints to keep")
     p.add_argument("--resume", nargs="?", const="latest", default=None,
                    help="resume from OUTPUT/checkpoints/latest, or from the given checkpoint folder")
+    p.add_argument("--extend", action="store_true",
+                   help="with --resume and another --max-steps/--epochs: re-plan the LR schedule for the new length "
+                   "from the saved step (README, 'Extending a run'); without it such a resume is refused")
     p.add_argument("--tp-size", type=_positive, help="override parallelism.tp_size of the JSON")
     p.add_argument("--cp-size", type=_positive, help="override parallelism.cp_size of the JSON")
     p.add_argument("--aux-layer-ids", type=int_list, help="target layers for aux hidden states, e.g. 1,14,26")
@@ -149,6 +208,9 @@ def parse_args(argv: list[str] | None = None) -> TrainArgs:
     ns = parser.parse_args(argv)
     if (ns.data is None) == (ns.hidden_states is None):
         parser.error("give exactly one of --data (online: the target runs each step) or --hidden-states (offline)")
+    if ns.extend and ns.resume is None:
+        parser.error("--extend re-plans a resumed run: give it together with --resume")
+    check_data_arguments(parser, ns)
     values = {k: v for k, v in vars(ns).items() if k != "local_rank"}
     return TrainArgs(**values)
 
@@ -230,6 +292,36 @@ class MemoryOptions:
         return cls(checkpoint_ttt_steps=ckpt, attention_backend=backend, **sizes)
 
 
+def pop_monitor_sections(cfg: dict, path: Path | str) -> dict:
+    """Remove DeepSpeed's monitor sections (``tensorboard``, ``csv_monitor``, ``wandb``, ``comet``) from ``cfg`` and
+    return them, validated by DeepSpeed's own ``deepspeed.monitor.config.get_monitor_config``.
+
+    The training loop writes them through DeepSpeed's monitor classes with the optimizer step as x value
+    (``recipe.train.monitor``). The engine does not get them: by itself it would log only the learning rate after
+    each step against its sample count, which under context parallelism counts every sample cp times.
+    Raises ConfigError naming the file and section for a section that is not an object, a field DeepSpeed
+    rejects, or an enabled section whose writer package is not installed (with the install command).
+    """
+    sections = {name: cfg.pop(name) for name in MONITOR_PACKAGES if name in cfg}
+    for name, section in sections.items():
+        if not isinstance(section, dict):
+            raise ConfigError(f"{path}: '{name}' must be an object like {{\"enabled\": true, \"output_path\": ...}}")
+    from deepspeed.monitor.config import get_monitor_config
+    from pydantic import ValidationError
+
+    try:
+        get_monitor_config(sections)
+    except ValidationError as exc:
+        problems = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
+        raise ConfigError(f"{path}: bad monitor section ({problems})") from None
+    for name, section in sections.items():
+        package = MONITOR_PACKAGES[name]
+        if section.get("enabled") and package and importlib.util.find_spec(package) is None:
+            raise ConfigError(f"{path}: '{name}.enabled' is true but the '{package}' package is not installed: "
+                              f"{MONITOR_INSTALL[name]}, or set it to false")
+    return sections
+
+
 @dataclass(frozen=True)
 class BatchPlan:
     """Samples per optimizer step and how they are read. ``global_batch = micro_batch · grad_accum · dp``."""
@@ -292,6 +384,7 @@ class RunConfig:
         deepspeed: the dict DeepSpeed receives: the JSON without our sections, batch sizes in DeepSpeed's view
             (``train_batch_size · cp``), scheduler ``"auto"`` values filled by :meth:`with_total_steps`.
         total_steps: the run's optimizer steps; None until :meth:`with_total_steps`.
+        monitor: DeepSpeed's monitor sections of the JSON (:func:`pop_monitor_sections`), written by the loop.
     """
 
     path: Path
@@ -301,6 +394,7 @@ class RunConfig:
     bf16: bool
     deepspeed: dict
     total_steps: int | None = None
+    monitor: dict = field(default_factory=dict)
 
     @property
     def dtype(self):
@@ -339,28 +433,32 @@ class RunConfig:
 
     def record(self) -> dict:
         """The resolved settings as JSON-able values (the ``run_config.json`` keys ``deepspeed``, ``parallelism``,
-        ``batch``, ``memory``, ``dtype``, ``total_steps``)."""
+        ``batch``, ``memory``, ``dtype``, ``total_steps``, ``monitor``)."""
         d = self.dims
         return {"deepspeed": self.deepspeed, "parallelism": {"tp": d.tp, "cp": d.cp, "dp": d.dp},
                 "batch": dataclasses.asdict(self.plan), "memory": dataclasses.asdict(self.memory),
-                "dtype": "bfloat16" if self.bf16 else "float32", "total_steps": self.total_steps}
+                "dtype": "bfloat16" if self.bf16 else "float32", "total_steps": self.total_steps,
+                "monitor": self.monitor}
 
 
 def load_run_config(path: Path, world_size: int, overrides: dict | None = None) -> RunConfig:
     """Read the DeepSpeed JSON at ``path`` once and resolve it for ``world_size`` processes.
 
     ``overrides``: parallelism keys from the command line (``{"tp_size": 2, "cp_size": None}``; None values are
-    ignored). Removes our ``parallelism`` and ``memory`` sections, resolves the layout (:class:`ParallelDims`), the
-    batch plan (:func:`resolve_batch`) and the dtype; the scheduler's ``"auto"`` values wait for
-    :meth:`RunConfig.with_total_steps`. Raises ConfigError naming the file (and the field) for an unreadable file,
-    invalid JSON, a bad section, a layout that does not fit ``world_size`` or inconsistent batch sizes.
+    ignored). Removes our ``parallelism`` and ``memory`` sections and the monitor sections, resolves the layout
+    (:class:`ParallelDims`), the batch plan (:func:`resolve_batch`) and the dtype; the scheduler's ``"auto"`` values
+    wait for :meth:`RunConfig.with_total_steps`. Raises ConfigError naming the file (and the field) for an unreadable
+    file, invalid JSON, a bad section (or a monitor whose package is missing), a layout that does not fit
+    ``world_size`` or inconsistent batch sizes.
     """
     ds_cfg, section = _read_ds_config(path)
     memory = MemoryOptions.pop_from(ds_cfg, path)
+    monitor = pop_monitor_sections(ds_cfg, path)
     try:
         dims = ParallelDims.from_config(section, world_size, overrides)
     except ValueError as exc:
         raise ConfigError(f"{path}: {exc}") from None
     plan = resolve_batch(ds_cfg, dims.dp, dims.cp, path)
     bf16 = bool((ds_cfg.get("bf16") or {}).get("enabled"))
-    return RunConfig(path=Path(path), dims=dims, plan=plan, memory=memory, bf16=bf16, deepspeed=ds_cfg)
+    return RunConfig(path=Path(path), dims=dims, plan=plan, memory=memory, bf16=bf16, deepspeed=ds_cfg,
+                     monitor=monitor)

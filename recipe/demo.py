@@ -9,7 +9,8 @@ Stages (each skips work already done): ``recipe.assets.prepare_assets`` (cached)
 ds_configs/demo_zero3.json --hidden-states STORE ...`` (CPU: ``DS_ACCELERATOR=cpu``, gloo, ``OMP_NUM_THREADS=1``;
 resumes from ``OUTPUT/checkpoints``; skipped when ``OUTPUT/export`` exists) → the seed-initialised draft exported to
 ``OUTPUT/export_untrained`` → ``recipe.eval`` of both drafts → ``OUTPUT/eval.json`` (top level: ``tau`` of the
-trained draft and ``tau_untrained`` at the first k, ``num_draft_tokens``, ``num_prompts``, ``per_k``, ``runs``).
+trained draft and ``tau_untrained`` at the first k, ``num_draft_tokens``, ``num_prompts``, ``per_k``, ``runs``) and
+the training curves ``OUTPUT/curves.png`` (``recipe.plot``, with matplotlib).
 The defaults fit about 20 minutes on 2 CPU cores.
 """
 from __future__ import annotations
@@ -26,6 +27,7 @@ from rich.console import Console
 from rich.table import Table
 
 from recipe.config import positive_int_list
+from recipe.plot import CURVES_FILE, plot_note
 from recipe.train.distributed import free_port
 
 REPO = Path(__file__).resolve().parent.parent
@@ -224,7 +226,9 @@ def main(argv: list[str] | None = None) -> int:
     result["settings"] = _settings(args)
     (args.output / "eval.json").write_text(json.dumps(result, indent=2) + "\n")
     console.print(summary_table(result, seconds))
-    console.print(f"outputs in {args.output}: export/, metrics.jsonl, eval.json")
+    if not (args.output / CURVES_FILE).is_file():  # run.py draws it at the end of training; a skipped one may not
+        console.print(plot_note(args.output))
+    console.print(f"outputs in {args.output}: export/, metrics.jsonl, curves.png, eval.json")
     return 0
 
 

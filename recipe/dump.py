@@ -1,7 +1,10 @@
 """Dump the target's hidden states for a conversation file into an offline store (``recipe.data.store``).
 
-    python -m recipe.dump --target DIR --data FILE --output STORE [--max-length N] [--limit N] [--batch-size N]
-        [--shard-size N] [--dtype bf16|fp32] [--aux-layer-ids 1,14,26] [--num-proc N] [--cache-dir DIR]
+    python -m recipe.dump --target DIR --data SOURCE [SOURCE ...] --output STORE [--data-column FIELD=COLUMN]
+        [--data-weights W1,W2] [--seed S] [--max-length N] [--limit N] [--batch-size N] [--shard-size N]
+        [--dtype bf16|fp32] [--aux-layer-ids 1,14,26] [--num-proc N] [--cache-dir DIR]
+
+``--data`` and its companions read conversations exactly as ``run.py --data`` does (``recipe.data.sources``).
 
 Also runs under ``torchrun --nproc_per_node N -m recipe.dump ...`` or the deepspeed launcher: RANK / WORLD_SIZE /
 LOCAL_RANK come from the environment and a process group (nccl on GPU, else gloo) is made only when WORLD_SIZE > 1.
@@ -20,7 +23,7 @@ import torch.distributed as dist
 from rich.console import Console
 from rich.table import Table
 
-from recipe.config import int_list
+from recipe.config import add_data_arguments, check_data_arguments, int_list
 from recipe.data.store import DTYPES, HiddenStateStore, StoreMeta, examples_hash
 from recipe.data.store_writer import StoreWriter, shard_plan
 
@@ -115,10 +118,11 @@ def summary_table(store: HiddenStateStore, dataset, stats: DumpStats) -> Table:
 def _parse(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m recipe.dump", description=__doc__.split("\n\n")[0])
     p.add_argument("--target", required=True, help="target HF folder or .gguf file")
-    p.add_argument("--data", required=True, help="conversations .json/.jsonl (ShareGPT or OpenAI form)")
+    add_data_arguments(p, required=True)
+    p.add_argument("--seed", type=int, default=0, help="interleaving seed with --data-weights")
     p.add_argument("--output", required=True, type=Path, help="store folder (created; re-running resumes)")
     p.add_argument("--max-length", type=int, default=2048)
-    p.add_argument("--limit", type=int, help="read only the first N conversations")
+    p.add_argument("--limit", type=int, help="read only the first N conversations of each data file")
     p.add_argument("--batch-size", type=int, default=8, help="samples per target forward pass")
     p.add_argument("--shard-size", type=int, default=64, help="samples per shard file (held in memory)")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16", help="stored hidden-state dtype")
@@ -127,7 +131,9 @@ def _parse(argv=None) -> argparse.Namespace:
     p.add_argument("--num-proc", type=int, default=1, help="tokenisation worker processes")
     p.add_argument("--cache-dir", help="datasets cache folder for the tokenised examples")
     p.add_argument("--local_rank", "--local-rank", type=int, help=argparse.SUPPRESS)  # appended by deepspeed
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    check_data_arguments(p, args)
+    return args
 
 
 def main(argv=None) -> None:
@@ -148,7 +154,8 @@ def main(argv=None) -> None:
 
         def build():
             return build_examples(args.data, target.load_tokenizer(), args.max_length, num_proc=args.num_proc,
-                                  cache_dir=args.cache_dir, limit=args.limit)
+                                  cache_dir=args.cache_dir, limit=args.limit, columns=args.data_column,
+                                  weights=args.data_weights, seed=args.seed)
 
         if world > 1 and rank != 0:
             dist.barrier()  # rank 0 builds (and caches) the examples first

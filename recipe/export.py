@@ -3,8 +3,9 @@
     python -m recipe.export CHECKPOINT_DIR OUT_DIR    # from a training checkpoint (any ZeRO stage / TP layout)
     python -m recipe.export --check EXPORT_DIR        # reload an export and verify keys, shapes, dtypes, config
 
-An export holds ``config.json`` (``LlamaForCausalLMEagle3``) and ``model.safetensors`` with full (unsharded) tensors:
-``fc.weight``, ``midlayer.*``, ``norm.weight``, ``lm_head.weight``, ``d2t`` (int64), ``t2d`` (bool); no embeddings.
+An export holds ``config.json`` (``LlamaForCausalLMEagle3``, with ``torch_dtype``: the dtype the floating-point tensors
+are saved in) and ``model.safetensors`` with full (unsharded) tensors: ``fc.weight``, ``midlayer.*``, ``norm.weight``,
+``lm_head.weight``, ``d2t`` (int64), ``t2d`` (bool); no embeddings.
 Both files are written into a temporary folder that is renamed into place, so a reader never sees half an export.
 """
 from __future__ import annotations
@@ -76,11 +77,22 @@ def _replace_dir(tmp: Path, final: Path) -> None:
     shutil.rmtree(old, ignore_errors=True)
 
 
+def weights_dtype(tensors: dict[str, torch.Tensor]) -> str | None:
+    """The ``torch_dtype`` name ("float32", "bfloat16", ...) of the floating-point tensors; None when there are none.
+    Raises ValueError naming the dtypes when they are mixed."""
+    dtypes = sorted({str(t.dtype).removeprefix("torch.") for t in tensors.values() if t.is_floating_point()})
+    if len(dtypes) > 1:
+        raise ValueError(f"refusing to write an export with mixed floating-point dtypes {dtypes}")
+    return dtypes[0] if dtypes else None
+
+
 def write_export(tensors: dict[str, torch.Tensor], config: dict, out_dir: Path) -> Path:
-    """Write ``config.json`` + ``model.safetensors`` atomically (temp folder, then rename). Returns ``out_dir``.
+    """Write ``config.json`` (``config`` plus ``torch_dtype`` of the tensors, :func:`weights_dtype`) +
+    ``model.safetensors`` atomically (temp folder, then rename). Returns ``out_dir``.
 
     Raises ValueError listing every problem when the tensors don't match the config (see ``check_tensors``).
     """
+    config = {**config, "torch_dtype": weights_dtype(tensors)}
     problems = check_tensors(tensors, config)
     if problems:
         raise ValueError("refusing to write a broken export:\n  " + "\n  ".join(problems))
@@ -121,7 +133,10 @@ def check_tensors(tensors: dict[str, torch.Tensor], cfg: dict) -> list[str]:
         problems.append(f"{WEIGHTS_FILE}: 'd2t' has dtype {tensors['d2t'].dtype}, expected torch.int64")
     if "t2d" in tensors and tensors["t2d"].dtype != torch.bool:
         problems.append(f"{WEIGHTS_FILE}: 't2d' has dtype {tensors['t2d'].dtype}, expected torch.bool")
+    dtype = cfg.get("torch_dtype")
     for name, t in tensors.items():
+        if dtype is not None and t.is_floating_point() and str(t.dtype).removeprefix("torch.") != dtype:
+            problems.append(f"{WEIGHTS_FILE}: '{name}' has dtype {t.dtype}, config.json says torch_dtype {dtype!r}")
         if name not in ("d2t", "t2d") and t.is_floating_point() and not torch.isfinite(t).all():
             problems.append(f"{WEIGHTS_FILE}: '{name}' has non-finite values")
     if not problems and "d2t" in tensors and "t2d" in tensors:

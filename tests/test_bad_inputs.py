@@ -135,7 +135,7 @@ def cases(tiny_target_and_store, other_tiny_target, assets, tmp_path_factory):
         "skip_nonfinite_needs_accum_1": (Job(offline("n2", "--skip-nonfinite", cfg=accum)),
                                          ["--skip-nonfinite needs gradient_accumulation_steps = 1", "got 2"]),
         "disk_full_setup": (Job(offline("full", "--max-steps", "2")), []),
-        "disk_full": (Job(offline("full", "--max-steps", "4", "--resume"), enospc=True),
+        "disk_full": (Job(offline("full", "--max-steps", "4", "--resume", "--extend"), enospc=True),
                       ["saving checkpoint", "step-00000004", "rank 0: No space left on device", "draft.safetensors",
                        "the previous checkpoint step-00000002 is intact"]),
     }
@@ -199,7 +199,8 @@ def test_malformed_lines_among_good_ones_are_counted_skips(assets, tmp_path):
     lines = [_chat(("human", "hi"), ("gpt", "hello")), "{oops", _chat(("human", "x")), '{"text": 1}',
              _chat(("human", "what"), ("gpt", "that"))]
     path = _write(tmp_path / "mixed.jsonl", "\n".join(lines) + "\n")
-    dataset, report = build_examples(path, load_tokenizer(assets.target), 64, cache_dir=str(tmp_path / "c"))
+    dataset, data_report = build_examples(path, load_tokenizer(assets.target), 64, cache_dir=str(tmp_path / "c"))
+    (report,) = data_report.files
     assert len(dataset) == 2 and list(dataset["row"]) == [1, 5]
     assert report.kept == 2 and report.skipped == {"invalid_json": 1, "no_assistant_turn": 1, "unknown_schema": 1}
     assert report.example_rows == {"invalid_json": [2], "no_assistant_turn": [3], "unknown_schema": [4]}

@@ -45,10 +45,11 @@ def data_file(tmp_path):
 
 
 def test_rows_masks_and_skip_reasons(tokenizer, data_file, tmp_path):
-    dataset, report = build_examples(data_file, tokenizer, MAX_LENGTH, cache_dir=str(tmp_path / "cache"))
-    assert dataset.column_names == ["input_ids", "loss_mask", "row"]
-    assert dataset["row"] == [1, 4, 9]
-    assert (report.kept, report.truncated, report.total) == (3, 1, 10)
+    dataset, data_report = build_examples(data_file, tokenizer, MAX_LENGTH, cache_dir=str(tmp_path / "cache"))
+    assert dataset.column_names == ["input_ids", "loss_mask", "row", "source"]
+    assert dataset["row"] == [1, 4, 9] and set(dataset["source"]) == {str(data_file)}
+    assert (data_report.kept, data_report.truncated, data_report.total) == (3, 1, 10)
+    (report,) = data_report.files
     assert report.skipped == {"invalid_json": 1, "non_utf8": 1, "unknown_role": 1, "bad_content": 1,
                               "no_assistant_turn": 1, "no_supervised_tokens": 1, "unknown_schema": 1}
     assert report.example_rows == {"invalid_json": [2], "non_utf8": [3], "unknown_role": [5], "bad_content": [6],
@@ -65,7 +66,7 @@ def test_rows_masks_and_skip_reasons(tokenizer, data_file, tmp_path):
     assert total == sum(len(x) for x in dataset["input_ids"])
     assert supervised == sum(sum(x) for x in dataset["loss_mask"])
     console = Console(record=True, width=200)
-    console.print(report.table())
+    console.print(data_report.table())
     text = console.export_text()
     assert "skipped: no_supervised_tokens" in text and "of which truncated" in text
     assert report.first_detail["unknown_role"] == "turn 1 has from='robot'"
@@ -73,7 +74,9 @@ def test_rows_masks_and_skip_reasons(tokenizer, data_file, tmp_path):
 
 
 def test_drop_long_policy_and_limit(tokenizer, data_file, tmp_path):
-    dataset, report = build_examples(data_file, tokenizer, MAX_LENGTH, cache_dir=str(tmp_path / "c"), drop_long=True)
+    dataset, data_report = build_examples(data_file, tokenizer, MAX_LENGTH, cache_dir=str(tmp_path / "c"),
+                                          drop_long=True)
+    (report,) = data_report.files
     assert dataset["row"] == [1, 4]
     assert report.skipped["too_long"] == 2 and report.example_rows["too_long"] == [8, 9]
     assert report.truncated == 0 and "no_supervised_tokens" not in report.skipped
@@ -122,5 +125,6 @@ def test_nothing_usable_and_empty_files_name_the_file(tokenizer, tmp_path):
     with pytest.raises(ValueError, match="empty") as err:
         build_examples(empty, tokenizer, MAX_LENGTH, cache_dir=str(tmp_path / "c"))
     assert str(empty) in str(err.value)
-    with pytest.raises(ValueError, match="unknown conversation file extension"):
-        build_examples(tmp_path / "data.csv", tokenizer, MAX_LENGTH)
+    (tmp_path / "data.txt").write_text(json.dumps({"messages": SYSTEM_TURN}) + "\n", encoding="utf-8")
+    with pytest.raises(ValueError, match="unknown conversation file extension '.txt'"):
+        build_examples(tmp_path / "data.txt", tokenizer, MAX_LENGTH)

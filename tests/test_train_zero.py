@@ -58,6 +58,10 @@ def test_export_round_trip_and_check(tiny_target_and_store, tmp_path):
     assert check_export(export) == []
     tensors, config = load_export(export)
     assert config["architectures"] == ["LlamaForCausalLMEagle3"] and config["num_hidden_layers"] == 1
+    assert config["torch_dtype"] == "float32" and tensors["fc.weight"].dtype == torch.float32
+    # ZeRO-3 saves copy DeepSpeed's recovery scripts into the save folder: none is left behind
+    run = tmp_path / "run"
+    assert not list(run.rglob("zero_to_*.py")) and not (run / "checkpoints" / ".partial").exists()
     assert tensors["d2t"].dtype == torch.int64 and tensors["t2d"].dtype == torch.bool
     assert "embed_tokens.weight" not in tensors
 
@@ -95,6 +99,10 @@ def test_export_round_trip_and_check(tiny_target_and_store, tmp_path):
     assert any("missing tensor 'norm.weight'" in p for p in problems)
     assert any("'fc.weight' has shape" in p for p in problems)
     assert any("'d2t' has dtype" in p for p in problems)
+    save_file(tensors, str(export / "model.safetensors"))
+    (export / "config.json").write_text(json.dumps({**config, "torch_dtype": "bfloat16"}))
+    assert "model.safetensors: 'fc.weight' has dtype torch.float32, config.json says torch_dtype 'bfloat16'" \
+        in check_export(export)
     config.pop("eagle_config")
     (export / "config.json").write_text(json.dumps(config))
     assert any("missing field 'eagle_config'" in p for p in check_export(export))

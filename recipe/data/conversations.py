@@ -6,6 +6,10 @@ Two on-disk schemas are accepted, one record per JSONL line or one element of a 
   "value": str}, ...]}`` (an optional top-level ``"system": str`` becomes a leading system turn);
 - OpenAI: ``{"messages": [{"role": "system"|"user"|"assistant", "content": str}, ...]}``.
 
+A column mapping (``run.py --data-column messages=dialog``) names another field for either list; a field holding a
+JSON string of the list (a CSV cell) is decoded. Parquet, CSV and hub datasets are read by ``datasets``
+(``recipe.data.sources``) and each of their rows goes through :func:`row_from_record` like a JSON record.
+
 Reading is tolerant: :func:`iter_rows` yields one :class:`Row` per source record, either with its normalised turns or
 with a skip ``reason`` (one of :data:`SKIP_REASONS`) and a short ``detail``. A bad record never stops the read. Row
 numbers are 1-based line numbers for ``.jsonl`` and 0-based array indices for ``.json``. Whole-file problems (missing
@@ -46,7 +50,7 @@ SKIP_REASONS = {
     "no_supervised_tokens": "no assistant token left after truncation",
 }
 
-SUFFIXES = (".json", ".jsonl")
+SUFFIXES = (".json", ".jsonl", ".parquet", ".csv")  # files recipe.data.sources reads
 
 
 class BadRow(Exception):
@@ -68,19 +72,40 @@ class Row:
     detail: str = ""
 
 
-def normalise_record(record: object) -> list[dict[str, str]]:
+def _turn_list(record: dict, column: str) -> list | None:
+    """``record[column]`` when it is a list or a JSON string of one (CSV cells); None otherwise. BadRow
+    ``invalid_json`` for a string that starts like a JSON list but does not parse."""
+    value = record.get(column)
+    if isinstance(value, str) and value.lstrip().startswith("["):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as err:
+            raise BadRow("invalid_json", f"column {column!r}: {err}"[:80]) from None
+    return value if isinstance(value, list) else None
+
+
+def normalise_record(record: object, columns: dict[str, str] | None = None) -> list[dict[str, str]]:
     """Return the record's turns as ``[{"role", "content"}]`` with roles in {system, user, assistant}.
 
+    ``columns`` maps a conversation field (``conversations`` / ``messages``) to the key that holds it in this
+    record (e.g. ``{"messages": "dialog"}``); unmapped fields are read under their own name.
+
     Raises:
-        BadRow: ``unknown_schema``, ``unknown_role``, ``bad_content`` or ``no_assistant_turn``.
+        BadRow: ``unknown_schema``, ``unknown_role``, ``bad_content``, ``no_assistant_turn`` or ``invalid_json``
+        (a JSON-string field that does not parse).
     """
-    if isinstance(record, dict) and isinstance(record.get("conversations"), list):
-        turns, role_key, content_key = record["conversations"], "from", "value"
-    elif isinstance(record, dict) and isinstance(record.get("messages"), list):
-        turns, role_key, content_key = record["messages"], "role", "content"
+    columns = columns or {}
+    conversations, messages = columns.get("conversations", "conversations"), columns.get("messages", "messages")
+    turns = _turn_list(record, conversations) if isinstance(record, dict) else None
+    if turns is not None:
+        role_key, content_key = "from", "value"
     else:
+        turns = _turn_list(record, messages) if isinstance(record, dict) else None
+        role_key, content_key = "role", "content"
+    if turns is None:
         keys = sorted(record)[:5] if isinstance(record, dict) else type(record).__name__
-        raise BadRow("unknown_schema", f"found {keys}")
+        wanted = f"; looked for {sorted({conversations, messages})}" if columns else ""
+        raise BadRow("unknown_schema", f"found {keys}{wanted}")
     messages = []
     if role_key == "from" and isinstance(record.get("system"), str) and record["system"].strip():
         messages.append({"role": "system", "content": record["system"]})
@@ -101,14 +126,15 @@ def normalise_record(record: object) -> list[dict[str, str]]:
 
 
 def check_file(path: str | Path) -> Path:
-    """Validate that ``path`` exists, has a .json/.jsonl suffix and is not empty; return it as a Path.
+    """Validate that ``path`` exists, has a suffix of :data:`SUFFIXES` and is not empty; return it as a Path.
 
     Raises:
         ValueError: naming the file, for a missing file, an unknown extension or an empty file.
     """
     path = Path(path)
     if path.suffix.lower() not in SUFFIXES:
-        raise ValueError(f"{path}: unknown conversation file extension {path.suffix!r}; expected .json or .jsonl")
+        raise ValueError(f"{path}: unknown conversation file extension {path.suffix!r}; expected one of "
+                         f"{', '.join(SUFFIXES)}")
     if not path.is_file():
         raise ValueError(f"{path}: conversation file not found")
     with open(path, "rb") as f:
@@ -127,14 +153,15 @@ def file_digest(path: str | Path) -> str:
     return digest.hexdigest()
 
 
-def _row_from_record(row: int, record: object) -> Row:
+def row_from_record(row: int, record: object, columns: dict[str, str] | None = None) -> Row:
+    """A :class:`Row` numbered ``row``: the record's normalised turns, or the reason it cannot be used."""
     try:
-        return Row(row, messages=normalise_record(record))
+        return Row(row, messages=normalise_record(record, columns))
     except BadRow as bad:
         return Row(row, reason=bad.reason, detail=bad.detail)
 
 
-def _iter_jsonl(path: Path) -> Iterator[Row]:
+def _iter_jsonl(path: Path, columns: dict[str, str] | None) -> Iterator[Row]:
     with open(path, "rb") as f:
         for line_no, raw in enumerate(f, start=1):
             if not raw.strip():
@@ -149,10 +176,10 @@ def _iter_jsonl(path: Path) -> Iterator[Row]:
             except json.JSONDecodeError as err:
                 yield Row(line_no, reason="invalid_json", detail=str(err)[:80])
                 continue
-            yield _row_from_record(line_no, record)
+            yield row_from_record(line_no, record, columns)
 
 
-def _iter_json_array(path: Path) -> Iterator[Row]:
+def _iter_json_array(path: Path, columns: dict[str, str] | None) -> Iterator[Row]:
     try:
         text = path.read_text(encoding="utf-8")
     except UnicodeDecodeError as err:
@@ -174,19 +201,23 @@ def _iter_json_array(path: Path) -> Iterator[Row]:
             # The array cannot be resynchronised after a broken element: count it and stop.
             yield Row(index, reason="invalid_json", detail=f"element {index}: {err}"[:80])
             return
-        yield _row_from_record(index, record)
+        yield row_from_record(index, record, columns)
         index += 1
 
 
-def iter_rows(path: str | Path, limit: int | None = None) -> Iterator[Row]:
-    """Yield one :class:`Row` per source record of ``path`` (at most ``limit`` records).
+def iter_rows(path: str | Path, limit: int | None = None, columns: dict[str, str] | None = None) -> Iterator[Row]:
+    """Yield one :class:`Row` per source record of the ``.json``/``.jsonl`` file ``path`` (at most ``limit``
+    records; ``columns`` as in :func:`normalise_record`).
 
     Raises:
         ValueError: naming the file, for the whole-file problems listed in the module docstring.
     """
     path = check_file(path)
-    reader = _iter_jsonl if path.suffix.lower() == ".jsonl" else _iter_json_array
-    for count, row in enumerate(reader(path)):
+    suffix = path.suffix.lower()
+    if suffix not in (".json", ".jsonl"):
+        raise ValueError(f"{path}: iter_rows reads .json/.jsonl; {suffix} files are read by recipe.data.sources")
+    reader = _iter_jsonl if suffix == ".jsonl" else _iter_json_array
+    for count, row in enumerate(reader(path, columns)):
         if limit is not None and count >= limit:
             return
         yield row

@@ -1,40 +1,39 @@
-"""Conversation file → ``datasets.Dataset{input_ids, loss_mask, row}`` + :class:`SkipReport`.
+"""Conversation sources → ``datasets.Dataset{input_ids, loss_mask, row, source}`` + :class:`DataReport`.
 
-Pipeline: :func:`recipe.data.conversations.iter_rows` feeds ``Dataset.from_generator`` (tolerant reading: one bad
-line is a counted skip, not a failed load), then ``Dataset.map`` tokenises each conversation with the target's chat
-template (:func:`recipe.data.chat_mask.tokenize_conversation`), truncates to ``max_length`` and records a skip reason
-per row; a ``filter`` keeps the usable rows.
+Pipeline per data file (``recipe.data.sources``: files, folders, hub datasets): its normalised rows
+(``sources.load_rows``: one bad record is a counted skip, not a failed load), then ``Dataset.map`` tokenises each
+conversation with the target's chat template (:func:`recipe.data.chat_mask.tokenize_conversation`, ``num_proc``
+worker shards), truncates to ``max_length`` and records a skip reason per row; a ``filter`` keeps the usable rows.
+Then the files are combined with ``datasets``: ``concatenate_datasets`` (in ``--data`` order, all rows) or, with
+mixing weights w_i (one per ``--data`` source), ``interleave_datasets`` with probabilities w_i/Σw, the run's seed
+and ``stopping_strategy="first_exhausted"``: the mix ends when one source runs out, so no sample repeats and the
+source that is smallest relative to its weight bounds the size.
 
-Caching: both steps carry explicit fingerprints derived from the file's sha256, ``limit``, the tokenizer (its
-``tokenizer.json`` serialisation and chat template), ``max_length`` and ``drop_long``, so a second call with the same
-inputs reuses the Arrow cache files and any change to one of them (including the file's content under the same
-path) recomputes.
+Caching: every step carries an explicit fingerprint derived from the file's sha256, ``limit``, the column mapping,
+the tokenizer (its ``tokenizer.json`` serialisation and chat template), ``max_length`` and ``drop_long``, so a
+second call with the same inputs reuses the Arrow cache files and any change to one of them (including the file's
+content under the same path) recomputes.
 
-CLI: ``python -m recipe.data.examples --tokenizer DIR --data FILE --max-length N [--limit 200] [--draft-vocab 8192]``
-prints the skip table, token counts and, optionally, draft-vocabulary statistics.
+CLI: ``python -m recipe.data.examples --tokenizer DIR --data SOURCE.. --max-length N [--limit 200]
+[--draft-vocab 8192]`` prints the skip table, token counts and, optionally, draft-vocabulary statistics.
 """
 
 from __future__ import annotations
 
 import argparse
-import hashlib
 from pathlib import Path
 
 import datasets
 
 from recipe.data.chat_mask import tokenize_conversation
-from recipe.data.conversations import BadRow, check_file, file_digest, iter_rows
-from recipe.data.report import SkipReport
+from recipe.data.conversations import BadRow
+from recipe.data.report import DataReport, SkipReport
+from recipe.data.sources import fingerprint as _hash
+from recipe.data.sources import load_rows, resolve_source
 from recipe.data.vocab import iter_token_arrays
 
-PIPELINE_VERSION = "examples-v1"  # bump when the tokenisation / masking semantics change
+PIPELINE_VERSION = "examples-v2"  # bump when the tokenisation / masking semantics change
 
-ROW_FEATURES = datasets.Features({
-    "row": datasets.Value("int64"),
-    "messages": datasets.List({"role": datasets.Value("string"), "content": datasets.Value("string")}),
-    "reason": datasets.Value("string"),
-    "detail": datasets.Value("string"),
-})
 TOKEN_FEATURES = datasets.Features({
     "row": datasets.Value("int64"),
     "input_ids": datasets.List(datasets.Value("int32")),
@@ -42,27 +41,13 @@ TOKEN_FEATURES = datasets.Features({
     "reason": datasets.Value("string"),
     "detail": datasets.Value("string"),
     "truncated": datasets.Value("bool"),
+    "source": datasets.Value("string"),
 })
-
-
-def _hash(*parts: object) -> str:
-    digest = hashlib.sha256()
-    for part in parts:
-        digest.update(repr(part).encode("utf-8"))
-        digest.update(b"\0")
-    return digest.hexdigest()[:32]
-
 
 def tokenizer_fingerprint(tokenizer) -> str:
     """Stable hash of everything that decides tokenisation: vocabulary/merges, special tokens, chat template."""
     backend = tokenizer.backend_tokenizer.to_str() if hasattr(tokenizer, "backend_tokenizer") else repr(tokenizer)
     return _hash(backend, tokenizer.chat_template, sorted(map(str, tokenizer.all_special_tokens)))
-
-
-def _generate_rows(path: str, digest: str, limit: int | None):
-    del digest  # only part of the builder's cache key
-    for row in iter_rows(path, limit=limit):
-        yield {"row": row.row, "messages": row.messages, "reason": row.reason, "detail": row.detail}
 
 
 def _tokenize_batch(batch: dict, tokenizer, max_length: int, drop_long: bool) -> dict:
@@ -90,24 +75,50 @@ def _is_kept(reason: str) -> bool:
     return not reason
 
 
-def build_examples(path: str | Path, tokenizer, max_length: int, num_proc: int = 1, cache_dir: str | None = None,
-                   limit: int | None = None, drop_long: bool = False) -> tuple[datasets.Dataset, SkipReport]:
-    """Read, normalise, tokenise and mask a conversation file.
+def _file_examples(rows: datasets.Dataset, name: str, tokenizer, max_length: int, num_proc: int,
+                   drop_long: bool) -> tuple[datasets.Dataset, SkipReport]:
+    """Tokenise one data file's rows; (its usable examples, its skip report)."""
+    tokenized = rows.map(
+        _tokenize_batch, batched=True, batch_size=64, num_proc=num_proc if num_proc > 1 else None,
+        fn_kwargs={"tokenizer": tokenizer, "max_length": max_length, "drop_long": drop_long},
+        remove_columns=["messages"], features=TOKEN_FEATURES,
+        new_fingerprint=_hash(PIPELINE_VERSION, rows._fingerprint, tokenizer_fingerprint(tokenizer), max_length,
+                              drop_long),
+        desc="tokenising conversations")
+    report = SkipReport.from_outcomes(name, tokenized["row"], tokenized["reason"], tokenized["truncated"],
+                                      tokenized["detail"])
+    if report.kept == 0:
+        raise ValueError(f"{name}: no usable conversation left; {report.summary()}")
+    kept = tokenized.filter(_is_kept, input_columns="reason", new_fingerprint=_hash(tokenized._fingerprint, "kept"))
+    return kept.select_columns(["input_ids", "loss_mask", "row", "source"]), report
+
+
+def build_examples(data: str | Path | list, tokenizer, max_length: int, num_proc: int = 1,
+                   cache_dir: str | None = None, limit: int | None = None, drop_long: bool = False,
+                   columns: dict[str, str] | None = None, weights: list[float] | None = None,
+                   seed: int = 0) -> tuple[datasets.Dataset, DataReport]:
+    """Read, normalise, tokenise, mask and combine conversation sources.
 
     Args:
-        path: ``.json`` (array) or ``.jsonl`` file in ShareGPT or OpenAI form.
+        data: one source or a list of them (``recipe.data.sources.resolve_source``: files, folders, hub names)
+            in ShareGPT or OpenAI form.
         tokenizer: the target's fast tokenizer with its chat template.
         max_length: examples are cut to this many tokens (or dropped with ``drop_long=True``).
         num_proc: worker processes for tokenisation (``Dataset.map``).
         cache_dir: ``datasets`` cache folder (default: the ``datasets`` default).
-        limit: read only the first ``limit`` source records.
+        limit: read only the first ``limit`` records of each data file.
+        columns: conversation field -> column (``--data-column``), e.g. ``{"messages": "dialog"}``.
+        weights: mixing weights, one per source (module docstring); None: all rows, in order.
+        seed: the interleaving seed with ``weights``.
     Returns:
         ``(dataset, report)``; dataset columns ``input_ids`` (list[int], length ≤ max_length), ``loss_mask``
-        (list[int] of 0/1, same length, at least one 1) and ``row`` (source line number for .jsonl, 0-based index
-        for .json).
+        (list[int] of 0/1, same length, at least one 1), ``row`` (source line number for .jsonl, 0-based index
+        for .json, .parquet, .csv and hub rows) and ``source`` (the data file); ``report`` has one SkipReport per
+        data file.
     Raises:
-        ValueError: naming the file — missing/empty/unknown extension, or no usable example left (with the reasons);
-            naming the tokenizer when it has no chat template.
+        ValueError: naming the file or source — missing/empty/unknown extension, a file with no usable example left
+            (with the reasons), an offline hub, weights not matching the sources; naming the tokenizer when it has
+            no chat template.
     """
     if max_length <= 0:
         raise ValueError(f"max_length must be positive, got {max_length}")
@@ -115,27 +126,27 @@ def build_examples(path: str | Path, tokenizer, max_length: int, num_proc: int =
         raise ValueError(f"{getattr(tokenizer, 'name_or_path', 'tokenizer')}: the target's tokenizer has no chat "
                          "template (chat_template.jinja or tokenizer_config.json 'chat_template'); the loss mask "
                          "needs it to find the assistant turns")
-    path = check_file(path)
-    digest = file_digest(path)
-    row_fingerprint = _hash(PIPELINE_VERSION, digest, limit)
-    rows = datasets.Dataset.from_generator(
-        _generate_rows, features=ROW_FEATURES, cache_dir=cache_dir, fingerprint=row_fingerprint,
-        gen_kwargs={"path": str(path), "digest": digest, "limit": limit})
-    if len(rows) == 0:
-        raise ValueError(f"{path}: conversation file holds no records")
-    tokenized = rows.map(
-        _tokenize_batch, batched=True, batch_size=64, num_proc=num_proc if num_proc > 1 else None,
-        fn_kwargs={"tokenizer": tokenizer, "max_length": max_length, "drop_long": drop_long},
-        remove_columns=["messages"], features=TOKEN_FEATURES,
-        new_fingerprint=_hash(row_fingerprint, tokenizer_fingerprint(tokenizer), max_length, drop_long),
-        desc="tokenising conversations")
-    report = SkipReport.from_outcomes(str(path), tokenized["row"], tokenized["reason"], tokenized["truncated"],
-                                       tokenized["detail"])
-    if report.kept == 0:
-        raise ValueError(f"{path}: no usable conversation left; {report.summary()}")
-    kept = tokenized.filter(_is_kept, input_columns="reason",
-                            new_fingerprint=_hash(tokenized._fingerprint, "kept"))
-    return kept.select_columns(["input_ids", "loss_mask", "row"]), report
+    specs = [data] if isinstance(data, (str, Path)) else list(data)
+    if weights is not None and len(weights) != len(specs):
+        raise ValueError(f"{len(weights)} mixing weight(s) for {len(specs)} data source(s); give one per source")
+    per_source, reports = [], []
+    for spec in specs:
+        parts = []
+        for item in resolve_source(spec):
+            rows = load_rows(item, limit=limit, columns=columns, cache_dir=cache_dir)
+            examples, report = _file_examples(rows, item.name, tokenizer, max_length, num_proc, drop_long)
+            parts.append(examples)
+            reports.append(report)
+        per_source.append(parts[0] if len(parts) == 1 else datasets.concatenate_datasets(parts))
+    if weights is not None and len(per_source) > 1:
+        total = sum(weights)
+        mixed = datasets.interleave_datasets(per_source, probabilities=[w / total for w in weights], seed=seed,
+                                             stopping_strategy="first_exhausted")
+    elif len(per_source) > 1:
+        mixed = datasets.concatenate_datasets(per_source)
+    else:
+        mixed = per_source[0]
+    return mixed, DataReport(reports)
 
 
 def token_counts(dataset: datasets.Dataset) -> tuple[int, int]:
@@ -151,21 +162,26 @@ def main(argv: list[str] | None = None) -> None:
     from rich.console import Console
     from transformers import AutoTokenizer
 
+    from recipe.config import add_data_arguments, check_data_arguments
+
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokenizer", required=True, help="tokenizer folder (the target's)")
     parser.add_argument("--gguf-file", default=None, help="GGUF file name inside --tokenizer, if it is a GGUF folder")
-    parser.add_argument("--data", required=True, help="conversation file (.json/.jsonl)")
+    add_data_arguments(parser, required=True)
     parser.add_argument("--max-length", type=int, required=True)
     parser.add_argument("--limit", type=int, default=None)
     parser.add_argument("--num-proc", type=int, default=1)
     parser.add_argument("--drop-long", action="store_true")
     parser.add_argument("--cache-dir", default=None)
     parser.add_argument("--draft-vocab", type=int, default=0, help="also build a draft vocabulary of this size")
+    parser.add_argument("--seed", type=int, default=0, help="interleaving seed with --data-weights")
     args = parser.parse_args(argv)
+    check_data_arguments(parser, args)
 
     tokenizer = AutoTokenizer.from_pretrained(args.tokenizer, gguf_file=args.gguf_file)
     dataset, report = build_examples(args.data, tokenizer, args.max_length, num_proc=args.num_proc,
-                                     cache_dir=args.cache_dir, limit=args.limit, drop_long=args.drop_long)
+                                     cache_dir=args.cache_dir, limit=args.limit, drop_long=args.drop_long,
+                                     columns=args.data_column, weights=args.data_weights, seed=args.seed)
     console = Console()
     console.print(report.table())
     total, supervised = token_counts(dataset)

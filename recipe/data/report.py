@@ -1,4 +1,5 @@
-"""SkipReport: what became of every source record of a conversation file (kept, truncated, skipped by reason)."""
+"""SkipReport: what became of every source record of a conversation file (kept, truncated, skipped by reason);
+DataReport: the SkipReports of all data files of a run."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Iterable
 
+from rich.console import Group
 from rich.table import Table
 
 from recipe.data.conversations import SKIP_REASONS
@@ -78,3 +80,35 @@ class SkipReport:
         parts = [f"{reason} {count} [rows {', '.join(map(str, self.example_rows.get(reason, [])))}]"
                  for reason, count in self.skipped.items()]
         return f"kept {self.kept}/{self.total} (truncated {self.truncated}); skipped: {'; '.join(parts) or 'none'}"
+
+
+@dataclass
+class DataReport:
+    """What became of every source record of every data file of a run: one :class:`SkipReport` per file, in
+    reading order (``recipe.data.examples.build_examples``)."""
+
+    files: list[SkipReport]
+
+    @property
+    def kept(self) -> int:
+        return sum(r.kept for r in self.files)
+
+    @property
+    def truncated(self) -> int:
+        return sum(r.truncated for r in self.files)
+
+    @property
+    def total(self) -> int:
+        """Number of source records read over all files."""
+        return sum(r.total for r in self.files)
+
+    def table(self) -> Group:
+        """The per-file tables (:meth:`SkipReport.table`), and a line of totals when there are several files."""
+        parts = [r.table() for r in self.files]
+        if len(self.files) > 1:
+            parts.append(f"all {len(self.files)} files: kept {self.kept}/{self.total} (truncated {self.truncated})")
+        return Group(*parts)
+
+    def summary(self) -> str:
+        """One line per file: ``path: kept …; skipped: …`` (:meth:`SkipReport.summary`)."""
+        return "\n".join(f"{r.path}: {r.summary()}" for r in self.files)

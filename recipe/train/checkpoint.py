@@ -13,7 +13,9 @@ Layout under ``OUTPUT/checkpoints/``::
 
 A checkpoint is written into ``.partial/<tag>`` by all ranks, completed (barrier), renamed into place, and only then
 is ``latest`` replaced (write-to-temp + ``os.replace``); older ones beyond ``keep`` are pruned. A crash mid-save
-leaves ``.partial`` debris and the previous checkpoint untouched.
+leaves ``.partial`` debris and the previous checkpoint untouched. DeepSpeed's ZeRO/bf16 saves also copy its recovery
+scripts (``zero_to_fp32.py``, ``zero_to_torch.py``) into the save folder (``.partial``); they are deleted with the
+emptied ``.partial`` once the checkpoint is in place: ``draft.safetensors`` already is the consolidated fp32 draft.
 """
 from __future__ import annotations
 
@@ -35,6 +37,7 @@ RUN_STATE = "run_state.json"
 VOCAB_FILE = "vocab_map.safetensors"
 DRAFT_FILE = "draft.safetensors"  # the full draft (ZeRO-gathered, TP-consolidated), what the export is made from
 DRAFT_CONFIG_FILE = "draft_config.json"  # the export config.json
+RECOVERY_SCRIPTS = ("zero_to_fp32.py", "zero_to_torch.py")  # what DeepSpeed copies into the save folder
 
 
 def tag_for(step: int) -> str:
@@ -167,6 +170,10 @@ def save(engine, root: Path, step: int, run_state: dict, draft_state: dict[str, 
     def update_latest():
         _write_text_atomic(root / LATEST, tag + "\n")
         prune(root, keep)
+        for script in RECOVERY_SCRIPTS:
+            (partial / script).unlink(missing_ok=True)
+        if not any(partial.iterdir()):
+            partial.rmdir()
 
     _agree(_attempt(update_latest) if rank == 0 else None, what, previous)
     return final
@@ -238,6 +245,29 @@ def check_compatible(saved: dict, current: dict, path: Path) -> None:
     if diffs:
         raise ValueError(f"cannot resume from {path}: the run differs from the checkpoint in\n  " + "\n  ".join(diffs)
                          + "\n(resharding to another layout is not supported; start a new run or match these)")
+
+
+def check_length(saved: dict, total_steps: int, extend: bool, path: Path) -> bool:
+    """Whether resuming the checkpoint ``path`` (its run state ``saved``) in a run of ``total_steps`` optimizer
+    steps re-plans the LR schedule (``--extend``, ``recipe.train.loop.Trainer._replan_schedule``).
+
+    False when the planned length is unchanged. Raises ValueError naming the planned and requested lengths when it
+    differs without ``extend`` (the schedule would change under a resumed run), and with ``extend`` when the new
+    length leaves no step to run after the saved one.
+    """
+    planned, step = saved.get("total_steps"), saved.get("step", 0)
+    if planned == total_steps:
+        return False
+    was = f"planned for {planned} optimizer steps" if planned is not None else "of a run of unrecorded length"
+    if not extend:
+        raise ValueError(f"cannot resume from {path}: the checkpoint (step {step}) is {was}, this run asks for "
+                         f"{total_steps} (--max-steps/--epochs); resuming would mix two learning-rate schedules. Pass "
+                         f"--extend to re-plan the schedule for {total_steps} steps from step {step} (README, "
+                         "'Extending a run'), or resume with the original --max-steps/--epochs")
+    if total_steps <= step:
+        raise ValueError(f"cannot extend the run in {path}: it is at step {step} and --max-steps/--epochs ask for "
+                         f"{total_steps} steps in all; give a length above {step}")
+    return True
 
 
 def load(engine, path: Path) -> dict:

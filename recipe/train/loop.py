@@ -8,10 +8,11 @@ micro-batch's loss by the accumulation steps, so each rank back-propagates its l
 
 Reliability. Resume continues exactly: the step counter is the data position (``recipe.train.sampler``), and the
 checkpoint holds the engine state, every rank's RNG and the vocabulary map; a checkpoint of another layout or data is
-refused before DeepSpeed touches it. SIGTERM/SIGINT stop all ranks after the same step, save and return
-``EXIT_INTERRUPTED`` (``recipe.train.signals``). A NaN/inf loss on any rank (checked before backward, agreed over the
-world) stops with the step and sample indices, or with ``--skip-nonfinite`` skips the step (engine untouched) and is
-counted in metrics.jsonl (``"skipped"``) and at the end.
+refused before DeepSpeed touches it, and so is a resume for another run length (with an LR scheduler) unless
+``--extend`` re-plans the schedule (:meth:`Trainer._replan_schedule`). SIGTERM/SIGINT stop all ranks after the same
+step, save and return ``EXIT_INTERRUPTED`` (``recipe.train.signals``). A NaN/inf loss on any rank (checked before
+backward, agreed over the world) stops with the step and sample indices, or with ``--skip-nonfinite`` skips the step
+(engine untouched) and is counted in metrics.jsonl (``"skipped"``) and at the end.
 """
 from __future__ import annotations
 
@@ -28,8 +29,10 @@ from recipe.config import TrainArgs
 from recipe.export import export_tensors, write_export
 from recipe.model.ttt import step_weights, ttt_objective
 from recipe.parallel.parallelize import gather_full_state
+from recipe.plot import plot_note
 from recipe.train import checkpoint
 from recipe.train.metrics import MetricsLog, TrainProgress
+from recipe.train.monitor import StepMonitor
 from recipe.train.sampler import rank_micro_batches
 from recipe.train.setup import RunParts
 from recipe.train.signals import EXIT_INTERRUPTED, StopRequest
@@ -65,7 +68,7 @@ def _global_sum(t: torch.Tensor, group) -> torch.Tensor:
 class TrainSettings:
     """What the loop reads of the flags (``run.py --help`` explains each): the run folder, the TTT steps K, the
     sequence length cap and seed (recorded in the checkpoint's run state), the checkpoint cadence and count, the
-    non-finite policy, whether to export, and the progress cadence."""
+    non-finite policy, whether to export, the progress cadence, and whether a resume may re-plan the run length."""
 
     output: Path
     ttt_steps: int
@@ -76,12 +79,14 @@ class TrainSettings:
     skip_nonfinite: bool = False
     no_export: bool = False
     log_every: int = 1
+    extend: bool = False
 
     @classmethod
     def from_args(cls, args: TrainArgs) -> "TrainSettings":
         return cls(output=args.output, ttt_steps=args.ttt_steps, max_length=args.max_length, seed=args.seed,
                    save_every=args.save_every, keep_checkpoints=args.keep_checkpoints,
-                   skip_nonfinite=args.skip_nonfinite, no_export=args.no_export, log_every=args.log_every)
+                   skip_nonfinite=args.skip_nonfinite, no_export=args.no_export, log_every=args.log_every,
+                   extend=args.extend)
 
 
 class Trainer:
@@ -98,15 +103,21 @@ class Trainer:
         self._check_settings()
         if parts.resume_from is not None:
             # compare first: DeepSpeed fails deep inside on a checkpoint of another layout
-            checkpoint.check_compatible(checkpoint.read_run_state(parts.resume_from), self.run_state(0),
-                                        parts.resume_from)
+            saved = checkpoint.read_run_state(parts.resume_from)
+            checkpoint.check_compatible(saved, self.run_state(0), parts.resume_from)
+            # without an LR scheduler (constant lr) the run length may change freely: no schedule to mix
+            replan = self.engine.lr_scheduler is not None and checkpoint.check_length(
+                saved, self.config.total_steps, settings.extend, parts.resume_from)
             saved = checkpoint.load(self.engine, parts.resume_from)
             self.step = saved["step"]
             if self.rank0:
                 console.print(f"resumed from {parts.resume_from} at step {self.step}")
+            if replan:
+                self._replan_schedule(saved.get("total_steps"))
         else:
             self._start_scheduler()
         self.metrics = MetricsLog(settings.output / "metrics.jsonl", self.rank0, resume_step=self.step)
+        self.monitor = StepMonitor(self.config.monitor, settings.output, self.rank0, resume_step=self.step)
 
     def _start_scheduler(self) -> None:
         """Advance a fresh DeepSpeed LR scheduler from iteration -1 to 0 before the first step.
@@ -119,6 +130,24 @@ class Trainer:
         scheduler = self.engine.lr_scheduler
         if scheduler is not None and getattr(scheduler, "last_batch_iteration", None) == -1:
             scheduler.step()
+
+    def _replan_schedule(self, planned: int | None) -> None:
+        """``--extend``: continue on the schedule of the new run length from the saved position.
+
+        ``deepspeed.initialize`` built the LR scheduler from this run's JSON, its ``"auto"`` values filled for the
+        new total (``RunConfig.with_total_steps``); the checkpoint restored its iteration i (the optimizer steps
+        taken so far) and the optimizer's lr, which is the old schedule's value for step i+1. Re-evaluating the
+        scheduler at i writes the new schedule's value instead, so every remaining step s runs at the lr that a
+        fresh run planned for the new total uses at step s (minus steps skipped as non-finite, which do not advance
+        the scheduler); the lr may jump at step i+1, e.g. from the old schedule's floor back onto the new curve.
+        """
+        scheduler = self.engine.lr_scheduler
+        before = self.lr()
+        if scheduler is not None and getattr(scheduler, "last_batch_iteration", -1) >= 0:
+            scheduler.step(scheduler.last_batch_iteration)
+        if self.rank0:
+            self.console.print(f"--extend: run re-planned from {planned} to {self.config.total_steps} steps at step "
+                               f"{self.step}; lr of the next step {before:.3e} -> {self.lr():.3e}")
 
     def _check_settings(self) -> None:
         """ValueError for settings that only make sense together with the layout and the data."""
@@ -237,6 +266,7 @@ class Trainer:
                     record = {"step": self.step, "epoch": epoch, **record, "lr": lr,
                               "time_s": round(time.perf_counter() - t0, 4)}
                     self.metrics.write(record)
+                    self.monitor.write(record)
                     if "skipped" in record:
                         self.skipped_steps.append(self.step)
                         if self.rank0:
@@ -254,6 +284,7 @@ class Trainer:
                         epoch = new_epoch
             finally:
                 progress.close()
+                self.monitor.close()
             final_state = self.save()
         if self.rank0 and self.skipped_steps:
             self.console.print(f"skipped {len(self.skipped_steps)} step(s) with a non-finite loss: "
@@ -265,6 +296,8 @@ class Trainer:
             return EXIT_INTERRUPTED
         if not settings.no_export:
             self.export(final_state)
+        if self.rank0:
+            self.console.print(plot_note(settings.output))
         return 0
 
     def export(self, state: dict[str, torch.Tensor]) -> None:

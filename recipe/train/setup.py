@@ -72,7 +72,7 @@ def _data(args: TrainArgs, console: Console):
 
     def build():
         return build_examples(args.data, tokenizer, args.max_length, num_proc=args.num_proc, cache_dir=cache,
-                              limit=args.limit)
+                              limit=args.limit, columns=args.data_column, weights=args.data_weights, seed=args.seed)
 
     examples, report = rank0_first(build)
     if dist.get_rank() == 0:
