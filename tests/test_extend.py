@@ -5,14 +5,15 @@ from __future__ import annotations
 
 import pytest
 
-from dist import run_ranks
+from helpers.ranks import run_ranks
 from recipe.config import parse_args
-from reliability_helpers import Job, run_jobs
-from train_helpers import make_target_and_store, train_argv, write_ds_config
+from helpers.faults import Job, run_jobs
+from helpers.training import train_argv, write_ds_config
 
 
-def test_resume_with_another_length_refuses_or_extends(tmp_path):
-    target, store = make_target_and_store(tmp_path / "tiny")
+@pytest.mark.slow
+def test_resume_with_another_length_refuses_or_extends(tmp_path, tiny_target_and_store):
+    target, store = tiny_target_and_store
     cfg = write_ds_config(tmp_path / "z0.json", train_batch_size=4)  # 24 samples: 6 steps per epoch
 
     def argv(name, steps, *extra):

@@ -9,10 +9,10 @@ import json
 
 import pytest
 
-from dist import run_ranks
+from helpers.ranks import run_ranks
 from recipe.config import ConfigError, load_run_config, pop_monitor_sections
 from recipe.train.monitor import step_events
-from train_helpers import make_target_and_store, run_training, train_argv, write_ds_config
+from helpers.training import run_training, train_argv, write_ds_config
 
 STEPS = 6
 
@@ -75,9 +75,10 @@ def _csv(folder):
     return out
 
 
-def test_tensorboard_and_csv_hold_every_step_on_two_ranks(tmp_path):
+@pytest.mark.slow
+def test_tensorboard_and_csv_hold_every_step_on_two_ranks(tmp_path, tiny_target_and_store):
     pytest.importorskip("tensorboard", reason="the tensorboard writer package (pip install -e '.[monitor]')")
-    target, store = make_target_and_store(tmp_path / "tiny")
+    target, store = tiny_target_and_store
     cfg = write_ds_config(tmp_path / "z3.json", base="zero3.json", train_batch_size=4,
                           tensorboard={"enabled": True, "job_name": "tb"},
                           csv_monitor={"enabled": True, "output_path": str(tmp_path / "csv_out"), "job_name": "csv"})
