@@ -12,6 +12,7 @@ from recipe.data.store import HiddenStateStore, StoreError, StoreMeta, write_jso
 from recipe.data.store_writer import ShardPlan, StoreWriter, shard_plan
 from recipe.dump import dump_hidden_states
 from recipe.model.target import TargetModel
+from recipe.parallel.collectives import Collectives
 from tiny_llama import save_tiny_llama
 
 H = 32
@@ -167,7 +168,8 @@ def test_resume_with_other_settings_refused(target, dataset, tmp_path):
 
 def _dump_rank(rank, world_size, tiny_dir, lengths, out):
     target = TargetModel(tiny_dir, device="cpu")
-    stats = dump(target, make_dataset(lengths), out, rank=rank, world_size=world_size, dtype="fp32")
+    stats = dump(target, make_dataset(lengths), out, rank=rank, world_size=world_size, dtype="fp32",
+                 comm=Collectives("cpu"))
     return stats.samples_written, None if stats.index_path is None else str(stats.index_path)
 
 

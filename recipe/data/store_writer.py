@@ -13,7 +13,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 from safetensors.torch import save_file
 
 from recipe.data.store import (DTYPES, FORMAT, INDEX_NAME, VERSION, StoreError, StoreMeta, progress_name,
@@ -108,15 +107,18 @@ class StoreWriter:
                                                                             sorted(self.finished.items())}})
         return info
 
-    def finalize(self, group=None) -> Path | None:
-        """Wait for all ranks (``dist.barrier(group)`` when world_size > 1), then rank 0 merges every rank's
-        progress into ``index.json`` (atomic) and returns its path; other ranks return None.
+    def finalize(self, comm=None, group=None) -> Path | None:
+        """Wait for all ranks (``comm.barrier(group)`` when world_size > 1; ``comm``: a
+        ``recipe.parallel.collectives.Collectives``), then rank 0 merges every rank's progress into ``index.json``
+        (atomic) and returns its path; other ranks return None.
 
-        Raises StoreError (rank 0) when a rank's progress is missing or the shards don't hold every sample id
-        ``0..num_samples-1`` exactly once.
+        Raises ValueError when world_size > 1 and ``comm`` is None; StoreError (rank 0) when a rank's progress is
+        missing or the shards don't hold every sample id ``0..num_samples-1`` exactly once.
         """
         if self.world_size > 1:
-            dist.barrier(group=group)
+            if comm is None:
+                raise ValueError(f"StoreWriter.finalize: world_size={self.world_size} needs comm for the barrier")
+            comm.barrier(group)
         if self.rank != 0:
             return None
         shards = []

@@ -37,10 +37,11 @@ class NonFiniteLossError(ValueError):
     """A step's loss was NaN/inf on some rank; the message names the step, the ranks and the sample indices."""
 
 
-def zero0_grad_norm(engine, tp_group) -> float:
+def zero0_grad_norm(engine, comm, tp_group) -> float:
     """Global L2 norm of the (already data-parallel reduced) gradients, for ZeRO stage 0 in fp32 where DeepSpeed
-    clips but does not report the norm. TP-sharded gradients are summed over the tp group; replicated ones count
-    once. Call after the last backward of the step and before ``engine.step()``."""
+    clips but does not report the norm. TP-sharded gradients are summed over the tp group (``comm``: the run's
+    ``recipe.parallel.collectives.Collectives``); replicated ones count once. Call after the last backward of the
+    step and before ``engine.step()``."""
     sharded, replicated = [], []
     for p in engine.module.parameters():
         if p.grad is not None:
@@ -48,15 +49,9 @@ def zero0_grad_norm(engine, tp_group) -> float:
     zero = torch.zeros((), device=next(engine.module.parameters()).device)
     sq_sharded = torch.stack(sharded).sum() if sharded else zero.clone()
     if tp_group is not None and dist.get_world_size(tp_group) > 1:
-        dist.all_reduce(sq_sharded, group=tp_group)
+        sq_sharded = comm.sum(sq_sharded, tp_group)
     sq = sq_sharded + (torch.stack(replicated).sum() if replicated else zero)
     return float(sq.sqrt())
-
-
-def _global_sum(t: torch.Tensor, group) -> torch.Tensor:
-    t = t.detach().clone()
-    dist.all_reduce(t, group=group)
-    return t
 
 
 class Trainer:
@@ -123,7 +118,7 @@ class Trainer:
         the ranks and their samples (dataset indices; source rows in online mode)."""
         flags = torch.zeros(dist.get_world_size(), dtype=torch.int32)
         flags[dist.get_rank()] = int(not torch.isfinite(loss_sum_K.detach()).all())
-        dist.all_reduce(flags)
+        flags = self.pstate.comm.sum(flags)
         bad_ranks = flags.nonzero().flatten().tolist()
         if not bad_ranks:
             return None
@@ -147,7 +142,8 @@ class Trainer:
                                    self.pstate.dp_rank)
         batches = [parts.builder.build(ix) for ix in micro]
         local_valid = torch.stack([b.ttt.valid_KBS.sum(dim=(1, 2)) for b in batches]).sum(0).double()
-        n_valid = _global_sum(local_valid, self.pstate.dp_cp_group)
+        comm = self.pstate.comm
+        n_valid = comm.sum(local_valid, self.pstate.dp_cp_group)
         scale = parts.dims.dp_cp * parts.plan.grad_accum
         loss_sum = torch.zeros(K, dtype=torch.float64)
         correct = torch.zeros(K, dtype=torch.float64)
@@ -165,14 +161,14 @@ class Trainer:
             loss = ttt_objective(out, n_valid.to(out.loss_sum_K.device)) * scale
             self.engine.backward(loss)
             if own_norm and self.engine.is_gradient_accumulation_boundary():
-                grad_norm = zero0_grad_norm(self.engine, self.pstate.tp_group)
+                grad_norm = zero0_grad_norm(self.engine, comm, self.pstate.tp_group)
             self.engine.step()
             loss_sum += out.loss_sum_K.detach().double().cpu()
             correct += out.correct_K.detach().double().cpu()
-        loss_sum = _global_sum(loss_sum, self.pstate.dp_cp_group)
-        correct = _global_sum(correct, self.pstate.dp_cp_group)
-        tokens = _global_sum(torch.tensor([sum(b.supervised_tokens for b in batches)], dtype=torch.float64),
-                             self.pstate.dp_group)
+        loss_sum = comm.sum(loss_sum, self.pstate.dp_cp_group)
+        correct = comm.sum(correct, self.pstate.dp_cp_group)
+        tokens = comm.sum(torch.tensor([sum(b.supervised_tokens for b in batches)], dtype=torch.float64),
+                          self.pstate.dp_group)
         n = n_valid.clamp(min=1)
         weights = step_weights(K, torch.float64)
         if grad_norm is None:
@@ -189,9 +185,9 @@ class Trainer:
         """Checkpoint the current step (collective); return the full draft state it gathered."""
         state = gather_full_state(self.engine, self.pstate)
         vocab = {"d2t": self.parts.vocab.d2t, "t2d": self.parts.vocab.t2d}
-        checkpoint.save(self.engine, self.args.output / "checkpoints", self.step, self.run_state(self.step),
-                        state if self.rank0 else None, self.parts.draft_config.to_hf_dict(), vocab,
-                        keep=self.args.keep_checkpoints,
+        checkpoint.save(self.engine, self.pstate.comm, self.args.output / "checkpoints", self.step,
+                        self.run_state(self.step), state if self.rank0 else None,
+                        self.parts.draft_config.to_hf_dict(), vocab, keep=self.args.keep_checkpoints,
                         extra_files={"run_config.json": self.args.output / "run_config.json"})
         return state
 
@@ -218,7 +214,7 @@ class Trainer:
                             self.console.print(f"[yellow]skipped step[/yellow] {escape(record['skipped'])}")
                     else:
                         progress.update(record)
-                    if stop.agreed() and self.step < parts.total_steps:
+                    if stop.agreed(self.pstate.comm) and self.step < parts.total_steps:
                         interrupted = True
                         break
                     if args.save_every and self.step % args.save_every == 0 and self.step < parts.total_steps:
@@ -247,7 +243,7 @@ class Trainer:
         if self.rank0:
             out = write_export(export_tensors(state), self.parts.draft_config.to_hf_dict(), self.args.output / "export")
             self.console.print(f"export written to {out}")
-        dist.barrier()
+        self.pstate.comm.barrier()
 
 
 def plan_summary(parts: RunParts) -> str:
