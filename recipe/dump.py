@@ -84,6 +84,7 @@ def dump_hidden_states(target, dataset, out_dir: str | Path, *, max_length: int,
             for b, (i, ids, mask) in enumerate(zip(batch_ids, rows["input_ids"], rows["loss_mask"])):
                 n = len(ids)
                 samples[i] = {"input_ids": torch.tensor(ids), "loss_mask": torch.tensor(mask),  # padding stripped
+                              "target_argmax": capture.argmax_BS[b, :n],
                               "aux_hidden": capture.aux_hidden_BSA[b, :n].to("cpu", store_dtype),
                               "last_hidden": capture.last_hidden_BSH[b, :n].to("cpu", store_dtype)}
         writer.write_shard(plan, samples)

@@ -14,6 +14,7 @@ import torch.distributed as dist
 
 from recipe.config import MemoryOptions
 from recipe.model.draft_config import Eagle3DraftConfig
+from recipe.model.target_head import lm_head_argmax
 from recipe.model.ttt import TTTModel, make_ttt_batch, target_in_draft_vocab, ttt_objective
 from recipe.parallel.parallelize import parallelize
 from recipe.parallel.cp_shard import pad_to_multiple, shard_ttt_batch
@@ -51,7 +52,7 @@ def build_case(seed: int, K: int, seq_len: int, dtype: torch.dtype = torch.float
     last = torch.randn(b, s, HT, generator=g)
     attention, loss_mask, input_ids = (pad_to_multiple(t, seq_len, dim=1) for t in (attention, loss_mask, input_ids))
     aux, last = (pad_to_multiple(t, seq_len, dim=1) for t in (aux, last))
-    in_vocab = target_in_draft_vocab(last, head_VH, t2d)
+    in_vocab = target_in_draft_vocab(lm_head_argmax(last, head_VH), t2d)
     batch = make_ttt_batch(input_ids, loss_mask, attention, aux.to(dtype), last.to(dtype), in_vocab, K)
     model = TTTModel(draft, head_VH).to(dtype)
     return model, batch

@@ -70,6 +70,7 @@ def test_capture_matches_output_hidden_states_and_logits(tiny):
     assert torch.equal(got.aux_hidden_BSA, expected_aux)
     assert torch.equal(got.last_hidden_BSH, ref.hidden_states[-1])
     assert torch.equal(tiny.logits(got.last_hidden_BSH), ref.logits)
+    assert got.argmax_BS.dtype == torch.int64 and torch.equal(got.argmax_BS, ref.logits.argmax(-1))
     assert [len(layer._forward_hooks) for layer in tiny.layers] == hooks_before  # capture's hooks are removed
 
 
@@ -136,3 +137,4 @@ def test_real_smollm2_shapes(request):
         ref = target.model(input_ids=ids).logits
     assert torch.equal(target.logits(got.last_hidden_BSH), ref)
     assert tok.decode(ref[0, -1].argmax()).strip() == "Paris"
+    assert torch.equal(got.argmax_BS, ref.argmax(-1))  # the 49152-token argmax, 1024 positions at a time

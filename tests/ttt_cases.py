@@ -6,6 +6,7 @@ import copy
 import torch
 
 from recipe.model.draft import Eagle3Draft, Eagle3DraftConfig
+from recipe.model.target_head import lm_head_argmax
 from recipe.model.ttt import TTTBatch, TTTModel, make_ttt_batch, target_in_draft_vocab
 
 V, VD, H, HT = 100, 8, 32, 24
@@ -47,7 +48,7 @@ def build_case(seed: int, K: int, seq_len: int = 13, lengths=(13, 9), dtype=torc
     input_ids = torch.randint(0, V, (b, seq_len), generator=g) * attention
     aux = torch.randn(b, seq_len, 3 * HT, generator=g)
     last = torch.randn(b, seq_len, HT, generator=g)
-    in_vocab = target_in_draft_vocab(last, head_VH, t2d, chunk_size=5)
+    in_vocab = target_in_draft_vocab(lm_head_argmax(last, head_VH, chunk_size=5), t2d)
     batch = make_ttt_batch(input_ids, loss_mask, attention, aux, last, in_vocab, K)
     return draft.to(dtype), head_VH.to(dtype), batch
 

@@ -138,7 +138,7 @@ def build_run(args: TrainArgs, device: torch.device, console: Console) -> RunPar
 
         target = TargetModel(args.target, aux_layer_ids=draft_config.aux_layer_ids,
                              dtype=torch.bfloat16 if device.type == "cuda" else torch.float32, device=device)
-    builder = BatchBuilder(examples=examples, store=store, target=target, lm_head_VH=lm_head_VH, t2d=vocab.t2d,
+    builder = BatchBuilder(examples=examples, store=store, target=target, t2d=vocab.t2d,
                            ttt_steps=args.ttt_steps, seq_divisor=dims.seq_divisor, cp_size=dims.cp,
                            cp_rank=pstate.cp_rank, device=device, dtype=dtype)
     sampler = StepSampler(len(builder), plan.global_batch, args.seed)
