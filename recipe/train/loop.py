@@ -28,6 +28,7 @@ from recipe.model.ttt import step_weights, ttt_objective
 from recipe.parallel.parallelize import gather_full_state
 from recipe.train import checkpoint
 from recipe.train.metrics import MetricsLog, TrainProgress
+from recipe.train.oom import StepOutOfMemory, out_of_memory_message
 from recipe.train.sampler import rank_micro_batches
 from recipe.train.setup import RunParts
 from recipe.train.signals import EXIT_INTERRUPTED, StopRequest
@@ -61,6 +62,7 @@ class Trainer:
         self.rank0 = dist.get_rank() == 0
         self.step = 0
         self.skipped_steps: list[int] = []
+        self.batch_shape: tuple[int, int] | None = None
         self._check_settings()
         if parts.resume_from is not None:
             # compare first: DeepSpeed fails deep inside on a checkpoint of another layout
@@ -140,7 +142,10 @@ class Trainer:
         indices = parts.sampler.step_indices(self.step)
         micro = rank_micro_batches(indices, parts.plan.micro_batch, parts.plan.grad_accum, parts.dims.dp,
                                    self.pstate.dp_rank)
+        self.batch_shape = None  # (samples, padded tokens) of this rank's micro-batch, for an out-of-memory report
         batches = [parts.builder.build(ix) for ix in micro]
+        self.batch_shape = (max(b.samples for b in batches),  # each cp rank holds 1/cp of the padded sequence
+                            max(b.ttt.input_ids_KBS.shape[-1] for b in batches) * parts.dims.cp)
         local_valid = torch.stack([b.ttt.valid_KBS.sum(dim=(1, 2)) for b in batches]).sum(0).double()
         comm = self.pstate.comm
         n_valid = comm.sum(local_valid, self.pstate.dp_cp_group)
@@ -203,7 +208,13 @@ class Trainer:
                 while self.step < parts.total_steps:
                     lr = self.lr()
                     t0 = time.perf_counter()
-                    record = self.train_step()
+                    try:
+                        record = self.train_step()
+                    except torch.OutOfMemoryError as exc:
+                        raise StepOutOfMemory(out_of_memory_message(
+                            exc, step=self.step + 1, rank=dist.get_rank(), device=self.pstate.device,
+                            shape=self.batch_shape, memory=parts.memory, cp_size=parts.dims.cp,
+                            max_length=args.max_length)) from None
                     self.step += 1
                     record = {"step": self.step, "epoch": epoch, **record, "lr": lr,
                               "time_s": round(time.perf_counter() - t0, 4)}

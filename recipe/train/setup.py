@@ -43,6 +43,7 @@ class RunParts:
     data_fingerprint: str
     dtype: torch.dtype
     resume_from: Path | None
+    memory: MemoryOptions
 
 
 def rank0_first(fn, comm):
@@ -149,7 +150,7 @@ def build_run(args: TrainArgs, device: torch.device, console: Console) -> RunPar
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=params, config=ds_cfg, mpu=pstate.mpu())
     return RunParts(dims=dims, pstate=pstate, plan=plan, ds_config=ds_cfg, draft_config=draft_config, vocab=vocab,
                     builder=builder, sampler=sampler, total_steps=total_steps, engine=engine,
-                    data_fingerprint=fingerprint, dtype=dtype, resume_from=resume_from)
+                    data_fingerprint=fingerprint, dtype=dtype, resume_from=resume_from, memory=memory)
 
 
 def write_resolved_config(args: TrainArgs, parts: RunParts) -> None:
