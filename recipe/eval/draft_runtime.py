@@ -27,17 +27,19 @@ from recipe.model.draft_config import Eagle3DraftConfig
 
 
 def load_draft_export(path: str | Path, embed_VH: torch.Tensor, device: str | torch.device = "cpu",
-                      dtype: torch.dtype = torch.float32) -> Eagle3Draft:
+                      dtype: torch.dtype | None = None) -> Eagle3Draft:
     """Build an ``Eagle3Draft`` from an export folder (``config.json`` + ``model.safetensors``, GUIDE §4).
 
     ``embed_VH`` [V, H_t] is the target's input embedding (the export has none). Returns the draft in eval mode on
-    ``device`` in ``dtype``. Raises ValueError naming the folder and every problem when the export does not load
-    (missing/unreadable files, wrong keys/shapes/dtypes, d2t/t2d disagreeing) or the embedding shape does not fit.
+    ``device`` in ``dtype`` (None: the export's own, that of its ``fc.weight``; a bf16 training run exports bf16).
+    Raises ValueError naming the folder and every problem when the export does not load (missing/unreadable files,
+    wrong keys/shapes/dtypes, d2t/t2d disagreeing) or the embedding shape does not fit.
     """
     tensors, cfg = load_export(Path(path))
     problems = check_tensors(tensors, cfg)
     if problems:
         raise ValueError(f"{path}: not a loadable EAGLE-3 export:\n  " + "\n  ".join(problems))
+    dtype = tensors["fc.weight"].dtype if dtype is None else dtype
     config = Eagle3DraftConfig.from_hf_dict(cfg)
     draft = Eagle3Draft(config, seed=0)
     try:
