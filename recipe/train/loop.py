@@ -262,4 +262,5 @@ def plan_summary(parts: RunParts) -> str:
     return (f"layout dp={d.dp} cp={d.cp} tp={d.tp} (world {d.world_size}); ZeRO stage "
             f"{parts.engine.zero_optimization_stage()}; global batch {p.global_batch} = micro {p.micro_batch} × "
             f"accum {p.grad_accum} × dp {p.dp}; {parts.total_steps} steps over {len(parts.builder)} samples; "
-            f"dtype {str(parts.dtype).removeprefix('torch.')}; batch {asdict(p)}")
+            f"dtype {str(parts.dtype).removeprefix('torch.')}; batch {asdict(p)}; collectives {dist.get_backend()} on "
+            f"{parts.pstate.device}")
