@@ -6,9 +6,11 @@
 `python run.py --help` lists every flag; README.md has the launcher recipes (CPU, several machines).
 
 Exit codes: 0 finished; 2 bad input or configuration (``error (rank N): ...`` names the file, line or field, no
-traceback; argparse errors also exit 2); 75 (``recipe.train.signals.EXIT_INTERRUPTED``) interrupted by SIGTERM/SIGINT
-after a checkpoint of the last completed step was saved (continue with ``--resume``); 128+signum when a second
-signal forced an immediate exit. ``RECIPE_DEBUG=1`` re-raises errors with their traceback.
+traceback; argparse errors also exit 2), or a step out of accelerator memory (the message names the step, the
+length, the rank's memory and the switches to try, ``recipe.train.oom``); 75
+(``recipe.train.signals.EXIT_INTERRUPTED``) interrupted by SIGTERM/SIGINT after a checkpoint of the last completed
+step was saved (continue with ``--resume``); 128+signum when a second signal forced an immediate exit.
+``RECIPE_DEBUG=1`` re-raises errors with their traceback.
 """
 from __future__ import annotations
 
@@ -39,6 +41,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from recipe.train.checkpoint import CheckpointError
     from recipe.train.distributed import init_distributed, release_shm_buffer
+    from recipe.train.oom import StepOutOfMemory
 
     console = Console(stderr=True)
     device, owns_group = init_distributed()
@@ -52,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
         if dist.get_rank() == 0:
             console.print(plan_summary(parts))
         return Trainer(TrainSettings.from_args(args), parts, console).train()
-    except (ValueError, KeyError, OSError, CheckpointError) as exc:
+    except (ValueError, KeyError, OSError, CheckpointError, StepOutOfMemory) as exc:
         if os.environ.get("RECIPE_DEBUG"):
             raise
         message = exc.args[0] if isinstance(exc, KeyError) and exc.args else exc

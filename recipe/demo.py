@@ -64,7 +64,9 @@ def _run(cmd: list[str], env: dict, console: Console, what: str) -> None:
         raise RuntimeError(f"{what} failed with exit code {rc}: {' '.join(cmd)}")
 
 
-def _env(threads: int) -> dict:
+def subprocess_env(threads: int) -> dict:
+    """The environment for the recipe's command lines run as subprocesses: this one, offline Hugging Face, ``threads``
+    OpenMP threads, the repository on ``PYTHONPATH`` (also used by ``scripts/gpu_check.py``)."""
     env = dict(os.environ, OMP_NUM_THREADS=str(threads), HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1",
                TOKENIZERS_PARALLELISM="false")
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
@@ -90,7 +92,7 @@ def stage_dump(args, assets, store: Path, console: Console) -> None:
     _run([sys.executable, "-m", "recipe.dump", "--target", str(assets.target), "--data", str(assets.conversations),
           "--output", str(store), "--limit", str(args.conversations), "--max-length", str(args.max_length),
           "--dtype", "bf16", "--batch-size", "8", "--cache-dir", str(args.output / "cache")],
-         _env(threads), console, "hidden-state dump")
+         subprocess_env(threads), console, "hidden-state dump")
 
 
 def _ds_config(args) -> Path:
@@ -125,7 +127,7 @@ def stage_train(args, assets, store: Path, console: Console) -> None:
         argv += ["--max-steps", str(args.max_steps)]
     if (args.output / "checkpoints" / "latest").is_file():
         argv.append("--resume")
-    env = _env(1)
+    env = subprocess_env(1)
     if not gpus:
         env["DS_ACCELERATOR"] = "cpu"
     _run(launch + argv, env, console, "training")

@@ -26,6 +26,7 @@ from rich.table import Table
 from recipe.config import add_data_arguments, check_data_arguments, int_list
 from recipe.data.store import DTYPES, HiddenStateStore, StoreMeta, examples_hash
 from recipe.data.store_writer import StoreWriter, shard_plan
+from recipe.parallel.collectives import Collectives
 
 
 @dataclass
@@ -54,9 +55,10 @@ def _pad_batch(rows: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
 
 def dump_hidden_states(target, dataset, out_dir: str | Path, *, max_length: int, dtype: str = "bf16",
                        batch_size: int = 8, shard_size: int = 64, rank: int = 0, world_size: int = 1,
-                       group=None, data_hash: str | None = None) -> DumpStats:
+                       comm=None, group=None, data_hash: str | None = None) -> DumpStats:
     """Run ``target`` (a ``TargetModel``) over ``dataset`` (columns ``input_ids``, ``loss_mask``) and write this
-    rank's shards of the store at ``out_dir``, then (rank 0, after a barrier) the merged index.
+    rank's shards of the store at ``out_dir``, then (rank 0, after a barrier over ``group`` through ``comm``, a
+    ``recipe.parallel.collectives.Collectives``; needed when world_size > 1) the merged index.
 
     Samples of a shard are sorted by length and batched ``batch_size`` at a time, right-padded; padding rows are
     stripped before storing. A shard is held in CPU memory until written: about
@@ -85,13 +87,14 @@ def dump_hidden_states(target, dataset, out_dir: str | Path, *, max_length: int,
             for b, (i, ids, mask) in enumerate(zip(batch_ids, rows["input_ids"], rows["loss_mask"])):
                 n = len(ids)
                 samples[i] = {"input_ids": torch.tensor(ids), "loss_mask": torch.tensor(mask),  # padding stripped
+                              "target_argmax": capture.argmax_BS[b, :n],
                               "aux_hidden": capture.aux_hidden_BSA[b, :n].to("cpu", store_dtype),
                               "last_hidden": capture.last_hidden_BSH[b, :n].to("cpu", store_dtype)}
         writer.write_shard(plan, samples)
         stats.shards_written += 1
         stats.samples_written += len(samples)
         stats.tokens_written += sum(lengths[i] for i in plan.sample_ids)
-    stats.index_path = writer.finalize(group)
+    stats.index_path = writer.finalize(comm, group)
     stats.seconds = time.perf_counter() - start
     return stats
 
@@ -141,10 +144,12 @@ def main(argv=None) -> None:
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     local_rank = int(os.environ.get("LOCAL_RANK", args.local_rank or 0))
     device = torch.device(f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu")
+    comm = None
     if world > 1:
         if device.type == "cuda":
             torch.cuda.set_device(device)
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+        comm = Collectives(device)
     console = Console()
     try:
         from recipe.data.examples import build_examples
@@ -158,15 +163,15 @@ def main(argv=None) -> None:
                                   weights=args.data_weights, seed=args.seed)
 
         if world > 1 and rank != 0:
-            dist.barrier()  # rank 0 builds (and caches) the examples first
+            comm.barrier()  # rank 0 builds (and caches) the examples first
         dataset, report = build()
         if world > 1 and rank == 0:
-            dist.barrier()
+            comm.barrier()
         if rank == 0:
             console.print(report.table())
         stats = dump_hidden_states(target, dataset, args.output, max_length=args.max_length, dtype=args.dtype,
                                    batch_size=args.batch_size, shard_size=args.shard_size, rank=rank,
-                                   world_size=world)
+                                   world_size=world, comm=comm)
         if rank == 0:
             console.print(summary_table(HiddenStateStore(args.output), dataset, stats))
     finally:

@@ -37,6 +37,11 @@ def _corrupt_header(folder):
     shard.write_bytes(bytes(data))
 
 
+def _version_1(folder):
+    index = json.loads((folder / "index.json").read_text())
+    (folder / "index.json").write_text(json.dumps({**index, "version": 1}))
+
+
 def _shard_count(folder):
     index = json.loads((folder / "index.json").read_text())
     index["num_shards"] += 1
@@ -118,6 +123,14 @@ def cases(tiny_target_and_store, other_tiny_target, assets, tmp_path_factory):
                                 ["shard-r000-00000.safetensors", "unreadable safetensors file"]),
         "store_shard_count": (Job(offline("o14", store=_store_variant(store, tmp / "s_count", _shard_count))),
                               ["s_count", "expected num_shards="]),
+        "store_version_1": (Job(offline("o15", store=_store_variant(store, tmp / "s_v1", _version_1))),
+                            ["s_v1/index.json", "store version 1 has no 'target_argmax'", "python -m recipe.dump"]),
+        "cuda_out_of_memory": (Job(offline("m1", "--max-steps", "3"), oom_at_step=2),
+                               ["out of memory at step 2 on a micro-batch of 2 sample(s) padded to 20 tokens on rank 0",
+                                "cpu: no allocator statistics", '"loss_chunk_size": 4096', "checkpoint_ttt_steps",
+                                'a smaller "memory.attention_tile_size" (now 1024)', "a larger cp_size (now 1",
+                                "--max-length (now 2048)",
+                                "Tried to allocate 20.00 GiB (injected)"]),
         "data_malformed_jsonl": (Job(online_argv("d1", data["malformed"])),
                                  ["malformed.jsonl", "no usable conversation", "invalid_json", "rows 1, 2"]),
         "data_empty": (Job(online_argv("d2", data["empty"])), ["empty.jsonl", "empty"]),
@@ -150,7 +163,8 @@ def cases(tiny_target_and_store, other_tiny_target, assets, tmp_path_factory):
 SINGLE = ["ds_config_missing", "ds_config_invalid_json", "unknown_parallelism_key", "unknown_draft_override",
           "zero_batch", "tp_not_dividing_world", "resume_nothing", "output_not_writable", "target_missing_offline",
           "target_missing_online", "store_other_target", "store_other_layers", "store_missing_index",
-          "store_truncated_shard", "store_corrupt_shard", "store_shard_count", "data_malformed_jsonl", "data_empty",
+          "store_truncated_shard", "store_corrupt_shard", "store_shard_count", "store_version_1", "cuda_out_of_memory",
+          "data_malformed_jsonl", "data_empty",
           "data_schema", "data_non_utf8", "data_no_assistant", "data_all_too_long", "data_extension",
           "target_no_chat_template", "nonfinite_loss", "skip_nonfinite_needs_accum_1", "disk_full"]
 

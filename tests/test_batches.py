@@ -7,9 +7,8 @@ import dataclasses
 import pytest
 import torch
 
-from recipe.data.store import HiddenStateStore
+from recipe.data.store import FIELDS, HiddenStateStore
 from recipe.data.vocab import VocabMap
-from recipe.model.target_head import load_embedding_and_head
 from recipe.parallel.cp_shard import shard_ttt_batch
 from recipe.train.batches import BatchBuilder
 
@@ -21,7 +20,7 @@ class CountingStore(HiddenStateStore):
         super().__init__(path)
         self.reads: list[tuple[str, int]] = []
 
-    def get(self, i, rows=None, fields=("input_ids", "loss_mask", "aux_hidden", "last_hidden")):
+    def get(self, i, rows=None, fields=FIELDS):
         out = super().get(i, rows=rows, fields=fields)
         self.reads += [(f, out[f].shape[0]) for f in fields]
         return out
@@ -29,13 +28,12 @@ class CountingStore(HiddenStateStore):
 
 @pytest.mark.parametrize("cp", [2, 4])
 def test_cp_rank_reads_only_its_rows_and_equals_the_shard(tiny_target_and_store, cp):
-    target, store_dir = tiny_target_and_store
-    _, lm_head, _ = load_embedding_and_head(target)
+    _, store_dir = tiny_target_and_store
     vocab = VocabMap.from_draft_ids(torch.arange(0, 96, 2), 96)
     K, divisor = 3, 2 * cp
 
     def builder(store, cp_size, cp_rank):
-        return BatchBuilder(store=store, lm_head_VH=lm_head, t2d=vocab.t2d, ttt_steps=K, seq_divisor=divisor,
+        return BatchBuilder(store=store, t2d=vocab.t2d, ttt_steps=K, seq_divisor=divisor,
                             cp_size=cp_size, cp_rank=cp_rank)
 
     full = builder(HiddenStateStore(store_dir), 1, 0).build([0, 3, 5]).ttt

@@ -111,13 +111,37 @@ def test_real_cpu_measurement_chunked_loss_cuts_the_step_peak(tmp_path):
     assert report["chunked_vs_full"]["step_ratio"] > 1.5  # 2.1 measured; attention and grads are shared
 
 
-def test_gpu_check_smoke_writes_json(tmp_path):
+def _gpu_check():
     spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "scripts" / "gpu_check.py")
     gpu_check = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(gpu_check)
-    assert gpu_check.main(["--smoke", "--out", str(tmp_path), "--layouts", "full,chunked+ckpt", "--steps", "1"]) == 0
-    report = json.loads((tmp_path / "gpu_check.json").read_text())
+    return gpu_check
+
+
+def test_gpu_check_smoke_table_writes_json(tmp_path):
+    assert _gpu_check().main(["--smoke", "--parts", "table", "--out", str(tmp_path), "--layouts", "full,chunked+ckpt",
+                              "--steps", "1"]) == 0
+    report = json.loads((tmp_path / "gpu_check.json").read_text())["table"]
     assert [(r["layout"], r["length"], r["status"]) for r in report["results"]] == [
         ("full", 64, "ok"), ("full", 128, "ok"), ("chunked+ckpt", 64, "ok"), ("chunked+ckpt", 128, "ok")]
     assert report["config"]["dtype"] == "bf16" and report["config"]["ttt_steps"] == 2
     assert all(r["tokens_per_s"] > 0 and r["peak_bytes"] > 0 for r in report["results"])
+
+
+@pytest.mark.slow
+def test_gpu_check_smoke_runs_the_recipe_end_to_end(tmp_path):
+    """The GPU script's e2e part on the CPU: random-weight SmolLM2-shaped target, online and offline ZeRO-3 bf16 runs
+    through run.py (gloo), both exports checked, recipe.eval of the bf16 draft."""
+    out = tmp_path / "out"
+    assert _gpu_check().main(["--smoke", "--out", str(out), "--work", str(tmp_path / "work"), "--layouts",
+                              "chunked+ckpt", "--steps", "1"]) == 0
+    report = json.loads((out / "gpu_check.json").read_text())
+    stages = {s["stage"]: s for s in report["e2e"]}
+    assert list(stages) == ["online", "dump", "offline", "check_online_export", "check_offline_export", "eval"]
+    assert all(s["rc"] == 0 for s in stages.values()), report["e2e"]
+    for name in ("online", "offline"):
+        assert stages[name]["steps"] == 3 and stages[name]["export"] and stages[name]["backend"] == "gloo on cpu"
+        assert stages[name]["loss_last"] > 0
+    assert list(stages["eval"]["draft_dtypes"].values()) == ["bfloat16"] and stages["eval"]["tau"] >= 1.0
+    assert [r["status"] for r in report["table"]["results"]] == ["ok", "ok"]
+    assert "===== offline" in (out / "gpu_check.log").read_text()

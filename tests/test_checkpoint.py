@@ -73,11 +73,13 @@ def test_rng_state_round_trip():
 
 
 def _agree_worker(rank, world_size):
-    outcomes = []
-    ckpt._agree(None, "saving x", "step-1")  # nobody failed: no error
+    from recipe.parallel.collectives import Collectives
+
+    comm, outcomes = Collectives("cpu"), []
+    ckpt._agree(comm, None, "saving x", "step-1")  # nobody failed: no error
     for error in ("disk full (f)" if rank == 1 else None, None):
         try:
-            ckpt._agree(error if error else ("boom" if rank == 0 else None), "saving checkpoint X", None)
+            ckpt._agree(comm, error if error else ("boom" if rank == 0 else None), "saving checkpoint X", None)
         except ckpt.CheckpointError as exc:
             outcomes.append(str(exc))
     return outcomes

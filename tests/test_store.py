@@ -12,6 +12,7 @@ from recipe.data.store import HiddenStateStore, StoreError, StoreMeta, write_jso
 from recipe.data.store_writer import ShardPlan, StoreWriter, shard_plan
 from recipe.dump import dump_hidden_states
 from recipe.model.target import TargetModel
+from recipe.parallel.collectives import Collectives
 
 H = 32
 LENGTHS = [5, 12, 3, 9, 9, 7, 11, 4, 6, 10]
@@ -66,7 +67,8 @@ def test_writer_round_trip_exact(tmp_path):
     meta = StoreMeta("t", "f" * 16, H, [1, 3, 4], "bf16", 16, "d" * 16, 2)
     torch.manual_seed(0)
     samples = {i: {"input_ids": torch.randint(0, 96, (n,)), "loss_mask": torch.randint(0, 2, (n,)),
-                   "aux_hidden": torch.randn(n, 3 * H), "last_hidden": torch.randn(n, H)} for i, n in [(0, 4), (1, 6)]}
+                   "target_argmax": torch.randint(0, 96, (n,)), "aux_hidden": torch.randn(n, 3 * H),
+                   "last_hidden": torch.randn(n, H)} for i, n in [(0, 4), (1, 6)]}
     writer = StoreWriter(tmp_path, meta)
     writer.write_shard(ShardPlan(0, (1, 0)), samples)
     writer.finalize()
@@ -76,6 +78,8 @@ def test_writer_round_trip_exact(tmp_path):
         got = store.get(i)
         assert torch.equal(got["input_ids"], samples[i]["input_ids"]) and got["input_ids"].dtype == torch.int64
         assert torch.equal(got["loss_mask"], samples[i]["loss_mask"])
+        assert torch.equal(got["target_argmax"], samples[i]["target_argmax"])
+        assert got["target_argmax"].dtype == torch.int64
         assert got["aux_hidden"].dtype == torch.bfloat16
         assert torch.equal(got["aux_hidden"], samples[i]["aux_hidden"].to(torch.bfloat16))
         assert torch.equal(got["last_hidden"], samples[i]["last_hidden"].to(torch.bfloat16))
@@ -83,7 +87,7 @@ def test_writer_round_trip_exact(tmp_path):
     assert [f.name for f in files] == ["shard-r000-00000.safetensors"]
     assert store.total_bytes == files[0].stat().st_size
     assert store.bytes_per_token == pytest.approx(store.total_bytes / 10)
-    assert store.bytes_per_token > 4 + 1 + 4 * H * 2  # int32 id + uint8 mask + 4·H bf16, plus header
+    assert store.bytes_per_token > 4 + 1 + 4 + 4 * H * 2  # int32 id + uint8 mask + int32 argmax + 4·H bf16, header
     with pytest.raises(StoreError, match=r"aux_hidden has shape \(4, 96\), expected \(4, 64\)"):
         StoreWriter(tmp_path / "other", StoreMeta("t", "f", H, [1, 3], "bf16", 16, "d", 1)).write_shard(
             ShardPlan(0, (0,)), samples)
@@ -102,6 +106,10 @@ def test_dump_matches_target_and_bf16_is_cast_of_fp32(target, dataset, tmp_path)
         assert got["loss_mask"].tolist() == dataset[i]["loss_mask"]
         torch.testing.assert_close(got["aux_hidden"], ref.aux_hidden_BSA[0], rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(got["last_hidden"], ref.last_hidden_BSH[0], rtol=1e-5, atol=1e-6)
+        # the target's own greedy token (full CausalLM forward), computed at dump time
+        logits = target.model(torch.tensor([dataset[i]["input_ids"]])).logits[0]
+        assert torch.equal(got["target_argmax"], logits.argmax(-1))
+        assert torch.equal(bf16.get(i)["target_argmax"], got["target_argmax"])
         low = bf16.get(i)  # same batches in both dumps, so bf16 is exactly the cast of fp32
         assert torch.equal(low["aux_hidden"], got["aux_hidden"].to(torch.bfloat16))
         assert torch.equal(low["last_hidden"], got["last_hidden"].to(torch.bfloat16))
@@ -161,7 +169,8 @@ def test_resume_with_other_settings_refused(target, dataset, tmp_path):
 
 def _dump_rank(rank, world_size, tiny_target, lengths, out):
     target = TargetModel(tiny_target, device="cpu")
-    stats = dump(target, make_dataset(lengths), out, rank=rank, world_size=world_size, dtype="fp32")
+    stats = dump(target, make_dataset(lengths), out, rank=rank, world_size=world_size, dtype="fp32",
+                 comm=Collectives("cpu"))
     return stats.samples_written, None if stats.index_path is None else str(stats.index_path)
 
 
@@ -181,6 +190,7 @@ def test_two_rank_dump_merges_one_index(tiny_target, target, dataset, tmp_path):
     for i in range(10):
         a, b = store.get(i), one.get(i)
         assert torch.equal(a["input_ids"], b["input_ids"]) and torch.equal(a["loss_mask"], b["loss_mask"])
+        assert torch.equal(a["target_argmax"], b["target_argmax"])
         torch.testing.assert_close(a["aux_hidden"], b["aux_hidden"], rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(a["last_hidden"], b["last_hidden"], rtol=1e-5, atol=1e-6)
 
@@ -272,3 +282,19 @@ def test_store_refuses_other_format(tmp_path):
     (tmp_path / "index.json").write_text(json.dumps({"format": "other", "version": 1}))
     with pytest.raises(StoreError, match="format 'other' version 1, expected 'eagle3-hidden-store'"):
         HiddenStateStore(tmp_path)
+
+
+def test_version_1_store_is_refused_naming_it_and_the_redump(store_dir):
+    index = json.loads((store_dir / "index.json").read_text())
+    write_json_atomic(store_dir / "index.json", {**index, "version": 1})
+    with pytest.raises(StoreError) as err:
+        HiddenStateStore(store_dir)
+    message = str(err.value)
+    assert f"{store_dir / 'index.json'}: store version 1 has no 'target_argmax'" in message
+    assert f"python -m recipe.dump --target {index['meta']['target_path']}" in message
+
+
+def test_multi_rank_finalize_needs_comm(tmp_path):
+    writer = StoreWriter(tmp_path, StoreMeta("t", "f" * 16, H, [1, 3, 4], "bf16", 16, "d" * 16, 2), world_size=2)
+    with pytest.raises(ValueError, match="world_size=2 needs comm"):
+        writer.finalize()

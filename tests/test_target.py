@@ -66,6 +66,7 @@ def test_capture_matches_output_hidden_states_and_logits(tiny):
     assert torch.equal(got.last_hidden_BSH, ref.hidden_states[-1])
     assert torch.equal(target_logits(got.last_hidden_BSH, tiny.lm_head_weight, final_logit_softcap(tiny.config)),
                        ref.logits)
+    assert got.argmax_BS.dtype == torch.int64 and torch.equal(got.argmax_BS, ref.logits.argmax(-1))
     assert [len(layer._forward_hooks) for layer in tiny.layers] == hooks_before  # capture's hooks are removed
 
 
@@ -133,6 +134,7 @@ def test_real_smollm2_shapes(request):
     assert torch.equal(target_logits(got.last_hidden_BSH, target.lm_head_weight, final_logit_softcap(target.config)),
                        ref)
     assert tok.decode(ref[0, -1].argmax()).strip() == "Paris"
+    assert torch.equal(got.argmax_BS, ref.argmax(-1))  # the 49152-token argmax, 1024 positions at a time
 
 
 def test_teacher_logits_are_the_soft_capped_target_output_on_the_draft_vocab(tmp_path):

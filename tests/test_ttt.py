@@ -12,6 +12,7 @@ from helpers import cases
 from kernels.block_attention import block_attention
 from recipe.model.draft import Eagle3Draft
 from recipe.model.loss import soft_ce
+from recipe.model.target_head import lm_head_argmax
 from recipe.model.ttt import TTTBatch, TTTModel, make_ttt_batch, target_in_draft_vocab, ttt_objective
 
 S = 13
@@ -206,16 +207,24 @@ def test_valid_mask_follows_the_convention_elementwise():
     assert torch.equal(batch.valid_KBS, expected) and expected.any()
 
 
-def test_target_in_draft_vocab_chunked_equals_unchunked():
+def test_lm_head_argmax_chunked_equals_unchunked_and_in_vocab_is_its_lookup():
     g = torch.Generator().manual_seed(2)
     last, head = torch.randn(3, 10, 16, generator=g), torch.randn(50, 16, generator=g)
     t2d = torch.rand(50, generator=g) < 0.5
-    direct = t2d[(last @ head.T).argmax(-1)]
+    argmax = (last @ head.T).argmax(-1)
     for chunk in (1, 3, 7, 30, 1000):
-        assert torch.equal(target_in_draft_vocab(last, head, t2d, chunk_size=chunk), direct)
+        got = lm_head_argmax(last, head, chunk_size=chunk)
+        assert got.dtype == torch.int64 and torch.equal(got, argmax)
+    assert torch.equal(lm_head_argmax(last.double(), head.to(torch.bfloat16)),  # in the head's dtype
+                       (last.to(torch.bfloat16) @ head.to(torch.bfloat16).T).argmax(-1))
+    direct = t2d[argmax]
+    assert torch.equal(target_in_draft_vocab(argmax, t2d), direct)
+    assert torch.equal(target_in_draft_vocab(argmax.to(torch.int32), t2d), direct)  # the store's int32 ids
     assert direct.any() and not direct.all()
     with pytest.raises(ValueError, match="chunk_size"):
-        target_in_draft_vocab(last, head, t2d, chunk_size=0)
+        lm_head_argmax(last, head, chunk_size=0)
+    with pytest.raises(ValueError, match="does not fit lm_head"):
+        lm_head_argmax(last[..., :8], head)
 
 
 def test_soft_ce_matches_direct_formula_and_ignores_invalid_positions():

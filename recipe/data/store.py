@@ -7,9 +7,15 @@ Layout of a store folder::
     shard-r{rank:03d}-{n:05d}.safetensors   many samples each; keys "{sample_id}.{field}"
     progress-r{rank:03d}.json               each rank's finished shards (lets a re-run resume)
 
-Per sample ``i`` of length ``S``: ``input_ids`` [S] int32, ``loss_mask`` [S] uint8, ``aux_hidden`` [S, 3·H_t] and
-``last_hidden`` [S, H_t] in the store dtype (bf16 by default, or fp32). The writer lives in
-``recipe.data.store_writer``; this module holds the format and the reader.
+Per sample ``i`` of length ``S``: ``input_ids`` [S] int32, ``loss_mask`` [S] uint8, ``target_argmax`` [S] int32 (the
+target's greedy token at each position, argmax of its logits over the full vocabulary, computed at dump time on the
+target's device so training only looks it up in the vocabulary map), ``aux_hidden`` [S, 3·H_t] and ``last_hidden``
+[S, H_t] in the store dtype (bf16 by default, or fp32). The writer lives in ``recipe.data.store_writer``; this module
+holds the format and the reader.
+
+Version 2 added ``target_argmax``. A version-1 store is refused with a message naming it and the command to re-dump
+(there is no fallback: recomputing the argmax from the stored bf16 ``last_hidden`` would be the full-vocabulary
+matmul per step that the field exists to avoid, and would not equal the target's own argmax).
 """
 from __future__ import annotations
 
@@ -24,9 +30,9 @@ import torch
 from safetensors import safe_open
 
 FORMAT = "eagle3-hidden-store"
-VERSION = 1
+VERSION = 2
 INDEX_NAME = "index.json"
-FIELDS = ("input_ids", "loss_mask", "aux_hidden", "last_hidden")
+FIELDS = ("input_ids", "loss_mask", "target_argmax", "aux_hidden", "last_hidden")
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 _SAFETENSORS_DTYPE = {"bf16": "BF16", "fp32": "F32"}
 
@@ -106,7 +112,7 @@ def examples_hash(dataset) -> str:
 def expected_shapes(meta: StoreMeta, length: int) -> dict[str, tuple[list[int], str]]:
     """Field → (shape, safetensors dtype name) of one sample of ``length`` tokens."""
     hidden = _SAFETENSORS_DTYPE[meta.dtype]
-    return {"input_ids": ([length], "I32"), "loss_mask": ([length], "U8"),
+    return {"input_ids": ([length], "I32"), "loss_mask": ([length], "U8"), "target_argmax": ([length], "I32"),
             "aux_hidden": ([length, meta.aux_width], hidden), "last_hidden": ([length, meta.hidden_size], hidden)}
 
 
@@ -137,6 +143,11 @@ class HiddenStateStore:
             self.index = json.loads(index_path.read_text())
         except json.JSONDecodeError as err:
             raise StoreError(f"{index_path}: not valid JSON ({err})") from err
+        if self.index.get("format") == FORMAT and self.index.get("version") == 1:
+            raise StoreError(f"{index_path}: store version 1 has no 'target_argmax' field (version {VERSION} stores "
+                             "the target's greedy token per position); re-dump it into a new folder: python -m "
+                             f"recipe.dump --target {self.index.get('meta', {}).get('target_path', 'TARGET')} "
+                             "--data CONVERSATIONS --output NEW_STORE")
         if self.index.get("format") != FORMAT or self.index.get("version") != VERSION:
             raise StoreError(f"{index_path}: format {self.index.get('format')!r} version {self.index.get('version')!r}"
                              f", expected {FORMAT!r} version {VERSION}")
@@ -195,9 +206,9 @@ class HiddenStateStore:
 
     def get(self, i: int, rows: slice | torch.Tensor | list[int] | None = None,
             fields: tuple[str, ...] = FIELDS) -> dict[str, torch.Tensor]:
-        """Sample ``i`` of this view: ``input_ids`` [R] int64, ``loss_mask`` [R] int64 (0/1), ``aux_hidden`` [R, A]
-        and ``last_hidden`` [R, H_t] in the store dtype, where R is the full length or the positions ``rows``
-        selects; only the ``fields`` asked for are read.
+        """Sample ``i`` of this view: ``input_ids`` [R] int64, ``loss_mask`` [R] int64 (0/1), ``target_argmax`` [R]
+        int64, ``aux_hidden`` [R, A] and ``last_hidden`` [R, H_t] in the store dtype, where R is the full length or
+        the positions ``rows`` selects; only the ``fields`` asked for are read.
 
         ``rows`` (a slice with step 1, or an index tensor/list) is read with ``get_slice``, one read per contiguous
         run, so a context-parallel rank reads only its chunks from disk. Raises IndexError for an unknown index,
@@ -228,7 +239,7 @@ class HiddenStateStore:
             else:
                 part = f.get_slice(key)
                 t = torch.cat([part[r] for r in runs]) if len(runs) > 1 else part[runs[0]]
-            out[field] = t.long() if field in ("input_ids", "loss_mask") else t
+            out[field] = t.long() if field in ("input_ids", "loss_mask", "target_argmax") else t
         return out
 
     def check_compatible(self, target, aux_layer_ids=None) -> None:
@@ -259,7 +270,7 @@ class HiddenStateStore:
 
         Shallow: every sample id 0..N-1 appears exactly once, the shard count matches, each shard file exists with
         the indexed byte size, and its header lists exactly the expected keys with the expected shapes and dtypes.
-        ``deep=True`` also reads every tensor: hidden states finite, loss mask in {0, 1}, input ids >= 0.
+        ``deep=True`` also reads every tensor: hidden states finite, loss mask in {0, 1}, token ids >= 0.
         """
         problems = []
         if self.index.get("num_shards") != len(self.shards):
@@ -308,6 +319,6 @@ def _check_values(key: str, field: str, t: torch.Tensor) -> list[str]:
         return [f"key {key} has non-finite values"]
     if field == "loss_mask" and t.numel() and int(t.max()) > 1:
         return [f"key {key} has loss-mask values outside {{0, 1}}"]
-    if field == "input_ids" and t.numel() and int(t.min()) < 0:
+    if field in ("input_ids", "target_argmax") and t.numel() and int(t.min()) < 0:
         return [f"key {key} has negative token ids"]
     return []

@@ -13,7 +13,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 from safetensors.torch import save_file
 
 from recipe.data.store import (DTYPES, FORMAT, INDEX_NAME, VERSION, StoreError, StoreMeta, progress_name,
@@ -75,8 +74,9 @@ class StoreWriter:
     def write_shard(self, plan: ShardPlan, samples: dict[int, dict[str, torch.Tensor]]) -> dict:
         """Write shard ``plan.n`` holding ``samples[i]`` for each ``i`` in ``plan.sample_ids``; record it as finished.
 
-        Each sample: ``input_ids`` [S] int, ``loss_mask`` [S] 0/1, ``aux_hidden`` [S, A], ``last_hidden`` [S, H_t]
-        (any float dtype; cast to the store dtype). Raises StoreError for a missing sample or a wrong shape.
+        Each sample: ``input_ids`` [S] int, ``loss_mask`` [S] 0/1, ``target_argmax`` [S] int (the target's greedy
+        token per position), ``aux_hidden`` [S, A], ``last_hidden`` [S, H_t] (any float dtype; cast to the store
+        dtype). Raises StoreError for a missing sample or a wrong shape.
         Returns the shard's index entry: file, sample_ids, lengths, bytes.
         """
         dtype = DTYPES[self.meta.dtype]
@@ -90,10 +90,12 @@ class StoreWriter:
             for field, shape in want.items():
                 if tuple(s[field].shape) != shape:
                     raise StoreError(f"sample {i}: {field} has shape {tuple(s[field].shape)}, expected {shape}")
-            if tuple(s["loss_mask"].shape) != (length,):
-                raise StoreError(f"sample {i}: loss_mask has shape {tuple(s['loss_mask'].shape)}, expected {(length,)}")
+            for field in ("loss_mask", "target_argmax"):
+                if tuple(s[field].shape) != (length,):
+                    raise StoreError(f"sample {i}: {field} has shape {tuple(s[field].shape)}, expected {(length,)}")
             tensors[f"{i}.input_ids"] = s["input_ids"].to("cpu", torch.int32).contiguous()
             tensors[f"{i}.loss_mask"] = s["loss_mask"].to("cpu", torch.uint8).contiguous()
+            tensors[f"{i}.target_argmax"] = s["target_argmax"].to("cpu", torch.int32).contiguous()
             tensors[f"{i}.aux_hidden"] = s["aux_hidden"].to("cpu", dtype).contiguous()
             tensors[f"{i}.last_hidden"] = s["last_hidden"].to("cpu", dtype).contiguous()
             lengths.append(length)
@@ -108,15 +110,18 @@ class StoreWriter:
                                                                             sorted(self.finished.items())}})
         return info
 
-    def finalize(self, group=None) -> Path | None:
-        """Wait for all ranks (``dist.barrier(group)`` when world_size > 1), then rank 0 merges every rank's
-        progress into ``index.json`` (atomic) and returns its path; other ranks return None.
+    def finalize(self, comm=None, group=None) -> Path | None:
+        """Wait for all ranks (``comm.barrier(group)`` when world_size > 1; ``comm``: a
+        ``recipe.parallel.collectives.Collectives``), then rank 0 merges every rank's progress into ``index.json``
+        (atomic) and returns its path; other ranks return None.
 
-        Raises StoreError (rank 0) when a rank's progress is missing or the shards don't hold every sample id
-        ``0..num_samples-1`` exactly once.
+        Raises ValueError when world_size > 1 and ``comm`` is None; StoreError (rank 0) when a rank's progress is
+        missing or the shards don't hold every sample id ``0..num_samples-1`` exactly once.
         """
         if self.world_size > 1:
-            dist.barrier(group=group)
+            if comm is None:
+                raise ValueError(f"StoreWriter.finalize: world_size={self.world_size} needs comm for the barrier")
+            comm.barrier(group)
         if self.rank != 0:
             return None
         shards = []

@@ -1,7 +1,7 @@
 """Measure an exported EAGLE-3 draft against its target: acceptance length τ, per-position acceptance, speed.
 
     python -m recipe.eval --target DIR --draft EXPORT_DIR [--draft EXPORT_DIR2 ...] [--prompts FILE]
-        [--num-draft-tokens 5[,3]] [--max-new-tokens N] [--limit N] [--output JSON]
+        [--num-draft-tokens 5[,3]] [--max-new-tokens N] [--limit N] [--output JSON] [--draft-dtype bf16|fp32]
 
 Chain drafting of k tokens per round, greedy verification; every speculative output is checked against plain
 greedy decoding of the target (exit 1 naming the prompt on a mismatch). Default prompts: the MT-Bench first turns
@@ -16,7 +16,11 @@ import os
 import sys
 from pathlib import Path
 
+import torch
+
 from recipe.config import positive_int_list
+
+DRAFT_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -31,6 +35,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--limit", type=int, help="evaluate the first N prompts")
     p.add_argument("--output", type=Path, help="write the results as JSON here")
     p.add_argument("--device", help="cpu, cuda, ... (default: cuda when available)")
+    p.add_argument("--draft-dtype", choices=sorted(DRAFT_DTYPES),
+                   help="the draft's compute dtype (default: the export's own; the target always runs in fp32)")
     return p
 
 
@@ -52,7 +58,8 @@ def main(argv: list[str] | None = None) -> int:
         prompts = read_prompts(args.prompts, args.limit)
         labels = [str(d) for d in args.draft]
         result = evaluate(args.target, dict(zip(labels, args.draft)), prompts, args.num_draft_tokens,
-                          args.max_new_tokens, device=args.device, console=console)
+                          args.max_new_tokens, device=args.device, console=console,
+                          draft_dtype=DRAFT_DTYPES[args.draft_dtype] if args.draft_dtype else None)
     except MismatchError as exc:
         console.print(f"[bold red]lossless check failed[/bold red]: {exc}")
         return 1

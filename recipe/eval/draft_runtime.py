@@ -27,12 +27,13 @@ from recipe.model.draft_config import Eagle3DraftConfig
 
 
 def load_draft_export(path: str | Path, embed_VH: torch.Tensor, device: str | torch.device = "cpu",
-                      dtype: torch.dtype = torch.float32, attention_backend: str = "auto") -> Eagle3Draft:
+                      dtype: torch.dtype | None = None, attention_backend: str = "auto") -> Eagle3Draft:
     """Build an ``Eagle3Draft`` from an export folder (``config.json`` + ``model.safetensors``,
     docs/algorithm.md, "Export format").
 
     ``embed_VH`` [V, H_t] is the target's input embedding (the export has none). Returns the draft in eval mode on
-    ``device`` in ``dtype``, its causal block (the ``DraftKVCache`` attention) from
+    ``device`` in ``dtype`` (None: the export's own, that of its ``fc.weight``; a bf16 training run exports bf16),
+    its causal block (the ``DraftKVCache`` attention) from
     ``kernels.attention_backends.make_causal_attention(attention_backend, None, device)``. Raises ValueError naming
     the folder and every problem when the export does not load (missing/unreadable files, wrong keys/shapes/dtypes,
     d2t/t2d disagreeing) or the embedding shape does not fit, and ValueError for an attention backend that is
@@ -45,6 +46,7 @@ def load_draft_export(path: str | Path, embed_VH: torch.Tensor, device: str | to
     problems = check_tensors(tensors, cfg)
     if problems:
         raise ValueError(f"{path}: not a loadable EAGLE-3 export:\n  " + "\n  ".join(problems))
+    dtype = tensors["fc.weight"].dtype if dtype is None else dtype
     config = Eagle3DraftConfig.from_hf_dict(cfg)
     draft = Eagle3Draft(config, seed=0)
     try:

@@ -16,13 +16,15 @@ from recipe.eval.target_runtime import CachedTarget
 
 def evaluate(target_dir: str | Path, drafts: dict[str, Path], prompts: list[Prompt], ks: list[int],
              max_new_tokens: int, device: str | torch.device | None = None,
-             console: Console | None = None) -> dict:
+             console: Console | None = None, draft_dtype: torch.dtype | None = None) -> dict:
     """τ and speed of each draft export in ``drafts`` (label -> folder) at each k in ``ks``.
 
     The target runs in float32 (so batched verification and one-token decoding agree to the last bit as far as
-    possible); EOS is the tokenizer's. Returns ``{"target", "num_prompts", "max_new_tokens", "greedy_tokens_per_s",
-    "runs": [summarise_run(...), ...]}`` in ``drafts`` × ``ks`` order. Raises ``MismatchError`` naming the prompt
-    when speculative output differs from greedy decoding; ValueError for an unloadable export (names the folder).
+    possible); each draft in ``draft_dtype`` (None: the export's own dtype, see ``load_draft_export``); EOS is the
+    tokenizer's. Returns ``{"target", "num_prompts", "max_new_tokens", "greedy_tokens_per_s", "draft_dtypes":
+    {label: "bfloat16" | "float32" | ...}, "runs": [summarise_run(...), ...]}`` in ``drafts`` × ``ks`` order. Raises
+    ``MismatchError`` naming the prompt when speculative output differs from greedy decoding; ValueError for an
+    unloadable export (names the folder).
     """
     from recipe.model.target import TargetModel
 
@@ -43,10 +45,12 @@ def evaluate(target_dir: str | Path, drafts: dict[str, Path], prompts: list[Prom
     console.print(f"greedy reference: {len(prompts)} prompts, {sum(len(g.tokens) for g in reference)} tokens, "
                   f"{greedy_tps:.1f} tokens/s")
 
-    runs = []
+    runs, dtypes = [], {}
     for label, path in drafts.items():
         target = CachedTarget(model.model, configs[label])
-        drafter = EagleDrafter(load_draft_export(path, model.embed_tokens_weight, device=dev))
+        draft = load_draft_export(path, model.embed_tokens_weight, device=dev, dtype=draft_dtype)
+        dtypes[label] = str(draft.fc.weight.dtype).removeprefix("torch.")
+        drafter = EagleDrafter(draft)
         for k in ks:
             gens = []
             for p, prompt, ref in zip(prompts, ids, reference):
@@ -58,7 +62,7 @@ def evaluate(target_dir: str | Path, drafts: dict[str, Path], prompts: list[Prom
     console.print(tau_table(runs))
     console.print(category_table(runs))
     return {"target": str(target_dir), "num_prompts": len(prompts), "max_new_tokens": max_new_tokens,
-            "greedy_tokens_per_s": greedy_tps, "runs": runs}
+            "greedy_tokens_per_s": greedy_tps, "draft_dtypes": dtypes, "runs": runs}
 
 
 def _aux_ids(path: Path) -> list[int]:

@@ -1,8 +1,9 @@
 """The frozen target LLM and the capture of its EAGLE-3 aux hidden states (docs/algorithm.md, "Aux hidden states").
 
-``TargetModel.capture`` runs only the target's decoder stack (``model.get_decoder()``), never the full-vocabulary
-``lm_head``, and records the three chosen decoder layers' outputs with forward hooks, so only those three
-``[B, S, H_t]`` activations are kept alive (``output_hidden_states=True`` would keep all ``L + 1``).
+``TargetModel.capture`` runs the target's decoder stack (``model.get_decoder()``) and records the three chosen
+decoder layers' outputs with forward hooks, so only those three ``[B, S, H_t]`` activations are kept alive
+(``output_hidden_states=True`` would keep all ``L + 1``); the full-vocabulary ``lm_head`` is applied in chunks of
+positions only to take the argmax (the greedy token, which decides whether a position is trained), never kept.
 
 Conventions (transformers 5.23, Llama-family decoders):
 - aux layer id ``i`` is the *output* of decoder layer ``i`` (0-based), i.e. ``output_hidden_states[i + 1]`` for
@@ -24,6 +25,7 @@ from safetensors import safe_open
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
 
 from recipe.model.aux_layers import default_aux_layer_ids, validate_aux_layer_ids
+from recipe.model.target_head import lm_head_argmax
 
 # Config keys that change with how a model was saved/loaded, not with which model it is.
 _VOLATILE_CONFIG_KEYS = {"_name_or_path", "transformers_version", "dtype", "torch_dtype", "architectures",
@@ -105,10 +107,14 @@ class TargetCapture:
     aux_hidden_BSA:  [B, S, 3·H_t], the aux layers' outputs concatenated in ``aux_layer_ids`` order (target dtype).
     last_hidden_BSH: [B, S, H_t], the final-norm output (input of ``lm_head``); the target's logits are
         ``recipe.model.target_head.target_logits(last_hidden, lm_head_weight, final_logit_softcap(config))``.
+    argmax_BS:       [B, S] int64, the target's greedy token ``argmax lm_head(last_hidden)`` over its full vocabulary
+                     (computed on the target's device in its dtype, ``recipe.model.target_head.lm_head_argmax``).
+    All on the target's device.
     """
 
     aux_hidden_BSA: torch.Tensor
     last_hidden_BSH: torch.Tensor
+    argmax_BS: torch.Tensor
 
 
 class TargetModel:
@@ -175,7 +181,8 @@ class TargetModel:
 
     @torch.no_grad()
     def capture(self, input_ids_BS: torch.Tensor, attention_mask_BS: torch.Tensor | None = None) -> TargetCapture:
-        """Run the decoder stack once; return the aux layers' outputs and the final-norm hidden states.
+        """Run the decoder stack once; return the aux layers' outputs, the final-norm hidden states and the greedy
+        token per position (the lm_head applied 1024 positions at a time: never all [B, S, V] logits at once).
 
         input_ids_BS: [B, S] int64 token ids; attention_mask_BS: [B, S] 1 = token, 0 = padding (default all ones).
         Rows at padded positions hold whatever the model computes there; callers strip them.
@@ -185,4 +192,6 @@ class TargetModel:
                                attention_mask=None if attention_mask_BS is None else attention_mask_BS.to(self.device),
                                use_cache=False)
         aux = torch.cat([captured[i] for i in self.aux_layer_ids], dim=-1)
-        return TargetCapture(aux_hidden_BSA=aux, last_hidden_BSH=out.last_hidden_state)
+        last = out.last_hidden_state
+        return TargetCapture(aux_hidden_BSA=aux, last_hidden_BSH=last,
+                             argmax_BS=lm_head_argmax(last, self.lm_head_weight))

@@ -95,3 +95,24 @@ def load_embedding_and_head(folder: Path, dtype: torch.dtype = torch.float32
     else:
         raise KeyError(f"{folder}: lm_head tensor '{head_name}' not found and the config does not tie embeddings")
     return embed, head, config
+
+
+@torch.no_grad()
+def lm_head_argmax(last_hidden_BSH: torch.Tensor, lm_head_VH: torch.Tensor, chunk_size: int = 1024) -> torch.Tensor:
+    """The target's greedy token per position, ``argmax_v (last_hidden @ lm_head.T)[..., v]``: [B, S] int64 on
+    ``lm_head_VH``'s device.
+
+    The logits are formed in ``lm_head_VH``'s dtype on its device, ``chunk_size`` positions (of the flattened B·S)
+    at a time, so at most ``chunk_size × V`` logits exist at once. A final-logit soft-cap (``tanh(z / c) · c``) is
+    monotonic and leaves the argmax unchanged, so it is not applied. Raises ValueError on a non-positive chunk size
+    or when the hidden width is not ``H_t`` of the head.
+    """
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size={chunk_size} must be >= 1")
+    if last_hidden_BSH.shape[-1] != lm_head_VH.shape[1]:
+        raise ValueError(f"lm_head_argmax: hidden {tuple(last_hidden_BSH.shape)} does not fit lm_head "
+                         f"{tuple(lm_head_VH.shape)}")
+    rows_NH = last_hidden_BSH.reshape(-1, lm_head_VH.shape[1]).to(lm_head_VH.device, lm_head_VH.dtype)
+    argmax_N = [(chunk @ lm_head_VH.T).argmax(dim=-1) for chunk in rows_NH.split(chunk_size)]
+    return (torch.cat(argmax_N) if argmax_N else rows_NH.new_zeros(0, dtype=torch.int64)).view(
+        last_hidden_BSH.shape[:-1])

@@ -115,23 +115,14 @@ def make_ttt_batch(input_ids_BS, loss_mask_BS, attention_mask_BS, aux_hidden_BSA
                     target_hidden_BLH=last_hidden_BSH, target_row_KS=target_row_KS)
 
 
-@torch.no_grad()
-def target_in_draft_vocab(last_hidden_BSH: torch.Tensor, target_lm_head_weight_VH: torch.Tensor,
-                          t2d: torch.Tensor, chunk_size: int = 1024) -> torch.Tensor:
-    """``t2d[argmax z]`` per position, z = last_hidden @ W.T over the FULL target vocabulary: [B, S] bool.
-
-    Logits are formed ``chunk_size`` positions (of the flattened B·S) at a time in the weight's dtype, so at most
-    ``chunk_size x V`` logits exist at once. Raises ValueError on a non-positive chunk size or mismatched widths.
+def target_in_draft_vocab(argmax_BS: torch.Tensor, t2d: torch.Tensor) -> torch.Tensor:
+    """``t2d[argmax z]`` per position: [B, S] bool on ``argmax_BS``'s device, whether the target's greedy token is in
+    the draft vocabulary. ``argmax_BS`` [B, S] int: the target's argmax over its FULL vocabulary, computed once (the
+    store's ``target_argmax`` offline, ``TargetCapture.argmax_BS`` online; ``recipe.model.target_head.lm_head_argmax``).
+    ``t2d`` [V] bool, best already on that device (a lookup, no host sync: ids are not range-checked; they come from
+    the same target as ``t2d``, which ``HiddenStateStore.check_compatible`` ensures offline).
     """
-    if chunk_size < 1:
-        raise ValueError(f"chunk_size={chunk_size} must be >= 1")
-    v, h = target_lm_head_weight_VH.shape
-    if last_hidden_BSH.shape[-1] != h or t2d.shape[0] != v:
-        raise ValueError(f"target_in_draft_vocab: hidden {tuple(last_hidden_BSH.shape)}, lm_head "
-                         f"{tuple(target_lm_head_weight_VH.shape)} and t2d {tuple(t2d.shape)} disagree")
-    rows_NH = last_hidden_BSH.reshape(-1, last_hidden_BSH.shape[-1]).to(target_lm_head_weight_VH.dtype)
-    argmax_N = torch.cat([(chunk @ target_lm_head_weight_VH.T).argmax(dim=-1) for chunk in rows_NH.split(chunk_size)])
-    return t2d.to(argmax_N.device)[argmax_N].view(last_hidden_BSH.shape[:2])
+    return t2d.to(argmax_BS.device)[argmax_BS.long()]
 
 
 @torch.no_grad()

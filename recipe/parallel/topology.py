@@ -28,9 +28,11 @@ factor is needed. The training loop does this scaling.
 """
 from __future__ import annotations
 
+import torch
 import torch.distributed as dist
 from deepspeed.runtime.pipe.topology import ProcessTopology
 
+from recipe.parallel.collectives import Collectives, backend_device
 from recipe.parallel.dims import AXES, ParallelDims
 
 
@@ -41,12 +43,14 @@ class ParallelState:
     initialised; every rank calls ``dist.new_group`` for every group of every axis in the same order. Raises
     ValueError when ``dims.world_size`` differs from the initialised world size.
 
-    Attributes: ``dims``, ``rank`` (global), ``coord`` (dp, cp, tp indices), ``topology`` (DeepSpeed's), and per
-    axis in {tp, cp, dp, dp_cp}: ``<axis>_group``, ``<axis>_ranks`` (global ranks of this rank's group),
-    ``<axis>_rank`` (index in it), ``<axis>_size``.
+    Attributes: ``dims``, ``rank`` (global), ``coord`` (dp, cp, tp indices), ``topology`` (DeepSpeed's), ``device``
+    (the run's device: ``device`` if given, else the backend's, ``recipe.parallel.collectives.backend_device``),
+    ``comm`` (the :class:`~recipe.parallel.collectives.Collectives` on that device, through which the run issues its
+    flag/count/sum collectives), and per axis in {tp, cp, dp, dp_cp}: ``<axis>_group``, ``<axis>_ranks`` (global
+    ranks of this rank's group), ``<axis>_rank`` (index in it), ``<axis>_size``.
     """
 
-    def __init__(self, dims: ParallelDims):
+    def __init__(self, dims: ParallelDims, device: torch.device | str | None = None):
         if not dist.is_initialized():
             raise RuntimeError("ParallelState needs torch.distributed initialised (deepspeed.init_distributed())")
         if dist.get_world_size() != dims.world_size:
@@ -54,6 +58,8 @@ class ParallelState:
                              f"{dist.get_world_size()} processes")
         self.dims = dims
         self.rank = dist.get_rank()
+        self.comm = Collectives(backend_device() if device is None else device)
+        self.device = self.comm.device
         self.topology = ProcessTopology(axes=list(AXES), dims=[dims.dp, dims.cp, dims.tp])
         coord = self.topology.get_coord(self.rank)
         self.coord = dims.coords(self.rank)

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from recipe.data.store import DTYPES
 from recipe.model.ttt import TTTBatch, make_ttt_batch, target_in_draft_vocab
 
 
@@ -33,21 +34,24 @@ class BatchBuilder:
         examples: ``datasets.Dataset`` with ``input_ids``/``loss_mask`` columns (online) or None.
         store: ``recipe.data.store.HiddenStateStore`` (offline) or None.
         target: ``recipe.model.target.TargetModel`` (online) or None.
-        lm_head_VH: [V, H_t] target lm_head (for the in-draft-vocab mask), any float dtype.
-        t2d: [V] bool draft-vocabulary mask.
+        t2d: [V] bool draft-vocabulary mask; copied once to the target's device online (where the target's argmax
+            is computed), kept on the CPU offline (where the store's ``target_argmax`` is read).
+    The in-draft-vocabulary flag of a position is the lookup ``t2d[target argmax]``: the argmax comes from the store
+    (computed at dump time) or from ``TargetModel.capture`` (on the target's device, in its dtype); no
+    full-vocabulary matmul runs here.
         ttt_steps: K.  seq_divisor: pad the sequence to a multiple of this (2·cp·tp).
         cp_size, cp_rank: context-parallel layout (1, 0 for none).
         device, dtype: where and in which float dtype the draft consumes the batch.
     """
 
-    def __init__(self, *, examples=None, store=None, target=None, lm_head_VH, t2d, ttt_steps, seq_divisor,
+    def __init__(self, *, examples=None, store=None, target=None, t2d, ttt_steps, seq_divisor,
                  cp_size=1, cp_rank=0, device=torch.device("cpu"), dtype=torch.float32):
         if (examples is None) == (store is None):
             raise ValueError("BatchBuilder needs exactly one of examples (online) or store (offline)")
         if examples is not None and target is None:
             raise ValueError("online mode needs the target model")
         self.examples, self.store, self.target = examples, store, target
-        self.lm_head_VH, self.t2d = lm_head_VH, t2d
+        self.t2d = t2d.to(target.device) if target is not None else t2d
         self.ttt_steps, self.seq_divisor = ttt_steps, seq_divisor
         self.cp_size, self.cp_rank = cp_size, cp_rank
         self.device, self.dtype = device, dtype
@@ -87,8 +91,8 @@ class BatchBuilder:
         attention = torch.zeros(b, seq, dtype=torch.long)
         for row, (ids, mask) in enumerate(tokens):
             input_ids[row, :len(ids)], loss_mask[row, :len(ids)], attention[row, :len(ids)] = ids, mask, 1
-        aux, last = self._hidden(indices, [len(ids) for ids, _ in tokens], input_ids, attention, seq)
-        in_vocab = target_in_draft_vocab(last, self.lm_head_VH.to(last.device, last.dtype), self.t2d.to(last.device))
+        aux, last, argmax = self._hidden(indices, [len(ids) for ids, _ in tokens], input_ids, attention, seq)
+        in_vocab = target_in_draft_vocab(argmax, self.t2d)
         ttt = make_ttt_batch(input_ids.to(aux.device), loss_mask.to(aux.device), attention.to(aux.device),
                              aux, last, in_vocab, self.ttt_steps)
         if self.cp_size > 1:
@@ -100,22 +104,29 @@ class BatchBuilder:
         ttt.target_hidden_BLH = ttt.target_hidden_BLH.to(self.dtype)
         return MicroBatch(ttt=ttt, samples=b, supervised_tokens=int(loss_mask.sum()))
 
-    def _hidden(self, indices, lengths, input_ids, attention, seq) -> tuple[torch.Tensor, torch.Tensor]:
-        """[B, seq, A] aux and [B, seq, H_t] last hidden states. Offline, only the rows this rank needs are read from
-        the store (``rows_needed``); the others stay zero and are never used by this rank's shard."""
+    def _hidden(self, indices, lengths, input_ids, attention, seq
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """[B, seq, A] aux and [B, seq, H_t] last hidden states (target or store dtype) and the [B, seq] int64
+        target argmax. Online all three are on the target's device; offline on the CPU, and only the hidden-state
+        rows this rank needs are read from the store (``rows_needed``); the others stay zero and are never used by
+        this rank's shard."""
         if self.target is not None:
             cap = self.target.capture(input_ids.to(self.target.device), attention.to(self.target.device))
-            return cap.aux_hidden_BSA, cap.last_hidden_BSH
+            return cap.aux_hidden_BSA, cap.last_hidden_BSH, cap.argmax_BS
         aux_rows, label_rows = self.rows_needed(seq)
         meta = self.store.meta
-        aux = torch.zeros(len(indices), seq, meta.aux_width)
-        last = torch.zeros(len(indices), seq, meta.hidden_size)
+        dtype = DTYPES[meta.dtype]
+        aux = torch.zeros(len(indices), seq, meta.aux_width, dtype=dtype)
+        last = torch.zeros(len(indices), seq, meta.hidden_size, dtype=dtype)
+        argmax = torch.zeros(len(indices), seq, dtype=torch.int64)
         for b, (index, n) in enumerate(zip(indices, lengths)):
             if aux_rows is None:
-                sample = self.store.get(index, fields=("aux_hidden", "last_hidden"))
-                aux[b, :n], last[b, :n] = sample["aux_hidden"].float(), sample["last_hidden"].float()
+                sample = self.store.get(index, fields=("target_argmax", "aux_hidden", "last_hidden"))
+                aux[b, :n], last[b, :n] = sample["aux_hidden"], sample["last_hidden"]
+                argmax[b, :n] = sample["target_argmax"]
                 continue
             rows_a, rows_l = aux_rows[aux_rows < n], label_rows[label_rows < n]
-            aux[b, rows_a] = self.store.get(index, rows=rows_a, fields=("aux_hidden",))["aux_hidden"].float()
-            last[b, rows_l] = self.store.get(index, rows=rows_l, fields=("last_hidden",))["last_hidden"].float()
-        return aux, last
+            aux[b, rows_a] = self.store.get(index, rows=rows_a, fields=("aux_hidden",))["aux_hidden"]
+            last[b, rows_l] = self.store.get(index, rows=rows_l, fields=("last_hidden",))["last_hidden"]
+            argmax[b, :n] = self.store.get(index, fields=("target_argmax",))["target_argmax"]
+        return aux, last, argmax

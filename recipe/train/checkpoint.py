@@ -85,10 +85,10 @@ def fault_point(stage: str, step: int) -> None:
         raise InjectedFault(f"injected fault at checkpoint stage '{stage}' (step {step}, ${FAULT_ENV}={want})")
 
 
-def _agree(error: str | None, what: str, latest: str | None) -> None:
-    """Collective: raise CheckpointError on every rank if any rank reports ``error`` (each failing rank named)."""
-    errors = [None] * dist.get_world_size()
-    dist.all_gather_object(errors, error)
+def _agree(comm, error: str | None, what: str, latest: str | None) -> None:
+    """Collective through ``comm`` (``recipe.parallel.collectives.Collectives``): raise CheckpointError on every
+    rank if any rank reports ``error`` (each failing rank named)."""
+    errors = comm.all_gather_object(error)
     failed = [f"rank {r}: {e}" for r, e in enumerate(errors) if e is not None]
     if failed:
         kept = f"the previous checkpoint {latest} is intact" if latest else "no earlier checkpoint exists"
@@ -108,10 +108,11 @@ def latest_tag(root: Path) -> str | None:
     return marker.read_text().strip() if marker.is_file() else None
 
 
-def save(engine, root: Path, step: int, run_state: dict, draft_state: dict[str, torch.Tensor] | None,
+def save(engine, comm, root: Path, step: int, run_state: dict, draft_state: dict[str, torch.Tensor] | None,
          draft_config: dict, vocab_files: dict[str, torch.Tensor], keep: int,
          extra_files: dict[str, Path] | None = None) -> Path:
-    """Write checkpoint ``step-{step:08d}`` atomically; collective, every rank calls it.
+    """Write checkpoint ``step-{step:08d}`` atomically; collective over the world (through ``comm``, the run's
+    ``recipe.parallel.collectives.Collectives``), every rank calls it.
 
     ``draft_state`` (full tensors) is only needed on global rank 0; ``extra_files`` (name -> existing file, e.g. the
     resolved run config) are copied in by rank 0. Order: write into ``.partial/<tag>`` (DeepSpeed's files from every
@@ -130,7 +131,7 @@ def save(engine, root: Path, step: int, run_state: dict, draft_state: dict[str, 
         shutil.rmtree(partial, ignore_errors=True)
         (partial / tag).mkdir(parents=True, exist_ok=True)
 
-    _agree(_attempt(prepare) if rank == 0 else None, what, previous)
+    _agree(comm, _attempt(prepare) if rank == 0 else None, what, previous)
     engine.save_checkpoint(str(partial), tag=tag, client_state={"run_state": run_state}, save_latest=False)
 
     def write_ours():
@@ -147,7 +148,7 @@ def save(engine, root: Path, step: int, run_state: dict, draft_state: dict[str, 
 
     error = _attempt(write_ours)
     try:
-        _agree(error, what, previous)
+        _agree(comm, error, what, previous)
     except CheckpointError:
         if rank == 0:
             shutil.rmtree(partial / tag, ignore_errors=True)
@@ -164,7 +165,7 @@ def save(engine, root: Path, step: int, run_state: dict, draft_state: dict[str, 
         else:
             os.replace(partial / tag, final)
 
-    _agree(_attempt(publish) if rank == 0 else None, what, previous)
+    _agree(comm, _attempt(publish) if rank == 0 else None, what, previous)
     fault_point("renamed", step)
 
     def update_latest():
@@ -175,7 +176,7 @@ def save(engine, root: Path, step: int, run_state: dict, draft_state: dict[str, 
         if not any(partial.iterdir()):
             partial.rmdir()
 
-    _agree(_attempt(update_latest) if rank == 0 else None, what, previous)
+    _agree(comm, _attempt(update_latest) if rank == 0 else None, what, previous)
     return final
 
 

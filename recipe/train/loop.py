@@ -33,6 +33,7 @@ from recipe.plot import plot_note
 from recipe.train import checkpoint
 from recipe.train.metrics import MetricsLog, TrainProgress
 from recipe.train.monitor import StepMonitor
+from recipe.train.oom import StepOutOfMemory, out_of_memory_message
 from recipe.train.sampler import rank_micro_batches
 from recipe.train.setup import RunParts
 from recipe.train.signals import EXIT_INTERRUPTED, StopRequest
@@ -42,10 +43,11 @@ class NonFiniteLossError(ValueError):
     """A step's loss was NaN/inf on some rank; the message names the step, the ranks and the sample indices."""
 
 
-def zero0_grad_norm(engine, tp_group) -> float:
+def zero0_grad_norm(engine, comm, tp_group) -> float:
     """Global L2 norm of the (already data-parallel reduced) gradients, for ZeRO stage 0 in fp32 where DeepSpeed
-    clips but does not report the norm. TP-sharded gradients are summed over the tp group; replicated ones count
-    once. Call after the last backward of the step and before ``engine.step()``."""
+    clips but does not report the norm. TP-sharded gradients are summed over the tp group (``comm``: the run's
+    ``recipe.parallel.collectives.Collectives``); replicated ones count once. Call after the last backward of the
+    step and before ``engine.step()``."""
     sharded, replicated = [], []
     for p in engine.module.parameters():
         if p.grad is not None:
@@ -53,15 +55,9 @@ def zero0_grad_norm(engine, tp_group) -> float:
     zero = torch.zeros((), device=next(engine.module.parameters()).device)
     sq_sharded = torch.stack(sharded).sum() if sharded else zero.clone()
     if tp_group is not None and dist.get_world_size(tp_group) > 1:
-        dist.all_reduce(sq_sharded, group=tp_group)
+        sq_sharded = comm.sum(sq_sharded, tp_group)
     sq = sq_sharded + (torch.stack(replicated).sum() if replicated else zero)
     return float(sq.sqrt())
-
-
-def _global_sum(t: torch.Tensor, group) -> torch.Tensor:
-    t = t.detach().clone()
-    dist.all_reduce(t, group=group)
-    return t
 
 
 @dataclass(frozen=True)
@@ -100,6 +96,7 @@ class Trainer:
         self.rank0 = dist.get_rank() == 0
         self.step = 0
         self.skipped_steps: list[int] = []
+        self.batch_shape: tuple[int, int] | None = None
         self._check_settings()
         if parts.resume_from is not None:
             # compare first: DeepSpeed fails deep inside on a checkpoint of another layout
@@ -180,7 +177,7 @@ class Trainer:
         the ranks and their samples (dataset indices; source rows in online mode)."""
         flags = torch.zeros(dist.get_world_size(), dtype=torch.int32)
         flags[dist.get_rank()] = int(not torch.isfinite(loss_sum_K.detach()).all())
-        dist.all_reduce(flags)
+        flags = self.pstate.comm.sum(flags)
         bad_ranks = flags.nonzero().flatten().tolist()
         if not bad_ranks:
             return None
@@ -199,9 +196,13 @@ class Trainer:
         parts, K, d, p = self.parts, self.settings.ttt_steps, self.config.dims, self.config.plan
         indices = parts.sampler.step_indices(self.step)
         micro = rank_micro_batches(indices, p.micro_batch, p.grad_accum, d.dp, self.pstate.dp_rank)
+        self.batch_shape = None  # (samples, padded tokens) of this rank's micro-batch, for an out-of-memory report
         batches = [parts.builder.build(ix) for ix in micro]
+        self.batch_shape = (max(b.samples for b in batches),  # each cp rank holds 1/cp of the padded sequence
+                            max(b.ttt.input_ids_KBS.shape[-1] for b in batches) * d.cp)
         local_valid = torch.stack([b.ttt.valid_KBS.sum(dim=(1, 2)) for b in batches]).sum(0).double()
-        n_valid = _global_sum(local_valid, self.pstate.dp_cp_group)
+        comm = self.pstate.comm
+        n_valid = comm.sum(local_valid, self.pstate.dp_cp_group)
         scale = d.dp_cp * p.grad_accum
         loss_sum = torch.zeros(K, dtype=torch.float64)
         correct = torch.zeros(K, dtype=torch.float64)
@@ -219,14 +220,14 @@ class Trainer:
             loss = ttt_objective(out, n_valid.to(out.loss_sum_K.device)) * scale
             self.engine.backward(loss)
             if own_norm and self.engine.is_gradient_accumulation_boundary():
-                grad_norm = zero0_grad_norm(self.engine, self.pstate.tp_group)
+                grad_norm = zero0_grad_norm(self.engine, comm, self.pstate.tp_group)
             self.engine.step()
             loss_sum += out.loss_sum_K.detach().double().cpu()
             correct += out.correct_K.detach().double().cpu()
-        loss_sum = _global_sum(loss_sum, self.pstate.dp_cp_group)
-        correct = _global_sum(correct, self.pstate.dp_cp_group)
-        tokens = _global_sum(torch.tensor([sum(b.supervised_tokens for b in batches)], dtype=torch.float64),
-                             self.pstate.dp_group)
+        loss_sum = comm.sum(loss_sum, self.pstate.dp_cp_group)
+        correct = comm.sum(correct, self.pstate.dp_cp_group)
+        tokens = comm.sum(torch.tensor([sum(b.supervised_tokens for b in batches)], dtype=torch.float64),
+                          self.pstate.dp_group)
         n = n_valid.clamp(min=1)
         weights = step_weights(K, torch.float64)
         if grad_norm is None:
@@ -243,9 +244,9 @@ class Trainer:
         """Checkpoint the current step (collective); return the full draft state it gathered."""
         state = gather_full_state(self.engine, self.pstate)
         vocab = {"d2t": self.parts.vocab.d2t, "t2d": self.parts.vocab.t2d}
-        checkpoint.save(self.engine, self.settings.output / "checkpoints", self.step, self.run_state(self.step),
-                        state if self.rank0 else None, self.parts.draft_config.to_hf_dict(), vocab,
-                        keep=self.settings.keep_checkpoints,
+        checkpoint.save(self.engine, self.pstate.comm, self.settings.output / "checkpoints", self.step,
+                        self.run_state(self.step), state if self.rank0 else None,
+                        self.parts.draft_config.to_hf_dict(), vocab, keep=self.settings.keep_checkpoints,
                         extra_files={"run_config.json": self.settings.output / "run_config.json"})
         return state
 
@@ -261,7 +262,13 @@ class Trainer:
                 while self.step < total:
                     lr = self.lr()
                     t0 = time.perf_counter()
-                    record = self.train_step()
+                    try:
+                        record = self.train_step()
+                    except torch.OutOfMemoryError as exc:
+                        raise StepOutOfMemory(out_of_memory_message(
+                            exc, step=self.step + 1, rank=dist.get_rank(), device=self.pstate.device,
+                            shape=self.batch_shape, memory=self.config.memory, cp_size=self.config.dims.cp,
+                            max_length=settings.max_length)) from None
                     self.step += 1
                     record = {"step": self.step, "epoch": epoch, **record, "lr": lr,
                               "time_s": round(time.perf_counter() - t0, 4)}
@@ -273,7 +280,7 @@ class Trainer:
                             self.console.print(f"[yellow]skipped step[/yellow] {escape(record['skipped'])}")
                     else:
                         progress.update(record)
-                    if stop.agreed() and self.step < total:
+                    if stop.agreed(self.pstate.comm) and self.step < total:
                         interrupted = True
                         break
                     if settings.save_every and self.step % settings.save_every == 0 and self.step < total:
@@ -306,7 +313,7 @@ class Trainer:
             out = write_export(export_tensors(state), self.parts.draft_config.to_hf_dict(),
                                self.settings.output / "export")
             self.console.print(f"export written to {out}")
-        dist.barrier()
+        self.pstate.comm.barrier()
 
 
 def plan_summary(parts: RunParts) -> str:
@@ -317,4 +324,5 @@ def plan_summary(parts: RunParts) -> str:
             f"{parts.engine.zero_optimization_stage()}; global batch {p.global_batch} = micro {p.micro_batch} × "
             f"accum {p.grad_accum} × dp {p.dp}; {config.total_steps} steps over {len(parts.builder)} samples; "
             f"dtype {str(config.dtype).removeprefix('torch.')}; attention {config.memory.attention_backend} "
-            f"(tile {config.memory.attention_tile_size}); batch {asdict(p)}")
+            f"(tile {config.memory.attention_tile_size}); batch {asdict(p)}; collectives {dist.get_backend()} on "
+            f"{parts.pstate.device}")

@@ -44,17 +44,18 @@ class RunParts:
     resume_from: Path | None
 
 
-def rank0_first(fn):
-    """Run ``fn`` on global rank 0, then on the others (so caches written by rank 0 are hits elsewhere)."""
+def rank0_first(fn, comm):
+    """Run ``fn`` on global rank 0, then on the others (so caches written by rank 0 are hits elsewhere); the
+    barriers go through ``comm`` (the run's ``recipe.parallel.collectives.Collectives``)."""
     if dist.get_rank() == 0:
         out = fn()
-        dist.barrier()
+        comm.barrier()
         return out
-    dist.barrier()
+    comm.barrier()
     return fn()
 
 
-def _data(args: TrainArgs, console: Console):
+def _data(args: TrainArgs, console: Console, comm):
     """Online: (examples Dataset, None, fingerprint); offline: (None, HiddenStateStore, fingerprint)."""
     cache = args.cache_dir or args.output / "cache"
     if args.hidden_states is not None:
@@ -74,7 +75,7 @@ def _data(args: TrainArgs, console: Console):
         return build_examples(args.data, tokenizer, args.max_length, num_proc=args.num_proc, cache_dir=cache,
                               limit=args.limit, columns=args.data_column, weights=args.data_weights, seed=args.seed)
 
-    examples, report = rank0_first(build)
+    examples, report = rank0_first(build, comm)
     if dist.get_rank() == 0:
         console.print(report.table())
     return examples, None, f"examples:{examples._fingerprint}:{len(examples)}"
@@ -100,9 +101,9 @@ def build_run(args: TrainArgs, device: torch.device, console: Console) -> RunPar
                              {"tp_size": args.tp_size, "cp_size": args.cp_size})
     config = config.for_device(device)
     dims, memory = config.dims, config.memory
-    pstate = ParallelState(dims)
+    pstate = ParallelState(dims, device)
 
-    examples, store, fingerprint = _data(args, console)
+    examples, store, fingerprint = _data(args, console, pstate.comm)
     embed_VH, lm_head_VH, hf_config = load_embedding_and_head(args.target)
     if store is not None:
         store.check_compatible(args.target, args.aux_layer_ids)
@@ -114,7 +115,7 @@ def build_run(args: TrainArgs, device: torch.device, console: Console) -> RunPar
     else:
         cache = args.cache_dir or args.output / "cache"
         vocab = rank0_first(lambda: build_vocab_map(_token_rows(examples, store), hf_config.vocab_size, draft_vocab,
-                                                    cache_dir=cache))
+                                                    cache_dir=cache), pstate.comm)
 
     overrides = load_draft_config_overrides(args.draft_config) if args.draft_config else {}
     if args.aux_layer_ids:
@@ -137,7 +138,7 @@ def build_run(args: TrainArgs, device: torch.device, console: Console) -> RunPar
 
         target = TargetModel(args.target, aux_layer_ids=draft_config.aux_layer_ids,
                              dtype=torch.bfloat16 if device.type == "cuda" else torch.float32, device=device)
-    builder = BatchBuilder(examples=examples, store=store, target=target, lm_head_VH=lm_head_VH, t2d=vocab.t2d,
+    builder = BatchBuilder(examples=examples, store=store, target=target, t2d=vocab.t2d,
                            ttt_steps=args.ttt_steps, seq_divisor=dims.seq_divisor, cp_size=dims.cp,
                            cp_rank=pstate.cp_rank, device=device, dtype=config.dtype)
     sampler = StepSampler(len(builder), config.plan.global_batch, args.seed)

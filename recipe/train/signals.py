@@ -16,9 +16,6 @@ import os
 import signal
 import threading
 
-import torch
-import torch.distributed as dist
-
 EXIT_INTERRUPTED = 75  # sysexits EX_TEMPFAIL: interrupted, checkpoint saved, resume with --resume
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
@@ -59,9 +56,9 @@ class StopRequest:
         """Whether this process received a stop signal."""
         return self.signum is not None
 
-    def agreed(self, group=None) -> bool:
-        """Collective over ``group`` (default: the world): True on every rank iff any rank received a signal."""
-        flag = torch.tensor([1 if self.requested else 0], dtype=torch.int32)
-        if dist.is_initialized() and dist.get_world_size(group) > 1:
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
-        return bool(flag.item())
+    def agreed(self, comm=None, group=None) -> bool:
+        """Collective over ``group`` (default: the world) through ``comm`` (the run's
+        ``recipe.parallel.collectives.Collectives``): True on every rank iff any rank received a signal.
+        ``comm=None``: a process without a process group, which answers for itself."""
+        return self.requested if comm is None else comm.any(self.requested, group)
+

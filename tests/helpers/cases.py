@@ -15,6 +15,7 @@ import torch
 
 from recipe.model.draft import Eagle3Draft
 from recipe.model.draft_config import Eagle3DraftConfig
+from recipe.model.target_head import lm_head_argmax
 from recipe.model.ttt import TTTBatch, TTTModel, make_ttt_batch, target_in_draft_vocab
 from recipe.parallel.cp_shard import pad_to_multiple
 
@@ -25,7 +26,7 @@ H, HT = 32, 24  # draft hidden, target hidden
 class CaseGeometry:
     """Sizes of a random case: target vocab V, draft vocab Vd, the draft MLP width, the rows' true lengths (right
     padding after), whether the aux hidden states are zeroed at padding (else random there too), and the position
-    chunk of ``target_in_draft_vocab`` (None: all positions at once)."""
+    chunk of ``lm_head_argmax`` (None: its default chunk)."""
 
     vocab_size: int
     draft_vocab_size: int
@@ -93,7 +94,7 @@ def build_case(seed: int, K: int, seq_len: int | None = None, lengths: tuple[int
     attention, loss_mask, input_ids, aux, last = (pad_to_multiple(t, seq_len, dim=1)
                                                   for t in (attention, loss_mask, input_ids, aux, last))
     chunk = {} if geometry.vocab_chunk is None else {"chunk_size": geometry.vocab_chunk}
-    in_vocab = target_in_draft_vocab(last, head_VH, t2d, **chunk)
+    in_vocab = target_in_draft_vocab(lm_head_argmax(last, head_VH, **chunk), t2d)
     batch = make_ttt_batch(input_ids, loss_mask, attention, aux.to(dtype), last.to(dtype), in_vocab, K)
     return draft.to(dtype), head_VH.to(dtype), batch
 

@@ -1,7 +1,8 @@
-"""A ``run_ranks`` worker that runs several ``run.main`` jobs in one process group, each optionally with a fault:
-a SIGTERM to rank 0 after a given step, NaN hidden states for one sample, ENOSPC on rank 0's checkpoint write, or
-environment variables (e.g. ``RECIPE_CHECKPOINT_FAULT``). Returns per job: exit code (or the exception's class
-name), the captured stderr and, on rank 0, the metrics.jsonl records."""
+"""A ``run_ranks`` worker that runs several ``run.main`` jobs in one process group, each optionally with a fault: a
+SIGTERM to rank 0 after a given step, NaN hidden states for one sample, ENOSPC on rank 0's checkpoint write, a CUDA
+out-of-memory error from the engine's forward at a given step, or environment variables (e.g.
+``RECIPE_CHECKPOINT_FAULT``). Returns per job: exit code (or the exception's class name), the captured stderr and,
+on rank 0, the metrics.jsonl records."""
 from __future__ import annotations
 
 import contextlib
@@ -22,6 +23,7 @@ class Job:
     sigterm_after: int | None = None    # rank 0 sends itself SIGTERM when this step has finished
     nan_sample: int | None = None       # aux hidden states of this dataset index become NaN
     enospc: bool = False                # rank 0's checkpoint writes fail with ENOSPC
+    oom_at_step: int | None = None      # the engine's forward raises torch.OutOfMemoryError at this (1-based) call
     env: dict = field(default_factory=dict)
 
 
@@ -69,6 +71,18 @@ def _faults(job: Job, rank: int):
         def full_disk(tensors, filename, *args, **kwargs):
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), filename)
         patch(checkpoint, "save_file", full_disk)
+    if job.oom_at_step is not None:
+        import torch
+        from deepspeed.runtime.engine import DeepSpeedEngine
+
+        forward, calls = DeepSpeedEngine.forward, []
+
+        def forward_oom(self, *args, **kwargs):
+            calls.append(1)
+            if len(calls) == job.oom_at_step:
+                raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB (injected)")
+            return forward(self, *args, **kwargs)
+        patch(DeepSpeedEngine, "forward", forward_oom)
     old_env = {k: os.environ.get(k) for k in job.env}
     os.environ.update(job.env)
     try:
