@@ -57,6 +57,15 @@ def resolve_attention_backend(name: str, device) -> str:
     return name
 
 
+def backend_runs_on(name: str, device) -> bool:
+    """Whether backend ``name`` (one of ``BACKENDS``) runs on ``device`` as itself (``resolve_attention_backend``
+    neither refuses it nor maps it to another backend)."""
+    try:
+        return resolve_attention_backend(name, device) == name
+    except ValueError:
+        return False
+
+
 def make_causal_attention(backend: str, tile_size: int | None, device, cp_group=None):
     """The causal-block callable for ``midlayer.self_attn.causal_attention`` (training or inference).
 

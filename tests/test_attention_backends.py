@@ -18,6 +18,7 @@ from kernels.sdpa_attention import SDPA_KERNEL, pair_mask
 from kernels.tiled_attention import (DENSE_KERNEL, BlockKernel, TiledCausalAttention, _dense_forward,
                                      recompute_block_backward)
 from recipe.model.ttt import TTTModel
+from helpers.attention import run_attention
 from helpers.cases import assert_same_run, model_pair, run_model
 
 B, H, HKV, D, SK = 2, 4, 2, 8, 16
@@ -54,18 +55,9 @@ def _case(kind: str, dtype=torch.float64, seed: int = 0):
     return q, k, v, q_pos, k_pos, valid, w, u
 
 
-def _run(attention, q, k, v, q_pos, k_pos, valid, w, u):
-    """out, lse and (dq, dk, dv) of ``Σ out·w + Σ_finite lse·u`` (the lse gradient is exercised)."""
-    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-    out, lse = attention(*leaves, q_pos, k_pos, valid)
-    finite = torch.isfinite(lse)
-    ((out * w).sum() + torch.where(finite, lse * u, torch.zeros_like(lse)).sum()).backward()
-    return out.detach(), lse.detach(), [t.grad for t in leaves]
-
-
 def _assert_matches_reference(got, case, tol):
     out, lse, grads = got
-    ref_out, ref_lse, ref_grads = _run(reference, *[t.double() if t.is_floating_point() else t for t in case])
+    ref_out, ref_lse, ref_grads = run_attention(reference, *[t.double() if t.is_floating_point() else t for t in case])
     assert torch.equal(torch.isinf(lse), torch.isinf(ref_lse))
     torch.testing.assert_close(out.double(), ref_out, rtol=tol, atol=tol)
     torch.testing.assert_close(lse.double(), ref_lse, rtol=tol, atol=tol)
@@ -85,7 +77,7 @@ def test_cpu_backends_match_dense_fp64_reference(name, tile, kind):
     case = _case(kind)
     if kind == "square":  # the case covers rows that read no key
         assert torch.isinf(reference(*case[:6])[1][1, :, :2]).all()
-    _assert_matches_reference(_run(CPU_CALLABLES[name](tile), *case), case, tol=1e-10)
+    _assert_matches_reference(run_attention(CPU_CALLABLES[name](tile), *case), case, tol=1e-10)
 
 
 class _BackwardHeadDims(TorchDispatchMode):
@@ -110,7 +102,7 @@ def test_sdpa_backward_with_lse_gradient_on_rows_without_output_gradient():
         if zero_rows:
             w_case[:, :, 5:9] = 0
         with _BackwardHeadDims() as seen:
-            got = _run(TiledCausalAttention(None, SDPA_KERNEL), q, k, v, q_pos, k_pos, valid, w_case, u)
+            got = run_attention(TiledCausalAttention(None, SDPA_KERNEL), q, k, v, q_pos, k_pos, valid, w_case, u)
         assert seen.dims == [D + 1 if padded else D]
         _assert_matches_reference(got, (q, k, v, q_pos, k_pos, valid, w_case, u), tol=1e-10)
 
@@ -132,11 +124,11 @@ def test_sdpa_float32_and_bfloat16_against_the_fp64_reference():
     """fp32 computes in fp32: within 1e-5 of the fp64 reference. bf16 inputs compute in fp32 too (lse float32,
     grads back in bf16): within bf16 rounding of the inputs' own reference (relative error of each tensor < 2e-2)."""
     case = _case("square", dtype=torch.float32)
-    _assert_matches_reference(_run(TiledCausalAttention(4, SDPA_KERNEL), *case), case, tol=1e-5)
+    _assert_matches_reference(run_attention(TiledCausalAttention(4, SDPA_KERNEL), *case), case, tol=1e-5)
     low = [t.bfloat16() if t.is_floating_point() else t for t in case]
-    out, lse, grads = _run(TiledCausalAttention(4, SDPA_KERNEL), *low)
+    out, lse, grads = run_attention(TiledCausalAttention(4, SDPA_KERNEL), *low)
     assert out.dtype == torch.bfloat16 and lse.dtype == torch.float32 and {g.dtype for g in grads} == {torch.bfloat16}
-    ref_out, ref_lse, ref_grads = _run(reference, *[t.double() if t.is_floating_point() else t for t in low])
+    ref_out, ref_lse, ref_grads = run_attention(reference, *[t.double() if t.is_floating_point() else t for t in low])
     torch.testing.assert_close(lse.double(), ref_lse, rtol=1e-5, atol=1e-5)  # scores in fp32 from bf16 inputs
     for got, ref in zip([out] + grads, [ref_out] + ref_grads):
         assert ((got.double() - ref).norm() / ref.norm()).item() < 2e-2
@@ -257,13 +249,13 @@ def test_flex_on_cuda_matches_fp64_reference(how, kind, dtype, tol):
     case = [t.cuda() for t in _case(kind, dtype=torch.float64)]
     case = [t.to(dtype) if t.is_floating_point() else t for t in case]
     attention = FlexCausalAttention() if how == "direct" else TiledCausalAttention(None, FLEX_KERNEL)
-    got = [x.cpu() if torch.is_tensor(x) else [g.cpu() for g in x] for x in _run(attention, *case)]
+    got = [x.cpu() if torch.is_tensor(x) else [g.cpu() for g in x] for x in run_attention(attention, *case)]
     cpu_case = [t.cpu() for t in case]
     if dtype == torch.float32:
         _assert_matches_reference(got, cpu_case, tol)
         return
     out, lse, grads = got
-    ref_out, ref_lse, ref_grads = _run(reference, *[t.double() if t.is_floating_point() else t for t in cpu_case])
+    ref_out, ref_lse, ref_grads = run_attention(reference, *[t.double() if t.is_floating_point() else t for t in cpu_case])
     assert torch.equal(torch.isinf(lse), torch.isinf(ref_lse)) and lse.dtype == torch.float32
     torch.testing.assert_close(lse.double(), ref_lse, rtol=1e-2, atol=1e-2)
     for g, ref in zip([out, *grads], [ref_out, *ref_grads]):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from helpers.attention import run_attention
 from helpers.cases import assert_same_run, model_pair, run_model
 from kernels.block_attention import block_attention
 from kernels.tiled_attention import TiledCausalAttention, forward_tiles, split_tiles, tiled_block_attention
@@ -29,21 +30,12 @@ def _inputs(sq: int, sk: int, dtype=torch.float64, seed: int = 0):
     return q, k, v, q_pos, k_pos, valid, w, u
 
 
-def _run(attention, q, k, v, q_pos, k_pos, valid, w, u):
-    """out, lse and (dq, dk, dv) of a loss that reads out and every finite lse (so the lse gradient is exercised)."""
-    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-    out, lse = attention(*leaves, q_pos, k_pos, valid)
-    finite = torch.isfinite(lse)
-    ((out * w).sum() + torch.where(finite, lse * u, torch.zeros_like(lse)).sum()).backward()
-    return out.detach(), lse.detach(), [t.grad for t in leaves]
-
-
 @pytest.mark.parametrize("tile", [1, 3, 4, 16, 100])
 @pytest.mark.parametrize("sq", [16, 7])
 def test_tiled_matches_dense_forward_and_every_gradient(tile, sq):
     x = _inputs(sq, 16)
-    out, lse, grads = _run(TiledCausalAttention(tile), *x)
-    ref_out, ref_lse, ref_grads = _run(block_attention, *x)
+    out, lse, grads = run_attention(TiledCausalAttention(tile), *x)
+    ref_out, ref_lse, ref_grads = run_attention(block_attention, *x)
     if sq == 16:
         assert torch.isinf(ref_lse[1, :, :2]).all()  # the case covers rows that read no key
     assert torch.equal(torch.isinf(lse), torch.isinf(ref_lse))
@@ -57,10 +49,10 @@ def test_tiled_matches_dense_forward_and_every_gradient(tile, sq):
 def test_tiled_bf16_keeps_dtypes_and_matches_fp32():
     x = _inputs(32, 32, dtype=torch.float32, seed=3)
     low = [t.bfloat16() if t.is_floating_point() else t for t in x]
-    out, lse, grads = _run(TiledCausalAttention(8), *low)
+    out, lse, grads = run_attention(TiledCausalAttention(8), *low)
     assert out.dtype == torch.bfloat16 and lse.dtype == torch.float32
     assert [g.dtype for g in grads] == [torch.bfloat16] * 3
-    ref_out, ref_lse, ref_grads = _run(block_attention, *[t.float() if t.is_floating_point() else t for t in low])
+    ref_out, ref_lse, ref_grads = run_attention(block_attention, *[t.float() if t.is_floating_point() else t for t in low])
     torch.testing.assert_close(out.float(), ref_out, rtol=2e-2, atol=2e-2)
     torch.testing.assert_close(lse, ref_lse, rtol=1e-5, atol=1e-5)  # scores accumulate in fp32 both ways
     for got, ref in zip(grads, ref_grads):

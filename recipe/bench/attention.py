@@ -197,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
     """CLI entry (``python -m recipe.bench attention``). Returns 0, or 2 on bad flags."""
     import torch
 
-    from kernels.attention_backends import BACKENDS, resolve_attention_backend
+    from kernels.attention_backends import BACKENDS, backend_runs_on, resolve_attention_backend
 
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -209,10 +209,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--tile must be >= 0 and --kv-heads must divide --heads")
 
     def runs_here(name):
-        try:
-            return resolve_attention_backend(name, device) == name
-        except ValueError:
-            return False
+        return backend_runs_on(name, device)
 
     backends = args.backends or [b for b in BACKENDS if runs_here(b)]
     if "tiled" not in backends:

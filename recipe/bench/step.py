@@ -78,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
     """CLI entry (``python -m recipe.bench step``). Returns 0, or 2 on bad flags."""
     import torch
 
-    from kernels.attention_backends import BACKENDS, resolve_attention_backend
+    from kernels.attention_backends import BACKENDS, backend_runs_on, resolve_attention_backend
 
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -87,10 +87,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--rounds and --steps must be >= 1, --attention-tile >= 0")
 
     def runs_here(name):
-        try:
-            return resolve_attention_backend(name, device) == name
-        except ValueError:
-            return False
+        return backend_runs_on(name, device)
 
     backends = args.backends or [b for b in BACKENDS if runs_here(b)]
     backends = ["tiled", *[b for b in backends if b != "tiled"]]
