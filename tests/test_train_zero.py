@@ -43,7 +43,8 @@ def test_zero_stages_and_accumulation_match_single_process(tiny_target_and_store
 
 
 def test_export_round_trip_and_check(tiny_target_and_store, tmp_path):
-    from recipe.export import check_export, export_checkpoint, load_export
+    from recipe.export import check_export, load_export
+    from recipe.export.__main__ import export_checkpoint
     from recipe.model.draft import Eagle3Draft
     from recipe.model.draft_config import Eagle3DraftConfig
 

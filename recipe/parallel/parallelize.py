@@ -13,13 +13,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from recipe.config import MemoryOptions
 from recipe.model.draft import is_exported
 from recipe.parallel.apply_tp import apply_tensor_parallel
 from recipe.parallel.tp_layers import gather_tensor
 
 
-def parallelize(model: nn.Module, pstate=None, memory: MemoryOptions | None = None, device=None) -> nn.Module:
+def parallelize(model: nn.Module, pstate, memory, device=None) -> nn.Module:
     """Apply the layout of ``pstate`` to the single-device TTT ``model`` in place and return it.
 
     ``pstate``: a ``recipe.parallel.topology.ParallelState`` (None: one process, tp = cp = 1). TP (tp > 1): q/k/v,
@@ -28,13 +27,12 @@ def parallelize(model: nn.Module, pstate=None, memory: MemoryOptions | None = No
     attention calls for the causal block, ``(q, k, v, q_pos, k_pos, k_valid) -> (out, lse)``) becomes
     ``kernels.attention_backends.make_causal_attention(memory.attention_backend, memory.attention_tile_size,
     device, cp_group)``: the ring over the cp group under context parallelism, else the single-device block.
-    ``memory`` defaults to ``MemoryOptions()``; ``device`` (where the model will run) to ``pstate.device``, else
-    the CPU. Raises ValueError when tp does not divide a split draft dimension (every one named), the tile size is
+    ``memory``: the run's ``recipe.config.MemoryOptions`` (read: ``attention_backend``, ``attention_tile_size``);
+    ``device`` (where the model will run) defaults to ``pstate.device``, else the CPU. Raises ValueError when tp does not divide a split draft dimension (every one named), the tile size is
     invalid, or the backend is unknown or cannot run on ``device``.
     """
     from kernels.attention_backends import make_causal_attention
 
-    memory = MemoryOptions() if memory is None else memory
     if device is None:
         device = getattr(pstate, "device", None) or "cpu"
     if pstate is not None and pstate.tp_size > 1:

@@ -10,11 +10,9 @@ Both files are written into a temporary folder that is renamed into place, so a 
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import shutil
-import sys
 from pathlib import Path
 
 import torch
@@ -175,40 +173,3 @@ def check_export(path: Path) -> list[str]:
     except ValueError as exc:
         return [str(exc)]
     return check_tensors(tensors, cfg)
-
-
-def export_checkpoint(checkpoint_dir: Path, out_dir: Path) -> Path:
-    """Export from a checkpoint folder written by the training loop (its consolidated draft copy, see
-    ``recipe.train.checkpoint.read_draft``). Raises ValueError naming a missing file."""
-    from recipe.train.checkpoint import read_draft
-
-    state, config = read_draft(checkpoint_dir)
-    return write_export(export_tensors(state), config, out_dir)
-
-
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m recipe.export", description=__doc__.split("\n\n")[0])
-    p.add_argument("paths", nargs="+", type=Path, help="CHECKPOINT_DIR OUT_DIR, or EXPORT_DIR with --check")
-    p.add_argument("--check", action="store_true", help="verify an export folder instead of writing one")
-    args = p.parse_args(argv)
-    if args.check:
-        if len(args.paths) != 1:
-            p.error("--check takes exactly one EXPORT_DIR")
-        problems = check_export(args.paths[0])
-        for msg in problems:
-            print(f"error: {msg}", file=sys.stderr)
-        print(f"{args.paths[0]}: {'OK' if not problems else f'{len(problems)} problem(s)'}")
-        return 1 if problems else 0
-    if len(args.paths) != 2:
-        p.error("give CHECKPOINT_DIR OUT_DIR")
-    try:
-        out = export_checkpoint(*args.paths)
-    except ValueError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 1
-    print(f"exported {out}")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
