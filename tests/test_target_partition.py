@@ -93,17 +93,24 @@ def _capture_rank(rank, world_size, folder):
             "fingerprint": (target.fingerprint, reference.fingerprint)}
 
 
+def _capture_ranks(rank, world_size, folders):
+    return [_capture_rank(rank, world_size, folder) for folder in folders]
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
-def test_partitioned_capture_equals_replicated(tmp_path, tied):
-    folder = save_tiny_llama(tmp_path / "target", tie_word_embeddings=tied)
-    for rank, result in enumerate(run_ranks(2, _capture_rank, folder, timeout=300)):
-        held, full, data = result["partition"]
-        assert held * 2 == full == 32 * 32 and data == (0,), f"rank {rank}: q_proj is not split over 2 ranks"
-        assert result["vocab"] == (96, 96) and result["fingerprint"][0] == result["fingerprint"][1]
-        for batch in result["batches"]:
-            assert batch["rel_aux"] <= 1e-6 and batch["rel_last"] <= 1e-6 and batch["argmax_equal"], (rank, batch)
-            assert batch["shapes"][0][-1] == 3 * 32
+def test_partitioned_capture_equals_replicated(tmp_path):
+    folders = [save_tiny_llama(tmp_path / name, tie_word_embeddings=tied)  # SmolLM2-like targets tie the lm_head
+               for name, tied in (("untied", False), ("tied", True))]
+    for rank, results in enumerate(run_ranks(2, _capture_ranks, folders, timeout=300)):
+        for folder, result in zip(folders, results):
+            label = f"rank {rank}, {folder.name}"
+            held, full, data = result["partition"]
+            assert held * 2 == full == 32 * 32 and data == (0,), f"{label}: q_proj is not split over 2 ranks"
+            assert result["vocab"] == (96, 96) and result["fingerprint"][0] == result["fingerprint"][1], label
+            for batch in result["batches"]:
+                assert batch["rel_aux"] <= 1e-6 and batch["rel_last"] <= 1e-6 and batch["argmax_equal"], (label,
+                                                                                                         batch)
+                assert batch["shapes"][0][-1] == 3 * 32, label
 
 
 def _dump_rank(rank, world_size, folder, out, num_samples):
@@ -145,10 +152,8 @@ def test_online_training_with_partitioned_target_gives_the_replicated_curve(asse
     """Online runs on 2 ranks (draft ZeRO-3 too; 4 samples per step: 2 micro-batches, so 2 captures, per rank under
     dp=2): the partitioned target (over both ranks, also under tp=2 where DeepSpeed's data-parallel group of the draft
     is one rank) gives the replicated target's curve of the same layout."""
-    # the SmolLM2 tokenizer's vocabulary, all of it in the draft's (a random target's argmax is anywhere in it)
-    target = save_tiny_llama(tmp_path / "target", vocab=49152)
-    for name in TOKENIZER_FILES:
-        shutil.copy(assets.target / name, target / name)
+    target = _chat_target(tmp_path / "target", assets)  # all its vocabulary in the draft's: a random target's
+    # argmax is anywhere in it
     tp2 = {"parallelism": {"tp_size": 2, "cp_size": 1}}
     runs = {"replicated": {}, "partitioned": {"target": SECTION},
             "replicated_tp2": tp2, "partitioned_tp2": {"target": SECTION, **tp2}}
@@ -166,3 +171,41 @@ def test_online_training_with_partitioned_target_gives_the_replicated_curve(asse
     assert_curves_close(ref_tp2, partitioned_tp2, 1e-6, "partitioned target, tp=2")
     recorded = json.loads((tmp_path / "partitioned" / "run_config.json").read_text())
     assert recorded["target"] == SECTION and "target" not in recorded["deepspeed"]
+
+
+def _chat_target(folder, assets):
+    """A tiny random Llama with the SmolLM2 tokenizer (vocabulary 49152) at ``folder``."""
+    target = save_tiny_llama(folder, vocab=49152)
+    for name in TOKENIZER_FILES:
+        shutil.copy(assets.target / name, target / name)
+    return target
+
+
+def _dump_main_rank(rank, world_size, argv):
+    from recipe.dump import main
+
+    main(argv)
+
+
+@pytest.mark.slow
+def test_dump_cli_with_partition_target_on_two_ranks_writes_the_single_rank_store(assets, tmp_path):
+    from recipe.data.store import HiddenStateStore
+    from recipe.dump import main
+
+    target = _chat_target(tmp_path / "target", assets)
+    cfg = write_ds_config(tmp_path / "z.json", target={"zero_optimization": ZERO})
+    base = ["--target", str(target), "--data", str(assets.conversations), "--limit", "24", "--max-length", "64",
+            "--batch-size", "2", "--shard-size", "4", "--dtype", "fp32", "--cache-dir", str(tmp_path / "cache")]
+    main(base + ["--output", str(tmp_path / "one")])
+    run_ranks(2, _dump_main_rank, base + ["--output", str(tmp_path / "two"), "--ds_config", str(cfg),
+                                          "--partition-target"], timeout=300)
+    one, two = HiddenStateStore(tmp_path / "one"), HiddenStateStore(tmp_path / "two")
+    assert one.meta == two.meta and len(one) == len(two) > 8
+    for i in range(len(one)):
+        a, b = one.get(i), two.get(i)
+        for key in ("input_ids", "loss_mask", "target_argmax"):
+            assert torch.equal(a[key], b[key]), (i, key)
+        for key in ("aux_hidden", "last_hidden"):
+            torch.testing.assert_close(b[key], a[key], rtol=1e-6, atol=1e-6, msg=f"sample {i} {key}")
+    with pytest.raises(SystemExit, match="needs several ranks"):
+        main(base + ["--output", str(tmp_path / "three"), "--partition-target"])
