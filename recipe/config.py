@@ -1,12 +1,12 @@
 """Command-line flags and the DeepSpeed JSON of a training run.
 
 One place reads everything a run is configured by: the flags of ``run.py`` (``TrainArgs``) and the ``--ds_config``
-JSON. :func:`load_run_config` reads the JSON once, removes our sections (``parallelism``, ``memory``) and
+JSON. :func:`load_run_config` reads the JSON once, removes our sections (``parallelism``, ``memory``, ``target``) and
 DeepSpeed's monitor sections (written by the training loop, see :func:`pop_monitor_sections`) before DeepSpeed sees
 the rest, and resolves them into a :class:`RunConfig`: the parallel layout, the batch plan, the dtype, the memory
-switches and the monitors. The scheduler's ``"auto"`` values need the run's optimizer steps, which only the data
-determines; :meth:`RunConfig.with_total_steps` fills them, and :meth:`RunConfig.deepspeed_config` refuses to hand
-DeepSpeed a config before that.
+switches, how the target is held (``recipe.model.target_options``) and the monitors. The scheduler's ``"auto"``
+values need the run's optimizer steps, which only the data determines; :meth:`RunConfig.with_total_steps` fills
+them, and :meth:`RunConfig.deepspeed_config` refuses to hand DeepSpeed a config before that.
 
 Batch sizes in the JSON are in **samples**: ``train_batch_size`` is the global batch of one optimizer step and
 ``train_micro_batch_size_per_gpu`` the samples one data-parallel rank reads per micro-batch. Context-parallel ranks
@@ -24,6 +24,7 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from recipe.model.target_options import TARGET_SECTION, TargetOptions
 from recipe.parallel.dims import PARALLEL_SECTION, ParallelDims
 
 MEMORY_SECTION = "memory"
@@ -385,6 +386,8 @@ class RunConfig:
             (``train_batch_size · cp``), scheduler ``"auto"`` values filled by :meth:`with_total_steps`.
         total_steps: the run's optimizer steps; None until :meth:`with_total_steps`.
         monitor: DeepSpeed's monitor sections of the JSON (:func:`pop_monitor_sections`), written by the loop.
+        target: the ``target`` section (:class:`~recipe.model.target_options.TargetOptions`): replicated or ZeRO-3
+            partitioned target.
     """
 
     path: Path
@@ -395,6 +398,7 @@ class RunConfig:
     deepspeed: dict
     total_steps: int | None = None
     monitor: dict = field(default_factory=dict)
+    target: TargetOptions = field(default_factory=TargetOptions)
 
     @property
     def dtype(self):
@@ -433,27 +437,31 @@ class RunConfig:
 
     def record(self) -> dict:
         """The resolved settings as JSON-able values (the ``run_config.json`` keys ``deepspeed``, ``parallelism``,
-        ``batch``, ``memory``, ``dtype``, ``total_steps``, ``monitor``)."""
+        ``batch``, ``memory``, ``dtype``, ``total_steps``, ``monitor``, ``target``)."""
         d = self.dims
         return {"deepspeed": self.deepspeed, "parallelism": {"tp": d.tp, "cp": d.cp, "dp": d.dp},
                 "batch": dataclasses.asdict(self.plan), "memory": dataclasses.asdict(self.memory),
                 "dtype": "bfloat16" if self.bf16 else "float32", "total_steps": self.total_steps,
-                "monitor": self.monitor}
+                "monitor": self.monitor, "target": self.target.record()}
 
 
 def load_run_config(path: Path, world_size: int, overrides: dict | None = None) -> RunConfig:
     """Read the DeepSpeed JSON at ``path`` once and resolve it for ``world_size`` processes.
 
     ``overrides``: parallelism keys from the command line (``{"tp_size": 2, "cp_size": None}``; None values are
-    ignored). Removes our ``parallelism`` and ``memory`` sections and the monitor sections, resolves the layout
-    (:class:`ParallelDims`), the batch plan (:func:`resolve_batch`) and the dtype; the scheduler's ``"auto"`` values
-    wait for :meth:`RunConfig.with_total_steps`. Raises ConfigError naming the file (and the field) for an unreadable
-    file, invalid JSON, a bad section (or a monitor whose package is missing), a layout that does not fit
+    ignored). Removes our ``parallelism``, ``memory`` and ``target`` sections and the monitor sections, resolves the
+    layout (:class:`ParallelDims`), the batch plan (:func:`resolve_batch`) and the dtype; the scheduler's ``"auto"``
+    values wait for :meth:`RunConfig.with_total_steps`. Raises ConfigError naming the file (and the field) for an
+    unreadable file, invalid JSON, a bad section (or a monitor whose package is missing), a layout that does not fit
     ``world_size`` or inconsistent batch sizes.
     """
     ds_cfg, section = _read_ds_config(path)
     memory = MemoryOptions.pop_from(ds_cfg, path)
     monitor = pop_monitor_sections(ds_cfg, path)
+    try:
+        target = TargetOptions.from_section(ds_cfg.pop(TARGET_SECTION, None))
+    except ValueError as exc:
+        raise ConfigError(f"{path}: {exc}") from None
     try:
         dims = ParallelDims.from_config(section, world_size, overrides)
     except ValueError as exc:
@@ -461,4 +469,4 @@ def load_run_config(path: Path, world_size: int, overrides: dict | None = None) 
     plan = resolve_batch(ds_cfg, dims.dp, dims.cp, path)
     bf16 = bool((ds_cfg.get("bf16") or {}).get("enabled"))
     return RunConfig(path=Path(path), dims=dims, plan=plan, memory=memory, bf16=bf16, deepspeed=ds_cfg,
-                     monitor=monitor)
+                     monitor=monitor, target=target)

@@ -3,16 +3,23 @@
     python -m recipe.dump --target DIR --data SOURCE [SOURCE ...] --output STORE [--data-column FIELD=COLUMN]
         [--data-weights W1,W2] [--seed S] [--max-length N] [--limit N] [--batch-size N] [--shard-size N]
         [--dtype bf16|fp32] [--aux-layer-ids 1,14,26] [--num-proc N] [--cache-dir DIR]
+        [--partition-target] [--ds_config JSON]
 
 ``--data`` and its companions read conversations exactly as ``run.py --data`` does (``recipe.data.sources``).
 
 Also runs under ``torchrun --nproc_per_node N -m recipe.dump ...`` or the deepspeed launcher: RANK / WORLD_SIZE /
 LOCAL_RANK come from the environment and a process group (nccl on GPU, else gloo) is made only when WORLD_SIZE > 1.
 Sample i is dumped by rank i % WORLD_SIZE. Re-running the same command resumes: finished shards are skipped.
+
+A target too big for one device is ZeRO-3 partitioned over the ranks (``--partition-target``, or the ``target``
+section of the training run's JSON given with ``--ds_config``, ``recipe.model.target_options``): every rank still
+dumps its own samples, and the ranks with fewer batches left run one-token forwards until all have made as many
+forwards as the busiest (each layer's weights are all-gathered over every rank).
 """
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import time
 from dataclasses import dataclass
@@ -26,6 +33,7 @@ from rich.table import Table
 from recipe.config import add_data_arguments, check_data_arguments, int_list
 from recipe.data.store import DTYPES, HiddenStateStore, StoreMeta, examples_hash
 from recipe.data.store_writer import StoreWriter, shard_plan
+from recipe.model.target_options import TARGET_SECTION, TargetOptions
 from recipe.parallel.collectives import Collectives
 
 
@@ -62,8 +70,12 @@ def dump_hidden_states(target, dataset, out_dir: str | Path, *, max_length: int,
 
     Samples of a shard are sorted by length and batched ``batch_size`` at a time, right-padded; padding rows are
     stripped before storing. A shard is held in CPU memory until written: about
-    ``shard_size · max_length · 4·H_t · 2`` bytes in bf16 (SmolLM2, 2048 tokens, 64 samples: 0.6 GB). Shards already finished by an earlier run with the same settings are skipped.
-    Raises StoreError when ``out_dir`` holds a store started with other settings.
+    ``shard_size · max_length · 4·H_t · 2`` bytes in bf16 (SmolLM2, 2048 tokens, 64 samples: 0.6 GB). Shards
+    already finished by an earlier run with the same settings are skipped. With a partitioned target
+    (``target.partitioned``, whose capture is a collective over the world) every rank makes as many forwards as the
+    busiest one (agreed through ``comm`` over the world; the others are ``target.idle_capture()``).
+    Raises StoreError when ``out_dir`` holds a store started with other settings; ValueError for a partitioned
+    target with world_size > 1 and no ``comm``.
     """
     start = time.perf_counter()
     lengths = [len(ids) for batch in dataset.iter(batch_size=1024) for ids in batch["input_ids"]]
@@ -73,10 +85,15 @@ def dump_hidden_states(target, dataset, out_dir: str | Path, *, max_length: int,
                      max_length=max_length, data_hash=data_hash or examples_hash(dataset), num_samples=len(dataset))
     writer = StoreWriter(out_dir, meta, rank=rank, world_size=world_size, shard_size_samples=shard_size)
     stats = DumpStats()
-    for plan in shard_plan(lengths, rank, world_size, shard_size):
-        if writer.is_finished(plan.n):
-            stats.shards_skipped += 1
-            continue
+    plans = shard_plan(lengths, rank, world_size, shard_size)
+    pending = [plan for plan in plans if not writer.is_finished(plan.n)]
+    stats.shards_skipped = len(plans) - len(pending)
+    forwards = sum(math.ceil(len(plan.sample_ids) / batch_size) for plan in pending)
+    if target.partitioned and world_size > 1:
+        if comm is None:
+            raise ValueError(f"dump_hidden_states: a partitioned target on world_size={world_size} needs comm")
+        forwards = max(comm.all_gather_object(forwards))  # the target's collectives span the world
+    for plan in pending:
         samples = {}
         for k in range(0, len(plan.sample_ids), batch_size):
             batch_ids = list(plan.sample_ids[k:k + batch_size])
@@ -94,6 +111,9 @@ def dump_hidden_states(target, dataset, out_dir: str | Path, *, max_length: int,
         stats.shards_written += 1
         stats.samples_written += len(samples)
         stats.tokens_written += sum(lengths[i] for i in plan.sample_ids)
+    if target.partitioned:
+        for _ in range(forwards - stats.forward_calls):
+            target.idle_capture()
     stats.index_path = writer.finalize(comm, group)
     stats.seconds = time.perf_counter() - start
     return stats
@@ -133,29 +153,64 @@ def _parse(argv=None) -> argparse.Namespace:
                    help="comma-separated decoder layer ids (default [1, L//2-1, L-4])")
     p.add_argument("--num-proc", type=int, default=1, help="tokenisation worker processes")
     p.add_argument("--cache-dir", help="datasets cache folder for the tokenised examples")
+    p.add_argument("--partition-target", action="store_true",
+                   help="ZeRO-3 partition the target over the ranks (for a target too big for one device; needs "
+                   "WORLD_SIZE > 1); same as target.partition = \"zero3\" in the JSON")
+    p.add_argument("--ds_config", "--deepspeed_config", dest="ds_config", type=Path,
+                   help="the training run's DeepSpeed JSON: its 'target' section (partition, zero_optimization) "
+                   "says how the target is held; the rest is not read")
     p.add_argument("--local_rank", "--local-rank", type=int, help=argparse.SUPPRESS)  # appended by deepspeed
     args = p.parse_args(argv)
     check_data_arguments(p, args)
     return args
 
 
+def target_options(args: argparse.Namespace) -> TargetOptions:
+    """The ``target`` section of ``--ds_config`` (defaults without it), with ``partition = "zero3"`` under
+    ``--partition-target``. Raises ConfigError naming the file and field for a bad JSON or section."""
+    from recipe.config import ConfigError, _read_ds_config
+
+    section = None
+    if args.ds_config is not None:
+        cfg, _ = _read_ds_config(args.ds_config)
+        section = cfg.get(TARGET_SECTION)
+    try:
+        options = TargetOptions.from_section(section)
+    except ValueError as exc:
+        raise ConfigError(f"{args.ds_config}: {exc}") from None
+    if args.partition_target:
+        options = TargetOptions(partition="zero3", zero_optimization=options.zero_optimization)
+    return options
+
+
 def main(argv=None) -> None:
     args = _parse(argv)
+    from recipe.config import ConfigError
+
+    try:
+        options = target_options(args)
+    except ConfigError as exc:
+        raise SystemExit(f"python -m recipe.dump: {exc}") from None
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    if options.partitioned and world == 1:
+        raise SystemExit("python -m recipe.dump: a partitioned target needs several ranks: launch with "
+                         "`torchrun --nproc_per_node N -m recipe.dump ...` (or the deepspeed launcher)")
     local_rank = int(os.environ.get("LOCAL_RANK", args.local_rank or 0))
     device = torch.device(f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu")
     comm = None
+    own_group = world > 1 and not dist.is_initialized()  # a caller (a test's ranks) may have made the group
     if world > 1:
         if device.type == "cuda":
             torch.cuda.set_device(device)
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+        if own_group:
+            dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
         comm = Collectives(device)
     console = Console()
     try:
         from recipe.data.examples import build_examples
-        from recipe.model.target import TargetModel
+        from recipe.model.target_partition import build_target
 
-        target = TargetModel(args.target, aux_layer_ids=args.aux_layer_ids, device=device)
+        target = build_target(args.target, options, aux_layer_ids=args.aux_layer_ids, device=device)
 
         def build():
             return build_examples(args.data, target.load_tokenizer(), args.max_length, num_proc=args.num_proc,
@@ -175,7 +230,7 @@ def main(argv=None) -> None:
         if rank == 0:
             console.print(summary_table(HiddenStateStore(args.output), dataset, stats))
     finally:
-        if dist.is_initialized():
+        if own_group and dist.is_initialized():
             dist.destroy_process_group()
 
 

@@ -46,6 +46,7 @@ def test_shipped_configs_parse(tmp_path):
         config = load_run_config(path, world_size=section.get("tp_size", 1) * section.get("cp_size", 1))
         assert "zero_optimization" in config.deepspeed and "optimizer" in config.deepspeed, path
         assert "parallelism" not in config.deepspeed and "memory" not in config.deepspeed, path
+        assert "target" not in config.deepspeed, path
 
 
 def test_batch_plan_counts_samples_and_scales_deepspeed_view_by_cp():

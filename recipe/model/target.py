@@ -134,13 +134,20 @@ class TargetModel:
         self.device = torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
         self.dtype = dtype if dtype is not None else (torch.bfloat16 if self.device.type == "cuda" else torch.float32)
         folder, kwargs = _split_gguf(path)
-        model = AutoModelForCausalLM.from_pretrained(folder, dtype=self.dtype, **kwargs)
-        self.model = model.to(self.device).eval().requires_grad_(False)
+        self.model = self._load_model(folder, kwargs).eval().requires_grad_(False)
         self.decoder = self.model.get_decoder()
         self.layers = self.decoder.layers
         ids = default_aux_layer_ids(self.num_layers) if aux_layer_ids is None else aux_layer_ids
         self.aux_layer_ids = validate_aux_layer_ids(ids, self.num_layers)
         self._fingerprint: str | None = None
+
+    # True when ``capture`` is a collective over all ranks (``recipe.model.target_partition``): every rank must then
+    # call it equally often.
+    partitioned = False
+
+    def _load_model(self, folder: str, kwargs: dict) -> torch.nn.Module:
+        """The causal LM from ``folder`` in ``self.dtype`` on ``self.device`` (``kwargs``: the GGUF file name)."""
+        return AutoModelForCausalLM.from_pretrained(folder, dtype=self.dtype, **kwargs).to(self.device)
 
     @property
     def config(self) -> PretrainedConfig:
@@ -169,6 +176,12 @@ class TargetModel:
         """[V, H_t] input embedding (the draft reuses it, frozen)."""
         return self.model.get_input_embeddings().weight
 
+    @contextmanager
+    def full_lm_head(self):
+        """``with target.full_lm_head() as head_VH``: the whole [V, H_t] lm_head for the block (a partitioned target
+        gathers it for the block and frees it after: a collective there)."""
+        yield self.lm_head_weight
+
     def load_tokenizer(self) -> PreTrainedTokenizerBase:
         return load_tokenizer(self.path)
 
@@ -193,5 +206,6 @@ class TargetModel:
                                use_cache=False)
         aux = torch.cat([captured[i] for i in self.aux_layer_ids], dim=-1)
         last = out.last_hidden_state
-        return TargetCapture(aux_hidden_BSA=aux, last_hidden_BSH=last,
-                             argmax_BS=lm_head_argmax(last, self.lm_head_weight))
+        with self.full_lm_head() as head_VH:
+            argmax = lm_head_argmax(last, head_VH)
+        return TargetCapture(aux_hidden_BSA=aux, last_hidden_BSH=last, argmax_BS=argmax)

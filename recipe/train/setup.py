@@ -133,11 +133,11 @@ def build_run(args: TrainArgs, device: torch.device, console: Console) -> RunPar
     parallelize(model, pstate, memory, device)
 
     target = None
-    if examples is not None:
-        from recipe.model.target import TargetModel
+    if examples is not None:  # replicated, or ZeRO-3 partitioned over the world (the JSON's "target" section)
+        from recipe.model.target_partition import build_target
 
-        target = TargetModel(args.target, aux_layer_ids=draft_config.aux_layer_ids,
-                             dtype=torch.bfloat16 if device.type == "cuda" else torch.float32, device=device)
+        target = build_target(args.target, config.target, aux_layer_ids=draft_config.aux_layer_ids,
+                              dtype=torch.bfloat16 if device.type == "cuda" else torch.float32, device=device)
     builder = BatchBuilder(examples=examples, store=store, target=target, t2d=vocab.t2d,
                            ttt_steps=args.ttt_steps, seq_divisor=dims.seq_divisor, cp_size=dims.cp,
                            cp_rank=pstate.cp_rank, device=device, dtype=config.dtype)
@@ -153,7 +153,8 @@ def build_run(args: TrainArgs, device: torch.device, console: Console) -> RunPar
 
 def write_resolved_config(args: TrainArgs, parts: RunParts) -> None:
     """OUTPUT/run_config.json (rank 0): ``args`` (the flags), the resolved settings (``RunConfig.record``:
-    ``deepspeed``, ``parallelism``, ``batch``, ``memory``, ``dtype``, ``total_steps``) and ``draft_config``."""
+    ``deepspeed``, ``parallelism``, ``batch``, ``memory``, ``dtype``, ``total_steps``, ``monitor``, ``target``) and
+    ``draft_config``."""
     if dist.get_rank() != 0:
         return
     record = {"args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},

@@ -8,7 +8,8 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 
-def save_tiny_llama(folder: Path, num_layers: int = 8, hidden: int = 32, vocab: int = 96, seed: int = 0) -> Path:
+def save_tiny_llama(folder: Path, num_layers: int = 8, hidden: int = 32, vocab: int = 96, seed: int = 0,
+                    tie_word_embeddings: bool = False) -> Path:
     """Write a random fp32 Llama (``num_layers`` layers, hidden ``hidden``, 4 heads / 2 KV heads) to ``folder``.
 
     The weights are drawn from ``torch.manual_seed(seed)`` inside a forked RNG, so the caller's global RNG is untouched.
@@ -17,19 +18,16 @@ def save_tiny_llama(folder: Path, num_layers: int = 8, hidden: int = 32, vocab: 
         torch.manual_seed(seed)
         config = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden,
                              num_hidden_layers=num_layers, num_attention_heads=4, num_key_value_heads=2,
-                             max_position_embeddings=256, tie_word_embeddings=False)
+                             max_position_embeddings=256, tie_word_embeddings=tie_word_embeddings)
         model = LlamaForCausalLM(config).eval()
     model.save_pretrained(folder)
     return Path(folder)
 
 
-def dump_random_chats(target_dir: Path, store: Path, num_samples: int = 24, seed: int = 0) -> Path:
-    """An fp32 store at ``store`` of ``num_samples`` random chats (10-22 ids in [1, 96), the first 2..n/2 tokens
-    unsupervised) run through the target at ``target_dir`` (max length 64, batches of 8); returns ``store``."""
+def random_chats(num_samples: int = 24, seed: int = 0):
+    """A ``datasets.Dataset`` of ``num_samples`` random chats: ``input_ids`` (10-22 ids in [1, 96)), ``loss_mask``
+    (the first 2..n/2 tokens unsupervised) and ``row``."""
     from datasets import Dataset
-
-    from recipe.dump import dump_hidden_states
-    from recipe.model.target import TargetModel
 
     gen = torch.Generator().manual_seed(seed)
     rows = {"input_ids": [], "loss_mask": [], "row": []}
@@ -40,6 +38,15 @@ def dump_random_chats(target_dir: Path, store: Path, num_samples: int = 24, seed
         rows["input_ids"].append(ids)
         rows["loss_mask"].append([0] * start + [1] * (n - start))
         rows["row"].append(i)
+    return Dataset.from_dict(rows)
+
+
+def dump_random_chats(target_dir: Path, store: Path, num_samples: int = 24, seed: int = 0) -> Path:
+    """An fp32 store at ``store`` of :func:`random_chats` run through the target at ``target_dir`` (max length 64,
+    batches of 8); returns ``store``."""
+    from recipe.dump import dump_hidden_states
+    from recipe.model.target import TargetModel
+
     target = TargetModel(target_dir, dtype=torch.float32, device="cpu")
-    dump_hidden_states(target, Dataset.from_dict(rows), store, max_length=64, dtype="fp32", batch_size=8)
+    dump_hidden_states(target, random_chats(num_samples, seed), store, max_length=64, dtype="fp32", batch_size=8)
     return store
