@@ -31,7 +31,7 @@ def check_output_writable(output: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from recipe.config import parse_args
+    from recipe.cli import parse_args
 
     args = parse_args(argv)
 

@@ -1,7 +1,6 @@
-"""Command-line flags and the DeepSpeed JSON of a training run.
+"""The DeepSpeed JSON of a training run (the flags of ``run.py`` are ``recipe.cli``).
 
-One place reads everything a run is configured by: the flags of ``run.py`` (``TrainArgs``) and the ``--ds_config``
-JSON. :func:`load_run_config` reads the JSON once, removes our sections (``parallelism``, ``memory``, ``target``) and
+:func:`load_run_config` reads the JSON once, removes our sections (``parallelism``, ``memory``, ``target``) and
 DeepSpeed's monitor sections (written by the training loop, see :func:`pop_monitor_sections`) before DeepSpeed sees
 the rest, and resolves them into a :class:`RunConfig`: the parallel layout, the batch plan, the dtype, the memory
 switches, how the target is held (``recipe.model.target_options``) and the monitors. The scheduler's ``"auto"``
@@ -15,7 +14,6 @@ share a sample, so DeepSpeed (whose data-parallel group is dp×cp, see ``recipe.
 """
 from __future__ import annotations
 
-import argparse
 import copy
 import dataclasses
 import importlib.util
@@ -38,185 +36,7 @@ class ConfigError(ValueError):
     """A configuration problem; the message names the file and field."""
 
 
-@dataclass
-class TrainArgs:
-    ds_config: Path
-    target: Path
-    output: Path
-    data: list[str] | None = None
-    data_column: dict[str, str] | None = None
-    data_weights: list[float] | None = None
-    hidden_states: Path | None = None
-    max_length: int = 2048
-    ttt_steps: int = 7
-    draft_vocab_size: int = 32000
-    draft_config: Path | None = None
-    epochs: float = 1.0
-    max_steps: int | None = None
-    seed: int = 0
-    limit: int | None = None
-    num_proc: int = 1
-    save_every: int = 0
-    keep_checkpoints: int = 2
-    resume: str | None = None
-    extend: bool = False
-    tp_size: int | None = None
-    cp_size: int | None = None
-    aux_layer_ids: list[int] | None = None
-    lm_head_init: str = "target"
-    cache_dir: Path | None = None
-    log_every: int = 1
-    no_export: bool = False
-    skip_nonfinite: bool = False
-
-
-def int_list(text: str, minimum: int | None = None) -> list[int]:
-    """argparse type: ``"1,2,4"`` -> [1, 2, 4]. ArgumentTypeError naming the text when a part is not an integer,
-    or (with ``minimum``) when the list is empty or a value is below it."""
-    try:
-        values = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
-    if minimum is not None and (not values or min(values) < minimum):
-        raise argparse.ArgumentTypeError(f"expected integers >= {minimum}, got {text!r}")
-    return values
-
-
-def positive_int_list(text: str) -> list[int]:
-    """argparse type: a non-empty ``int_list`` of values >= 1 (parallel sizes, draft-token counts)."""
-    return int_list(text, minimum=1)
-
-
-def _positive(text: str) -> int:
-    value = int(text)
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
-    return value
-
-
-def _non_negative(text: str) -> int:
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be a non-negative integer, got {value}")
-    return value
-
-
-def _positive_float(text: str) -> float:
-    value = float(text)
-    if not value > 0 or value == float("inf"):
-        raise argparse.ArgumentTypeError(f"must be a positive finite number, got {text}")
-    return value
-
-
-CONVERSATION_FIELDS = ("conversations", "messages")
-
-
-def column_mapping(text: str) -> tuple[str, str]:
-    """argparse type: ``"messages=dialog"`` -> ("messages", "dialog"): the conversation field (``conversations``:
-    ShareGPT turns {from, value}; ``messages``: OpenAI turns {role, content}) and the column that holds it.
-    ArgumentTypeError for another form or field."""
-    field_name, sep, column = text.partition("=")
-    if not sep or field_name not in CONVERSATION_FIELDS or not column:
-        raise argparse.ArgumentTypeError(f"expected FIELD=COLUMN with FIELD one of {list(CONVERSATION_FIELDS)}, "
-                                         f"e.g. messages=dialog; got {text!r}")
-    return field_name, column
-
-
-def _weights(text: str) -> list[float]:
-    try:
-        values = [float(x) for x in text.split(",")]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from None
-    if not all(0 < v < float("inf") for v in values):
-        raise argparse.ArgumentTypeError(f"weights must be positive finite numbers, got {text!r}")
-    return values
-
-
-def add_data_arguments(p: argparse.ArgumentParser, required: bool = False) -> None:
-    """The conversation-data flags shared by ``run.py`` and ``python -m recipe.dump`` (``recipe.data.sources``):
-    ``--data`` (one or more sources), ``--data-column FIELD=COLUMN`` (repeatable), ``--data-weights W1,W2,..``."""
-    p.add_argument("--data", nargs="+", required=required, metavar="SOURCE",
-                   help="conversations: files (.json/.jsonl/.parquet/.csv), folders of them, or Hugging Face hub "
-                   "dataset names (split 'train'; needs a reachable hub); ShareGPT or OpenAI form")
-    p.add_argument("--data-column", type=column_mapping, action="append", metavar="FIELD=COLUMN",
-                   help="read the conversation FIELD ('conversations': ShareGPT turns, 'messages': OpenAI turns) "
-                   "from COLUMN, e.g. messages=dialog; applies to every source that has COLUMN; repeatable")
-    p.add_argument("--data-weights", type=_weights, metavar="W1,W2,...",
-                   help="mixing weights, one per --data source: the sources are interleaved with probabilities "
-                   "W_i/sum(W) until the first one runs out (no sample repeats); default: all rows, in order")
-
-
-def check_data_arguments(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> None:
-    """parser.error for --data-weights not matching --data; turns --data-column pairs into a dict."""
-    if ns.data_weights is not None and (ns.data is None or len(ns.data_weights) != len(ns.data)):
-        parser.error(f"--data-weights has {len(ns.data_weights)} value(s) for {len(ns.data or [])} --data "
-                     "source(s); give one weight per source")
-    ns.data_column = dict(ns.data_column) if ns.data_column else None
-
-
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="run.py",
-        description="Train an EAGLE-3 draft model with DeepSpeed (ZeRO 0-3), tensor and context parallelism.",
-        epilog="Launch: `deepspeed --num_gpus N run.py --ds_config ds_configs/zero3.json ...`, `torchrun "
-        "--nproc_per_node N run.py ...`, or `python run.py ...` for one process. See README.md.",
-    )
-    p.add_argument("--ds_config", "--deepspeed_config", dest="ds_config", type=Path, required=True,
-                   help="DeepSpeed JSON (optimizer, scheduler, ZeRO stage, batch sizes) with our 'parallelism' section")
-    p.add_argument("--target", type=Path, required=True, help="target model folder (Hugging Face format)")
-    p.add_argument("--output", type=Path, required=True, help="run folder: metrics.jsonl, checkpoints/, export/")
-    add_data_arguments(p)
-    p.add_argument("--hidden-states", type=Path, help="offline store written by `python -m recipe.dump`")
-    p.add_argument("--max-length", type=_positive, default=2048, help="tokens per sample after the chat template")
-    p.add_argument("--ttt-steps", type=_positive, default=7, help="training-time-test unroll steps K")
-    p.add_argument("--draft-vocab-size", type=_positive, default=32000,
-                   help="draft vocabulary size V_d (capped at the target vocabulary)")
-    p.add_argument("--draft-config", type=Path, help="JSON of draft config overrides, e.g. head counts")
-    p.add_argument("--epochs", type=_positive_float, default=1.0, help="passes over the data (fractions allowed)")
-    p.add_argument("--max-steps", type=_positive, help="stop after this many optimizer steps")
-    p.add_argument("--seed", type=int, default=0, help="seed for weights, data order and dropout-free RNG")
-    p.add_argument("--limit", type=_positive,
-                   help="use only the first N conversations of each data file / the first N stored samples")
-    p.add_argument("--num-proc", type=_positive, default=1, help="processes for tokenisation (datasets.map)")
-    p.add_argument("--save-every", type=_non_negative, default=0,
-                   help="checkpoint every N optimizer steps (0: only at the end)")
-    p.add_argument("--keep-checkpoints", type=_positive, default=2, help="how many checkpoints to keep")
-    p.add_argument("--resume", nargs="?", const="latest", default=None,
-                   help="resume from OUTPUT/checkpoints/latest, or from the given checkpoint folder")
-    p.add_argument("--extend", action="store_true",
-                   help="with --resume and another --max-steps/--epochs: re-plan the LR schedule for the new length "
-                   "from the saved step (README, 'Extending a run'); without it such a resume is refused")
-    p.add_argument("--tp-size", type=_positive, help="override parallelism.tp_size of the JSON")
-    p.add_argument("--cp-size", type=_positive, help="override parallelism.cp_size of the JSON")
-    p.add_argument("--aux-layer-ids", type=int_list, help="target layers for aux hidden states, e.g. 1,14,26")
-    p.add_argument("--lm-head-init", choices=["target", "random"], default="target",
-                   help="initialise the draft lm_head from the target's rows of the draft vocabulary")
-    p.add_argument("--cache-dir", type=Path, help="cache for tokenised data and vocab maps (default OUTPUT/cache)")
-    p.add_argument("--log-every", type=_positive, default=1,
-                   help="refresh the progress statistics every N steps; when stderr is not a terminal (a log file), "
-                   "print them as one line every N steps")
-    p.add_argument("--no-export", action="store_true", help="skip writing OUTPUT/export at the end")
-    p.add_argument("--skip-nonfinite", action="store_true",
-                   help="skip (and count) optimizer steps whose loss is NaN/inf instead of stopping with an error "
-                   "naming the step and samples; needs gradient_accumulation_steps = 1")
-    p.add_argument("--local_rank", "--local-rank", type=int, default=-1, help=argparse.SUPPRESS)
-    return p
-
-
-def parse_args(argv: list[str] | None = None) -> TrainArgs:
-    """Parse ``run.py`` flags; errors exit with argparse's message naming the flag."""
-    parser = build_parser()
-    ns = parser.parse_args(argv)
-    if (ns.data is None) == (ns.hidden_states is None):
-        parser.error("give exactly one of --data (online: the target runs each step) or --hidden-states (offline)")
-    if ns.extend and ns.resume is None:
-        parser.error("--extend re-plans a resumed run: give it together with --resume")
-    check_data_arguments(parser, ns)
-    values = {k: v for k, v in vars(ns).items() if k != "local_rank"}
-    return TrainArgs(**values)
-
-
-def _read_ds_config(path: Path) -> tuple[dict, dict]:
+def read_ds_config(path: Path) -> tuple[dict, dict]:
     """Read a DeepSpeed JSON; return (DeepSpeed dict without our section, our 'parallelism' section).
 
     Raises ConfigError naming the file for a missing file, invalid JSON (with line/column) or a non-object.
@@ -455,7 +275,7 @@ def load_run_config(path: Path, world_size: int, overrides: dict | None = None) 
     unreadable file, invalid JSON, a bad section (or a monitor whose package is missing), a layout that does not fit
     ``world_size`` or inconsistent batch sizes.
     """
-    ds_cfg, section = _read_ds_config(path)
+    ds_cfg, section = read_ds_config(path)
     memory = MemoryOptions.pop_from(ds_cfg, path)
     monitor = pop_monitor_sections(ds_cfg, path)
     try:

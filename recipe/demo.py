@@ -26,7 +26,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from recipe.config import positive_int_list
+from recipe.cli import positive_int_list
 from recipe.plot import CURVES_FILE, plot_note
 from recipe.train.distributed import free_port
 

@@ -30,7 +30,7 @@ import torch.distributed as dist
 from rich.console import Console
 from rich.table import Table
 
-from recipe.config import add_data_arguments, check_data_arguments, int_list
+from recipe.cli import add_data_arguments, check_data_arguments, int_list
 from recipe.data.store import DTYPES, HiddenStateStore, StoreMeta, examples_hash
 from recipe.data.store_writer import StoreWriter, shard_plan
 from recipe.model.target_options import TARGET_SECTION, TargetOptions
@@ -168,11 +168,11 @@ def _parse(argv=None) -> argparse.Namespace:
 def target_options(args: argparse.Namespace) -> TargetOptions:
     """The ``target`` section of ``--ds_config`` (defaults without it), with ``partition = "zero3"`` under
     ``--partition-target``. Raises ConfigError naming the file and field for a bad JSON or section."""
-    from recipe.config import ConfigError, _read_ds_config
+    from recipe.config import ConfigError, read_ds_config
 
     section = None
     if args.ds_config is not None:
-        cfg, _ = _read_ds_config(args.ds_config)
+        cfg, _ = read_ds_config(args.ds_config)
         section = cfg.get(TARGET_SECTION)
     try:
         options = TargetOptions.from_section(section)

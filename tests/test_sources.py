@@ -8,7 +8,7 @@ import datasets
 import pytest
 from transformers import AutoTokenizer
 
-from recipe.config import parse_args
+from recipe.cli import parse_args
 from recipe.data.examples import build_examples
 from recipe.data.sources import resolve_source
 

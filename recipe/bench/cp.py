@@ -24,7 +24,7 @@ from rich.table import Table
 
 from recipe.bench.common import GIB, MIB, write_json
 from recipe.bench.measure import BenchSpec, run_measurement
-from recipe.config import positive_int_list
+from recipe.cli import positive_int_list
 from recipe.parallel.cp_shard import contiguous_indices, zigzag_indices
 
 NUM_CHUNKS = 2  # local chunks per shard in the ring's work skipping (kernels.ring_attention default)

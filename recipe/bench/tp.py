@@ -26,7 +26,7 @@ from rich.table import Table
 from recipe.bench.common import GIB, MIB, tensor_bytes, write_json
 from recipe.bench.measure import BenchSpec, CpuPeak, build_model, random_batch
 from recipe.bench.ranks import spawn_gloo_ranks
-from recipe.config import positive_int_list
+from recipe.cli import positive_int_list
 
 
 def _train_step(model, batch, optimizer) -> float:

@@ -162,7 +162,7 @@ def main(argv: list[str] | None = None) -> None:
     from rich.console import Console
     from transformers import AutoTokenizer
 
-    from recipe.config import add_data_arguments, check_data_arguments
+    from recipe.cli import add_data_arguments, check_data_arguments
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokenizer", required=True, help="tokenizer folder (the target's)")

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from recipe.config import positive_int_list
+from recipe.cli import positive_int_list
 
 DRAFT_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 

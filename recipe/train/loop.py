@@ -25,7 +25,7 @@ import torch.distributed as dist
 from rich.console import Console
 from rich.markup import escape
 
-from recipe.config import TrainArgs
+from recipe.cli import TrainArgs
 from recipe.export import export_tensors, write_export
 from recipe.model.ttt import step_weights, ttt_objective
 from recipe.parallel.parallelize import gather_full_state

@@ -14,7 +14,8 @@ import torch
 import torch.distributed as dist
 from rich.console import Console
 
-from recipe.config import RunConfig, TrainArgs, load_run_config
+from recipe.config import RunConfig, load_run_config
+from recipe.cli import TrainArgs
 from recipe.data.vocab import VocabMap, build_vocab_map
 from recipe.model.draft import Eagle3Draft
 from recipe.model.draft_config import Eagle3DraftConfig, load_draft_config_overrides
