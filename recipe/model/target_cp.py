@@ -134,16 +134,18 @@ class CPTarget:
         cp_group, cp_size, cp_rank: the context-parallel group of this rank, its size and this rank's index in it.
         attention_backend, tile_size: the causal block's kernel and tile (``make_causal_attention``; the run's
             ``memory`` section).
+        argmax_chunk_size: positions per lm_head matmul of the argmax (``lm_head_argmax``): at most this many
+            [·, V] logits rows exist at once.
     Raises ValueError for an unsupported model type (``check_cp_target``) or backend.
     """
 
     def __init__(self, target: TargetModel, comm, cp_group, cp_size: int, cp_rank: int,
-                 attention_backend: str = "auto", tile_size: int | None = None):
+                 attention_backend: str = "auto", tile_size: int | None = None, argmax_chunk_size: int = 1024):
         from kernels.attention_backends import make_causal_attention
 
         check_cp_target(target.config)
         self.target, self.comm, self.cp_group = target, comm, cp_group
-        self.cp_size, self.cp_rank = cp_size, cp_rank
+        self.cp_size, self.cp_rank, self.argmax_chunk_size = cp_size, cp_rank, argmax_chunk_size
         self.block = make_causal_attention(attention_backend, tile_size, target.device,
                                            cp_group if cp_size > 1 else None)
 
@@ -170,7 +172,7 @@ class CPTarget:
         aux = torch.cat([captured[i] for i in t.aux_layer_ids], dim=-1)
         last = out.last_hidden_state
         argmax = torch.zeros(b, s, dtype=torch.int64, device=t.device)
-        argmax[:, pos] = lm_head_argmax(last, t.lm_head_weight)
+        argmax[:, pos] = lm_head_argmax(last, t.lm_head_weight, self.argmax_chunk_size)
         argmax = self.comm.sum(argmax, group=self.cp_group) if self.cp_size > 1 else argmax
         return CPTargetCapture(aux_hidden_BSA=aux, label_hidden_BUH=self._label_hidden(last, s, ttt_steps),
                                argmax_BS=argmax)
