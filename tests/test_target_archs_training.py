@@ -1,12 +1,14 @@
 """A short online training run per supported target architecture (Llama, Qwen2, Qwen3, Mistral), with the
 context-parallel target forward: tiny random targets (built locally, SmolLM2's tokenizer saved alongside so the
 ShareGPT conversations tokenise) on 2 gloo ranks, the cp = 2 curve equal to the dp = 2 curve (the full-sequence
-target forward on each rank) within rel 1e-5.
+target forward on each rank) within rel 1e-5; an architecture outside the allowlist stops the online cp = 2 run at
+start-up with a clear error.
 """
 from __future__ import annotations
 
 import pytest
 
+from helpers.faults import Job, run_jobs
 from helpers.ranks import run_ranks
 from helpers.tiny_target import ARCHITECTURES, save_tiny_target
 from helpers.training import assert_curves_close, run_training, write_ds_config
@@ -45,3 +47,20 @@ def test_cp2_online_training_matches_dp2(curves, name):
     dp2, cp2 = curves[name]
     assert len(dp2) == STEPS and all(v > 0 for v in dp2[0]["valid"])
     assert_curves_close(dp2, cp2, 1e-5, f"{name} online cp=2")
+
+
+def test_online_cp2_refuses_an_unsupported_target(assets, tmp_path):
+    from transformers import AutoTokenizer, Gemma2Config, Gemma2ForCausalLM
+
+    tokenizer = AutoTokenizer.from_pretrained(assets.target)
+    config = Gemma2Config(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=8,
+                          num_attention_heads=4, num_key_value_heads=2, head_dim=8)
+    Gemma2ForCausalLM(config).save_pretrained(tmp_path / "gemma2")
+    tokenizer.save_pretrained(tmp_path / "gemma2")
+    argv = ["--ds_config", str(write_ds_config(tmp_path / "ds.json", train_batch_size=2)), "--target",
+            str(tmp_path / "gemma2"), "--data", str(assets.conversations), "--output", str(tmp_path / "run"),
+            "--max-length", "256", "--limit", "4", "--draft-vocab-size", "512", "--cp-size", "2",
+            "--cache-dir", str(tmp_path / "cache")]
+    (out,) = run_ranks(2, run_jobs, [Job(argv)])[0]
+    assert out.rc == 2 and "Traceback" not in out.stderr, out.stderr
+    assert "model_type 'gemma2'" in out.stderr and "python -m recipe.dump" in out.stderr, out.stderr

@@ -52,11 +52,12 @@ class BatchBuilder:
             raise ValueError("BatchBuilder needs exactly one of examples (online) or store (offline)")
         if examples is not None and target is None:
             raise ValueError("online mode needs the target model")
-        from recipe.model.target_cp import CPTarget
+        if examples is not None and cp_size > 1:
+            from recipe.model.target_cp import CPTarget
 
-        if examples is not None and cp_size > 1 and not isinstance(target, CPTarget):
-            raise ValueError(f"online training with cp_size={cp_size} needs a recipe.model.target_cp.CPTarget, got "
-                             f"{type(target).__name__}")
+            if not isinstance(target, CPTarget):
+                raise ValueError(f"online training with cp_size={cp_size} needs a recipe.model.target_cp.CPTarget, "
+                                 f"got {type(target).__name__}")
         self.examples, self.store, self.target = examples, store, target
         self.t2d = t2d.to(target.device) if target is not None else t2d
         self.ttt_steps, self.seq_divisor = ttt_steps, seq_divisor
