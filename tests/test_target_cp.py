@@ -58,6 +58,7 @@ def _cp_worker(rank, world_size, folders):
     return out
 
 
+@pytest.mark.slow  # spawns 2 and 4 gloo ranks
 @pytest.mark.parametrize("cp", [2, 4])
 def test_cp_target_equals_full_forward(arch_targets, cp):
     from recipe.model.target import TargetModel
@@ -99,6 +100,7 @@ def _builder_worker(rank, world_size, folder):
     return got, full
 
 
+@pytest.mark.slow  # spawns 2 gloo ranks
 def test_online_builder_at_cp2_equals_sharded_full_capture(arch_targets):
     from recipe.parallel.cp_shard import shard_ttt_batch
 
