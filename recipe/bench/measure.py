@@ -17,6 +17,7 @@ import re
 import resource
 import time
 import traceback
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -233,6 +234,20 @@ def _rank_main(rank: int, spec_fields: dict, port: int, queue) -> None:
         queue.put((rank, "error", traceback.format_exc()[-2000:]))
 
 
+@contextmanager
+def mmap_threshold_for_children(device: str):
+    """On CPU, ``MALLOC_MMAP_THRESHOLD_`` = 1 MiB in the environment (unless already set) while the block starts
+    child processes, whose glibc reads it at start-up (module docstring); restored on exit."""
+    saved_env = os.environ.get(MALLOC_ENV)
+    if device == "cpu" and saved_env is None:
+        os.environ[MALLOC_ENV] = str(1 << 20)
+    try:
+        yield
+    finally:
+        if device == "cpu" and saved_env is None:
+            os.environ.pop(MALLOC_ENV, None)
+
+
 def run_measurement(spec: BenchSpec, timeout: float = 900.0) -> dict:
     """Run ``spec`` on ``tp·cp`` fresh spawned processes. Returns ``{"status": "ok" | "oom" | "killed" |
     "timeout" | "error", "ranks": [per-rank measure_step dicts], "detail": str}``; never raises for a failed run."""
@@ -245,15 +260,9 @@ def run_measurement(spec: BenchSpec, timeout: float = 900.0) -> dict:
     port = free_port()
     procs = [ctx.Process(target=_rank_main, args=(r, dataclasses.asdict(spec), port, results_q))
              for r in range(spec.world_size)]
-    saved_env = os.environ.get(MALLOC_ENV)
-    if spec.device == "cpu" and saved_env is None:
-        os.environ[MALLOC_ENV] = str(1 << 20)  # read by the children's glibc at start-up
-    try:
+    with mmap_threshold_for_children(spec.device):
         for proc in procs:
             proc.start()
-    finally:
-        if saved_env is None:
-            os.environ.pop(MALLOC_ENV, None)
     ranks, status, detail = {}, "ok", ""
     deadline = time.monotonic() + timeout
     while len(ranks) < spec.world_size and status == "ok":

@@ -193,9 +193,11 @@ class TargetModel:
         return self._fingerprint
 
     @torch.no_grad()
-    def capture(self, input_ids_BS: torch.Tensor, attention_mask_BS: torch.Tensor | None = None) -> TargetCapture:
+    def capture(self, input_ids_BS: torch.Tensor, attention_mask_BS: torch.Tensor | None = None,
+                argmax_chunk_size: int = 1024) -> TargetCapture:
         """Run the decoder stack once; return the aux layers' outputs, the final-norm hidden states and the greedy
-        token per position (the lm_head applied 1024 positions at a time: never all [B, S, V] logits at once).
+        token per position (the lm_head applied ``argmax_chunk_size`` positions at a time: never all [B, S, V]
+        logits at once).
 
         input_ids_BS: [B, S] int64 token ids; attention_mask_BS: [B, S] 1 = token, 0 = padding (default all ones).
         Rows at padded positions hold whatever the model computes there; callers strip them.
@@ -207,5 +209,5 @@ class TargetModel:
         aux = torch.cat([captured[i] for i in self.aux_layer_ids], dim=-1)
         last = out.last_hidden_state
         with self.full_lm_head() as head_VH:
-            argmax = lm_head_argmax(last, head_VH)
+            argmax = lm_head_argmax(last, head_VH, argmax_chunk_size)
         return TargetCapture(aux_hidden_BSA=aux, last_hidden_BSH=last, argmax_BS=argmax)

@@ -35,6 +35,20 @@ def zigzag_indices(seq_len: int, cp_size: int, cp_rank: int) -> torch.Tensor:
                       torch.arange(second * chunk, (second + 1) * chunk)])
 
 
+def label_rows(seq_len: int, cp_size: int, cp_rank: int, ttt_steps: int) -> torch.Tensor:
+    """The target last-hidden rows a cp rank's TTT steps read: [U] int64, sorted, ``unique(min(p + 1 + k, S − 1))``
+    over its zigzag positions p and k < K (``recipe.model.ttt.make_ttt_batch``'s ``target_row_KS``). These are the
+    rank's own positions plus up to K rows after each of its two chunks: the first rows of chunk r+1 (held by rank
+    r+1, or by the rank itself when r = cp−1) and of chunk 2·cp−r (held by rank r−1; none for r = 0, whose second
+    chunk ends the sequence). Same errors as ``zigzag_indices``; ValueError for K < 1.
+    """
+    if ttt_steps < 1:
+        raise ValueError(f"TTT steps K={ttt_steps} must be >= 1")
+    pos = zigzag_indices(seq_len, cp_size, cp_rank)
+    rows = (pos[None, :] + 1 + torch.arange(ttt_steps)[:, None]).clamp(max=seq_len - 1)
+    return torch.unique(rows)
+
+
 def contiguous_indices(seq_len: int, cp_size: int, cp_rank: int) -> torch.Tensor:
     """Global positions of a plain contiguous split (rank r holds [r·S/cp, (r+1)·S/cp)); the baseline that zigzag
     balances. Same length rule and errors as ``zigzag_indices``."""

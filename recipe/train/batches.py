@@ -1,10 +1,11 @@
 """Sample indices -> this rank's TTT micro-batch, online (the target runs now) or offline (the store).
 
-Every TTT shift is computed on the full, padded sequence (``recipe.model.ttt.make_ttt_batch``) and only then is the
-batch zigzag-split across context-parallel ranks (``recipe.parallel.cp_shard``), so no rank needs its neighbour's
-tokens. Online with cp > 1, each cp rank runs the target on the whole micro-batch itself: the target's forward is a
-small part of a step next to the draft's K unrolled steps, and replicating it needs no communication, where running it
-once per cp group would need a scatter of [B, S, 3·H_t] activations. Tensor-parallel ranks read the same samples.
+Every TTT shift is computed on the full, padded token sequence (``recipe.model.ttt.make_ttt_batch``; every rank
+has the tokens) and only then is the batch zigzag-split across context-parallel ranks (``recipe.parallel.cp_shard``),
+so no rank needs its neighbour's tokens. The hidden states are local: offline a cp rank reads only its rows of the
+store (``rows_needed``); online with cp > 1 the target itself runs context-parallel
+(``recipe.model.target_cp.CPTarget``): each cp rank computes the aux states of its zigzag positions and the last hidden
+states of its label rows, never the full sequence's. Tensor-parallel ranks read the same samples.
 """
 from __future__ import annotations
 
@@ -33,7 +34,8 @@ class BatchBuilder:
     Args:
         examples: ``datasets.Dataset`` with ``input_ids``/``loss_mask`` columns (online) or None.
         store: ``recipe.data.store.HiddenStateStore`` (offline) or None.
-        target: ``recipe.model.target.TargetModel`` (online) or None.
+        target: online, a ``recipe.model.target.TargetModel`` (cp = 1) or a ``recipe.model.target_cp.CPTarget``
+            over this rank's cp group (cp > 1); None offline.
         t2d: [V] bool draft-vocabulary mask; copied once to the target's device online (where the target's argmax
             is computed), kept on the CPU offline (where the store's ``target_argmax`` is read).
     The in-draft-vocabulary flag of a position is the lookup ``t2d[target argmax]``: the argmax comes from the store
@@ -50,6 +52,12 @@ class BatchBuilder:
             raise ValueError("BatchBuilder needs exactly one of examples (online) or store (offline)")
         if examples is not None and target is None:
             raise ValueError("online mode needs the target model")
+        if examples is not None and cp_size > 1:
+            from recipe.model.target_cp import CPTarget
+
+            if not isinstance(target, CPTarget):
+                raise ValueError(f"online training with cp_size={cp_size} needs a recipe.model.target_cp.CPTarget, "
+                                 f"got {type(target).__name__}")
         self.examples, self.store, self.target = examples, store, target
         self.t2d = t2d.to(target.device) if target is not None else t2d
         self.ttt_steps, self.seq_divisor = ttt_steps, seq_divisor
@@ -74,11 +82,10 @@ class BatchBuilder:
         """
         if self.cp_size == 1:
             return None, None
-        from recipe.parallel.cp_shard import zigzag_indices
+        from recipe.parallel.cp_shard import label_rows, zigzag_indices
 
-        pos = zigzag_indices(seq, self.cp_size, self.cp_rank)
-        label = (pos[None, :] + 1 + torch.arange(self.ttt_steps)[:, None]).clamp(max=seq - 1)
-        return pos, torch.unique(label)
+        return zigzag_indices(seq, self.cp_size, self.cp_rank), label_rows(seq, self.cp_size, self.cp_rank,
+                                                                           self.ttt_steps)
 
     def build(self, indices: list[int]) -> MicroBatch:
         """The TTT micro-batch of samples ``indices`` for this rank."""
@@ -91,18 +98,40 @@ class BatchBuilder:
         attention = torch.zeros(b, seq, dtype=torch.long)
         for row, (ids, mask) in enumerate(tokens):
             input_ids[row, :len(ids)], loss_mask[row, :len(ids)], attention[row, :len(ids)] = ids, mask, 1
-        aux, last, argmax = self._hidden(indices, [len(ids) for ids, _ in tokens], input_ids, attention, seq)
-        in_vocab = target_in_draft_vocab(argmax, self.t2d)
-        ttt = make_ttt_batch(input_ids.to(aux.device), loss_mask.to(aux.device), attention.to(aux.device),
-                             aux, last, in_vocab, self.ttt_steps)
-        if self.cp_size > 1:
-            from recipe.parallel.cp_shard import shard_ttt_batch
+        if self.target is not None and self.cp_size > 1:
+            ttt = self._cp_online(input_ids, loss_mask, attention)
+        else:
+            aux, last, argmax = self._hidden(indices, [len(ids) for ids, _ in tokens], input_ids, attention, seq)
+            in_vocab = target_in_draft_vocab(argmax, self.t2d)
+            ttt = make_ttt_batch(input_ids.to(aux.device), loss_mask.to(aux.device), attention.to(aux.device),
+                                 aux, last, in_vocab, self.ttt_steps)
+            if self.cp_size > 1:
+                from recipe.parallel.cp_shard import shard_ttt_batch
 
-            ttt = shard_ttt_batch(ttt, self.cp_size, self.cp_rank)
+                ttt = shard_ttt_batch(ttt, self.cp_size, self.cp_rank)
         ttt = ttt.to(self.device)
         ttt.aux_hidden_BSA = ttt.aux_hidden_BSA.to(self.dtype)
         ttt.target_hidden_BLH = ttt.target_hidden_BLH.to(self.dtype)
         return MicroBatch(ttt=ttt, samples=b, supervised_tokens=int(loss_mask.sum()))
+
+    def _cp_online(self, input_ids, loss_mask, attention) -> TTTBatch:
+        """This rank's TTT batch from the context-parallel target forward (``CPTarget.capture``): the shifts are
+        made on the full token sequence with empty hidden states, the batch is sharded, then the local aux states
+        and label rows are put in (``shard_ttt_batch`` orders the label rows as ``cp_shard.label_rows`` does)."""
+        from recipe.parallel.cp_shard import shard_ttt_batch
+
+        dev = self.target.device
+        cap = self.target.capture(input_ids, attention, self.ttt_steps)
+        b, s = input_ids.shape
+        empty = torch.empty(b, s, 0, dtype=cap.aux_hidden_BSA.dtype, device=dev)
+        ttt = make_ttt_batch(input_ids.to(dev), loss_mask.to(dev), attention.to(dev), empty, empty,
+                             target_in_draft_vocab(cap.argmax_BS, self.t2d), self.ttt_steps)
+        ttt = shard_ttt_batch(ttt, self.cp_size, self.cp_rank)
+        if ttt.target_hidden_BLH.shape[1] != cap.label_hidden_BUH.shape[1]:
+            raise AssertionError(f"label rows: the shard reads {ttt.target_hidden_BLH.shape[1]}, the CP target "
+                                 f"computed {cap.label_hidden_BUH.shape[1]}")
+        ttt.aux_hidden_BSA, ttt.target_hidden_BLH = cap.aux_hidden_BSA, cap.label_hidden_BUH
+        return ttt
 
     def _hidden(self, indices, lengths, input_ids, attention, seq
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

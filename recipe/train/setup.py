@@ -139,6 +139,11 @@ def build_run(args: TrainArgs, device: torch.device, console: Console) -> RunPar
 
         target = build_target(args.target, config.target, aux_layer_ids=draft_config.aux_layer_ids,
                               dtype=torch.bfloat16 if device.type == "cuda" else torch.float32, device=device)
+        if dims.cp > 1:
+            from recipe.model.target_cp import CPTarget
+
+            target = CPTarget(target, pstate.comm, pstate.cp_group, dims.cp, pstate.cp_rank,
+                              memory.attention_backend, memory.attention_tile_size)
     builder = BatchBuilder(examples=examples, store=store, target=target, t2d=vocab.t2d,
                            ttt_steps=args.ttt_steps, seq_divisor=dims.seq_divisor, cp_size=dims.cp,
                            cp_rank=pstate.cp_rank, device=device, dtype=config.dtype)

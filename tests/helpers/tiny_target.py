@@ -1,27 +1,46 @@
-"""A tiny random Llama target saved as a HF folder, and an fp32 offline hidden-state store of random chats made with
-it, for fast target/store/dump/training tests (built once per session by the fixtures in ``tests/conftest.py``)."""
+"""A tiny random target (Llama, Qwen2, Qwen3 or Mistral) saved as a HF folder, and an fp32 offline hidden-state store
+of random chats made with it, for fast target/store/dump/training tests (the Llama ones built once per session by the
+fixtures in ``tests/conftest.py``)."""
 from __future__ import annotations
 
 from pathlib import Path
 
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config,
+                          Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
+
+
+# config class, model class and architecture-specific settings of each tiny target architecture
+ARCHITECTURES = {
+    "llama": (LlamaConfig, LlamaForCausalLM, {}),
+    "qwen2": (Qwen2Config, Qwen2ForCausalLM, {"use_sliding_window": False}),  # q/k/v biases
+    "qwen3": (Qwen3Config, Qwen3ForCausalLM, {"head_dim": 16, "use_sliding_window": False}),  # q/k norms, wide heads
+    "mistral": (MistralConfig, MistralForCausalLM, {"sliding_window": None}),
+}
+
+
+def save_tiny_target(folder: Path, model_type: str = "llama", num_layers: int = 8, hidden: int = 32, vocab: int = 96,
+                     seed: int = 0, tie_word_embeddings: bool = False) -> Path:
+    """Write a random fp32 causal LM of ``model_type`` (a key of ``ARCHITECTURES``; ``num_layers`` layers, hidden
+    ``hidden``, 4 heads / 2 KV heads) to ``folder``.
+
+    The weights are drawn from ``torch.manual_seed(seed)`` inside a forked RNG, so the caller's global RNG is untouched.
+    """
+    config_cls, model_cls, extra = ARCHITECTURES[model_type]
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        config = config_cls(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden,
+                            num_hidden_layers=num_layers, num_attention_heads=4, num_key_value_heads=2,
+                            max_position_embeddings=256, tie_word_embeddings=tie_word_embeddings, **extra)
+        model = model_cls(config).eval()
+    model.save_pretrained(folder)
+    return Path(folder)
 
 
 def save_tiny_llama(folder: Path, num_layers: int = 8, hidden: int = 32, vocab: int = 96, seed: int = 0,
                     tie_word_embeddings: bool = False) -> Path:
-    """Write a random fp32 Llama (``num_layers`` layers, hidden ``hidden``, 4 heads / 2 KV heads) to ``folder``.
-
-    The weights are drawn from ``torch.manual_seed(seed)`` inside a forked RNG, so the caller's global RNG is untouched.
-    """
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        config = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden,
-                             num_hidden_layers=num_layers, num_attention_heads=4, num_key_value_heads=2,
-                             max_position_embeddings=256, tie_word_embeddings=tie_word_embeddings)
-        model = LlamaForCausalLM(config).eval()
-    model.save_pretrained(folder)
-    return Path(folder)
+    """``save_tiny_target`` of a Llama."""
+    return save_tiny_target(folder, "llama", num_layers, hidden, vocab, seed, tie_word_embeddings)
 
 
 def random_chats(num_samples: int = 24, seed: int = 0):

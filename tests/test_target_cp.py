@@ -1,0 +1,156 @@
+"""The context-parallel target forward (``recipe.model.target_cp``) against the full single-process forward.
+
+For every supported architecture (tiny random Llama, Qwen2, Qwen3, Mistral built locally), fp32 on CPU, with right
+padding and K larger than a zigzag chunk (so label rows cross chunks): on cp ∈ {2, 4} gloo ranks each rank's aux states
+equal the full forward's at its zigzag positions, its label rows equal the full forward's last hidden states at
+``label_rows``, and the gathered argmax equals the full argmax; and ``BatchBuilder`` online at cp builds the same
+TTTBatch shard as the full capture sharded. Unsupported targets (model type, sliding window) fail with clear errors.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from helpers.ranks import run_ranks
+from helpers.tiny_target import ARCHITECTURES, save_tiny_target
+
+K = 7  # > the chunk length 6 of S = 48 at cp = 4
+LENGTHS = (37, 48)
+SEQ = 48
+
+
+@pytest.fixture(scope="module")
+def arch_targets(tmp_path_factory) -> dict[str, str]:
+    root = tmp_path_factory.mktemp("arch_targets")
+    return {name: str(save_tiny_target(root / name, name)) for name in ARCHITECTURES}
+
+
+def _batch():
+    gen = torch.Generator().manual_seed(3)
+    ids = torch.zeros(len(LENGTHS), SEQ, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for row, n in enumerate(LENGTHS):
+        ids[row, :n] = torch.randint(1, 96, (n,), generator=gen)
+        mask[row, :n] = 1
+    loss_mask = mask.clone()
+    loss_mask[:, :5] = 0
+    return ids, mask, loss_mask
+
+
+def _rel(got: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((got - ref).abs().max() / ref.abs().max())
+
+
+def _cp_worker(rank, world_size, folders):
+    import torch.distributed as dist
+
+    from recipe.model.target import TargetModel
+    from recipe.model.target_cp import CPTarget
+    from recipe.parallel.collectives import Collectives
+
+    ids, mask, _ = _batch()
+    out = {}
+    for name, folder in folders.items():
+        target = CPTarget(TargetModel(folder, dtype=torch.float32, device="cpu"), Collectives("cpu"),
+                          dist.group.WORLD, world_size, rank, "auto", tile_size=4)
+        cap = target.capture(ids, mask, K)
+        out[name] = (cap.aux_hidden_BSA, cap.label_hidden_BUH, cap.argmax_BS)
+    return out
+
+
+@pytest.mark.slow  # spawns 2 and 4 gloo ranks
+@pytest.mark.parametrize("cp", [2, 4])
+def test_cp_target_equals_full_forward(arch_targets, cp):
+    from recipe.model.target import TargetModel
+    from recipe.parallel.cp_shard import label_rows, zigzag_indices
+
+    ids, mask, _ = _batch()
+    results = run_ranks(cp, _cp_worker, arch_targets)
+    for name, folder in arch_targets.items():
+        full = TargetModel(folder, dtype=torch.float32, device="cpu").capture(ids, mask)
+        for rank, result in enumerate(results):
+            aux, label, argmax = result[name]
+            pos, rows = zigzag_indices(SEQ, cp, rank), label_rows(SEQ, cp, rank, K)
+            assert aux.shape == (2, SEQ // cp, full.aux_hidden_BSA.shape[-1]), (name, rank)
+            assert _rel(aux, full.aux_hidden_BSA[:, pos]) <= 1e-5, (name, cp, rank, "aux")
+            assert label.shape[1] == rows.numel() < SEQ, (name, rank)
+            assert _rel(label, full.last_hidden_BSH[:, rows]) <= 1e-5, (name, cp, rank, "last")
+            real = mask.bool()
+            assert torch.equal(argmax[real], full.argmax_BS[real]), (name, cp, rank, "argmax")
+
+
+def _builder_worker(rank, world_size, folder):
+    import torch.distributed as dist
+    from datasets import Dataset
+
+    from recipe.model.target import TargetModel
+    from recipe.model.target_cp import CPTarget
+    from recipe.parallel.collectives import Collectives
+    from recipe.train.batches import BatchBuilder
+
+    ids, mask, loss_mask = _batch()
+    rows = {"input_ids": [ids[b, :n].tolist() for b, n in enumerate(LENGTHS)],
+            "loss_mask": [loss_mask[b, :n].tolist() for b, n in enumerate(LENGTHS)]}
+    target = TargetModel(folder, dtype=torch.float32, device="cpu")
+    t2d = torch.arange(96) % 3 != 0
+    kwargs = dict(examples=Dataset.from_dict(rows), t2d=t2d, ttt_steps=K, seq_divisor=2 * world_size)
+    cp_target = CPTarget(target, Collectives("cpu"), dist.group.WORLD, world_size, rank, "tiled", tile_size=None)
+    got = BatchBuilder(target=cp_target, cp_size=world_size, cp_rank=rank, **kwargs).build([0, 1]).ttt
+    full = BatchBuilder(target=target, **kwargs).build([0, 1]).ttt
+    return got, full
+
+
+@pytest.mark.slow  # spawns 2 gloo ranks
+def test_online_builder_at_cp2_equals_sharded_full_capture(arch_targets):
+    from recipe.parallel.cp_shard import shard_ttt_batch
+
+    for rank, (got, full) in enumerate(run_ranks(2, _builder_worker, arch_targets["qwen3"])):
+        ref = shard_ttt_batch(full, 2, rank)
+        for field in ("input_ids_KBS", "valid_KBS", "position_ids_BS", "key_valid_BS", "target_row_KS"):
+            assert torch.equal(getattr(got, field), getattr(ref, field)), (rank, field)
+        assert got.valid_KBS.any() and not got.valid_KBS.all()
+        assert _rel(got.aux_hidden_BSA, ref.aux_hidden_BSA) <= 1e-5
+        assert _rel(got.target_hidden_BLH, ref.target_hidden_BLH) <= 1e-5
+
+
+def test_single_rank_cp_target_equals_capture(arch_targets):
+    """cp = 1 through the registry (the single-device block): the same states as the model's own attention."""
+    from recipe.model.target import TargetModel
+    from recipe.model.target_cp import CPTarget
+    from recipe.parallel.collectives import Collectives
+
+    ids, mask, _ = _batch()
+    target = TargetModel(arch_targets["qwen2"], dtype=torch.float32, device="cpu")
+    cap = CPTarget(target, Collectives("cpu"), None, 1, 0, "tiled", None).capture(ids, mask, K)
+    full = target.capture(ids, mask)
+    assert target.config._attn_implementation == "sdpa"  # restored after the capture
+    assert _rel(cap.aux_hidden_BSA, full.aux_hidden_BSA) <= 1e-5
+    assert _rel(cap.label_hidden_BUH, full.last_hidden_BSH[:, 1:]) <= 1e-5  # label rows 1..S-1
+    assert torch.equal(cap.argmax_BS, full.argmax_BS)
+
+
+def test_unsupported_target_names_its_model_type(tmp_path):
+    from transformers import Gemma2Config
+
+    from recipe.model.target_cp import check_cp_target
+
+    with pytest.raises(ValueError, match=r"model_type 'gemma2'.*recipe\.dump.*--hidden-states"):
+        check_cp_target(Gemma2Config())
+    for name in ARCHITECTURES:
+        check_cp_target(ARCHITECTURES[name][0]())
+
+
+def test_sliding_window_shorter_than_the_sequence_is_refused(tmp_path):
+    from transformers import MistralConfig, MistralForCausalLM
+
+    from recipe.model.target import TargetModel
+    from recipe.model.target_cp import CPTarget
+    from recipe.parallel.collectives import Collectives
+
+    config = MistralConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=8,
+                           num_attention_heads=4, num_key_value_heads=2, sliding_window=16)
+    MistralForCausalLM(config).save_pretrained(tmp_path / "mistral")
+    target = CPTarget(TargetModel(tmp_path / "mistral", device="cpu"), Collectives("cpu"), None, 1, 0, "tiled")
+    ids, mask, _ = _batch()
+    with pytest.raises(ValueError, match="sliding window of 16 < sequence length 48"):
+        target.capture(ids, mask, K)
