@@ -16,7 +16,7 @@ from rich.console import Console
 
 from recipe.config import RunConfig, load_run_config
 from recipe.cli import TrainArgs
-from recipe.data.vocab import VocabMap, build_vocab_map
+from recipe.data.vocab import VocabMap, build_vocab_map, vocab_coverage_report
 from recipe.model.draft import Eagle3Draft
 from recipe.model.draft_config import Eagle3DraftConfig, load_draft_config_overrides
 from recipe.model.target_head import final_logit_softcap, load_embedding_and_head
@@ -121,6 +121,8 @@ def build_run(args: TrainArgs, device: torch.device, console: Console) -> RunPar
         cache = args.cache_dir or args.output / "cache"
         vocab = rank0_first(lambda: build_vocab_map(_token_rows(examples, store), hf_config.vocab_size, draft_vocab,
                                                     cache_dir=cache), pstate.comm)
+        if dist.get_rank() == 0:
+            console.print(vocab_coverage_report(_token_rows(examples, store), vocab, store))
 
     overrides = load_draft_config_overrides(args.draft_config) if args.draft_config else {}
     if args.aux_layer_ids:
