@@ -70,14 +70,19 @@ def _independent_eval(target, store_dir, export, held: list[int], K: int) -> dic
 
 @pytest.mark.slow
 def test_validation_records_match_an_independent_computation(tiny_target_and_store, tmp_path):
-    """dp=2 under ZeRO-3, 19 training / 5 held-out samples (the last eval chunk gives rank 1 no sample): eval
-    records at steps 2 and 4; the one after the last step equals the exported draft's held-out metrics."""
+    """dp=2 under ZeRO-3, 19 training / 5 held-out samples (the last eval chunk gives rank 1 no sample), and tp=2:
+    eval records at steps 2 and 4; the one after the last step equals the exported draft's held-out metrics."""
     target, store = tiny_target_and_store
-    cfg = write_ds_config(tmp_path / "z3.json", base="zero3.json", train_batch_size=4)
-    out = tmp_path / "run"
-    argv = train_argv(cfg, target, store, out, "--max-steps", "4", "--epochs", "2", "--eval-fraction", "0.2",
-                      "--eval-every", "2")
-    records = run_ranks(2, run_training, [argv])[0][0]
+    z3 = write_ds_config(tmp_path / "z3.json", base="zero3.json", train_batch_size=4)
+    tp2 = write_ds_config(tmp_path / "tp2.json", base="zero3_tp2.json", train_batch_size=4)
+    argvs = [train_argv(cfg, target, store, tmp_path / name, "--max-steps", "4", "--epochs", "2",
+                        "--eval-fraction", "0.2", "--eval-every", "2") for cfg, name in ((z3, "z3"), (tp2, "tp2"))]
+    runs = run_ranks(2, run_training, argvs)[0]
+    for records, name in zip(runs, ("z3", "tp2")):
+        _check_run(records, target, store, tmp_path / name / "export")
+
+
+def _check_run(records, target, store, export):
     train = [r for r in records if "loss" in r]
     evals = [r for r in records if "eval" in r]
     assert [r["step"] for r in train] == [1, 2, 3, 4] and [r["step"] for r in evals] == [2, 4]
@@ -86,7 +91,7 @@ def test_validation_records_match_an_independent_computation(tiny_target_and_sto
         assert all(v <= n for v, n in zip(r["valid"], r["supervised"]))
     ev = evals[-1]["eval"]
     assert ev["samples"] == 5
-    ref = _independent_eval(target, store, out / "export", held_out_split(24, 0.2, seed=0)[1], K=3)
+    ref = _independent_eval(target, store, export, held_out_split(24, 0.2, seed=0)[1], K=3)
     assert ev["valid"] == ref["valid"] and ev["supervised"] == ref["supervised"]
     assert any(v < n for v, n in zip(ref["valid"], ref["supervised"]))  # some targets are out of the draft vocab
     assert ev["loss"] == pytest.approx(ref["loss"], rel=1e-5)
