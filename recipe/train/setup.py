@@ -154,7 +154,7 @@ def build_run(args: TrainArgs, device: torch.device, console: Console) -> RunPar
         eval_builder = BatchBuilder(examples=eval_examples, store=eval_store, target=target, t2d=vocab.t2d,
                                     ttt_steps=args.ttt_steps, seq_divisor=dims.seq_divisor, cp_size=dims.cp,
                                     cp_rank=pstate.cp_rank, device=device, dtype=config.dtype)
-        validator = Validator(eval_builder, getattr(args, "eval_every", 0), config.plan.micro_batch, pstate,
+        validator = Validator(eval_builder, args.eval_every, config.plan.micro_batch, pstate,
                               args.ttt_steps)
     config = config.with_total_steps(sampler.total_steps(args.epochs, args.max_steps))
 

@@ -47,7 +47,7 @@ def held_out_data(args, examples, store, console, comm):
     training data (without the held-out samples for ``--eval-fraction``), the held-out data (None, None without
     validation) and a tag for the data fingerprint. Raises ValueError for a bad fraction, ``--eval-data`` with
     ``--eval-fraction``, or an offline ``--eval-data`` that is not a store of the same target and aux layers."""
-    fraction, eval_data = getattr(args, "eval_fraction", None), getattr(args, "eval_data", None)
+    fraction, eval_data = args.eval_fraction, args.eval_data
     if fraction is not None and eval_data is not None:
         raise ValueError("give --eval-data or --eval-fraction, not both")
     if fraction is not None:
