@@ -98,3 +98,34 @@ def _check_run(records, target, store, export):
     assert ev["acc"] == pytest.approx(ref["acc"], abs=1e-12)
     assert ev["acc_all_supervised"] == pytest.approx(ref["acc_all_supervised"], abs=1e-12)
     assert evals[0]["eval"]["loss"] != ev["loss"]  # evaluated with the weights of step 2, then of step 4
+
+
+def test_held_out_data_online_fraction_and_conflicting_flags():
+    from types import SimpleNamespace
+
+    from datasets import Dataset
+
+    from recipe.train.validation import held_out_data
+
+    examples = Dataset.from_dict({"input_ids": [[i, i + 1] for i in range(10)], "loss_mask": [[0, 1]] * 10})
+    args = SimpleNamespace(eval_fraction=0.3, eval_data=None, seed=0)
+    train, store, held, held_store, tag = held_out_data(args, examples, None, None, None)
+    assert store is None and held_store is None and tag == "eval-fraction:0.3"
+    _, want = held_out_split(10, 0.3, seed=0)
+    assert [r[0] for r in held["input_ids"]] == want and len(train) == 7
+    assert not {r[0] for r in train["input_ids"]} & set(want)
+    none = held_out_data(SimpleNamespace(eval_fraction=None, eval_data=None, seed=0), examples, None, None, None)
+    assert none[0] is examples and none[2] is None and none[4] == ""
+    with pytest.raises(ValueError, match="not both"):
+        held_out_data(SimpleNamespace(eval_fraction=0.3, eval_data=["x.jsonl"], seed=0), examples, None, None, None)
+
+
+def test_eval_flags_parse(tmp_path, capsys):
+    from recipe.cli import parse_args
+
+    base = ["--ds_config", "c.json", "--target", "t", "--output", "o", "--hidden-states", "s"]
+    args = parse_args(base + ["--eval-fraction", "0.1", "--eval-every", "5"])
+    assert (args.eval_fraction, args.eval_every, args.eval_data) == (0.1, 5, None)
+    with pytest.raises(SystemExit):
+        parse_args(base + ["--eval-every", "5"])
+    assert "--eval-every needs a held-out split" in capsys.readouterr().err
