@@ -105,6 +105,15 @@ def test_ranks_take_slices_and_output_is_training_data(chat_target, tmp_path, mo
     assert all(not r.reason for r in rows) and len(rows) == 3  # reads back as OpenAI-messages training data
 
 
+def test_too_long_prompts_are_counted_skips(chat_target, tmp_path, capsys):
+    data = _data(tmp_path / "chats.jsonl")
+    out = tmp_path / "t.jsonl"
+    # "<|im_start|>user\nquestion i<|im_end|>\n<|im_start|>assistant\n" is 29 tokens; second turns are longer
+    assert _run(chat_target, data, out, "--max-length", "30") == 0
+    assert "'too_long': 2" in capsys.readouterr().err
+    assert len(_read(out)) == 3  # the single-turn conversations
+
+
 def test_bad_settings_exit_2(chat_target, tmp_path):
     data = _data(tmp_path / "chats.jsonl")
     assert _run(chat_target, data, tmp_path / "x.jsonl", "--top-p", "0") == 2

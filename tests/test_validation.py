@@ -120,7 +120,7 @@ def test_held_out_data_online_fraction_and_conflicting_flags():
         held_out_data(SimpleNamespace(eval_fraction=0.3, eval_data=["x.jsonl"], seed=0), examples, None, None, None)
 
 
-def test_eval_flags_parse(tmp_path, capsys):
+def test_eval_flags_parse(capsys):
     from recipe.cli import parse_args
 
     base = ["--ds_config", "c.json", "--target", "t", "--output", "o", "--hidden-states", "s"]
