@@ -25,7 +25,7 @@ class MicroBatch:
     ttt: TTTBatch            # this rank's (cp-sharded) TTT batch, on the training device
     samples: int             # samples in the micro-batch (whole, not per cp rank)
     supervised_tokens: int   # loss-mask ones over the whole micro-batch
-    supervised_K: torch.Tensor | None = None  # [K] int64 supervised positions per TTT step, whole micro-batch
+    supervised_K: torch.Tensor  # [K] int64 supervised positions per TTT step, whole micro-batch
 
 
 def supervised_per_step(loss_mask_BS: torch.Tensor, ttt_steps: int) -> torch.Tensor:
