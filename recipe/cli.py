@@ -38,6 +38,9 @@ class TrainArgs:
     log_every: int = 1
     no_export: bool = False
     skip_nonfinite: bool = False
+    eval_data: list[str] | None = None
+    eval_fraction: float | None = None
+    eval_every: int = 0
 
 
 def int_list(text: str, minimum: int | None = None) -> list[int]:
@@ -169,6 +172,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--skip-nonfinite", action="store_true",
                    help="skip (and count) optimizer steps whose loss is NaN/inf instead of stopping with an error "
                    "naming the step and samples; needs gradient_accumulation_steps = 1")
+    p.add_argument("--eval-data", nargs="+", metavar="SOURCE",
+                   help="held-out data for validation: conversation sources like --data (online) or a store folder "
+                   "of the same target (offline)")
+    p.add_argument("--eval-fraction", type=_positive_float, metavar="F",
+                   help="hold out this fraction (0 < F < 1) of the training samples for validation")
+    p.add_argument("--eval-every", type=_non_negative, default=0,
+                   help="with --eval-data/--eval-fraction: validate every N optimizer steps (0: only at the end)")
     p.add_argument("--local_rank", "--local-rank", type=int, default=-1, help=argparse.SUPPRESS)
     return p
 
@@ -182,5 +192,7 @@ def parse_args(argv: list[str] | None = None) -> TrainArgs:
     if ns.extend and ns.resume is None:
         parser.error("--extend re-plans a resumed run: give it together with --resume")
     check_data_arguments(parser, ns)
+    if ns.eval_every and ns.eval_data is None and ns.eval_fraction is None:
+        parser.error("--eval-every needs a held-out split: --eval-data or --eval-fraction")
     values = {k: v for k, v in vars(ns).items() if k != "local_rank"}
     return TrainArgs(**values)

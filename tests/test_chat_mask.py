@@ -38,6 +38,27 @@ LAST_DIFFERS_TEMPLATE = (
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
 
+# Qwen3 style reasoning template (written for this test after Qwen3's behaviour): an assistant content of the form
+# "<think>R</think>A" renders as "<think>\nR\n</think>\n\nA" after the last user turn and as "A" alone before it.
+QWEN3_TEMPLATE = (
+    "{%- set ns = namespace(last_query=-1) %}"
+    "{%- for message in messages %}{%- if message.role == 'user' %}{%- set ns.last_query = loop.index0 %}"
+    "{%- endif %}{%- endfor %}"
+    "{%- for message in messages %}"
+    "{%- if message.role == 'assistant' %}"
+    "{%- set content = message.content %}{%- set reasoning = '' %}"
+    "{%- if '</think>' in content %}"
+    "{%- set reasoning = content.split('</think>')[0].split('<think>')[-1].strip('\n') %}"
+    "{%- set content = content.split('</think>')[-1].lstrip('\n') %}"
+    "{%- endif %}"
+    "{%- if loop.index0 > ns.last_query %}"
+    "{{- '<|im_start|>assistant\n<think>\n' + reasoning + '\n</think>\n\n' + content + '<|im_end|>\n' }}"
+    "{%- else %}{{- '<|im_start|>assistant\n' + content + '<|im_end|>\n' }}{%- endif %}"
+    "{%- else %}{{- '<|im_start|>' + message.role + '\n' + message.content + '<|im_end|>\n' }}{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\n' }}{%- endif %}"
+)
+
 
 @pytest.fixture(scope="module")
 def smollm2_tokenizer(assets):
@@ -121,3 +142,34 @@ def test_missing_chat_template_is_an_error(tokenizer):
     tokenizer.chat_template = None
     with pytest.raises(ValueError, match="no chat_template"):
         tokenize_conversation(CONVERSATION, tokenizer)
+
+
+def test_qwen3_reasoning_template_golden(tokenizer):
+    """Earlier turns are supervised as the template renders them (answer only, reasoning dropped), the turn after
+    the last user turn with its reasoning block, as the model writes it at inference."""
+    tokenizer.add_tokens(["<think>", "</think>"])
+    tokenizer.chat_template = QWEN3_TEMPLATE
+    messages = [{"role": "user", "content": "Hello"},
+                {"role": "assistant", "content": "<think>\nGreet back.\n</think>\n\nHi there!"},
+                {"role": "user", "content": "What is 2+2?"},
+                {"role": "assistant", "content": "<think>\nAdd.\n</think>\n\n4"}]
+    assert supervised_runs(tokenizer, messages) == [
+        "Hi there!<|im_end|>", "<think>\nAdd.\n</think>\n\n4<|im_end|>"]
+    # A last turn without reasoning renders an empty think block, which is supervised too.
+    plain = messages[:3] + [{"role": "assistant", "content": "4"}]
+    assert supervised_runs(tokenizer, plain) == ["Hi there!<|im_end|>", "<think>\n\n</think>\n\n4<|im_end|>"]
+    # Two assistant turns after the last user turn both keep their reasoning.
+    tail = messages + [{"role": "assistant", "content": "<think>\nMore.\n</think>\n\nReally."}]
+    assert supervised_runs(tokenizer, tail)[1:] == ["<think>\nAdd.\n</think>\n\n4<|im_end|>",
+                                                    "<think>\nMore.\n</think>\n\nReally.<|im_end|>"]
+
+
+def test_openai_text_parts_golden(tokenizer):
+    from recipe.data.conversations import normalise_record
+
+    record = {"messages": [{"role": "user", "content": [{"type": "text", "text": "Hello"}]},
+                           {"role": "assistant", "content": [{"type": "text", "text": "Hi"},
+                                                             {"type": "text", "text": "there!"}]}]}
+    messages = normalise_record(record)
+    assert messages == [{"role": "user", "content": "Hello"}, {"role": "assistant", "content": "Hi\nthere!"}]
+    assert supervised_runs(tokenizer, messages) == ["Hi\nthere!<|im_end|>"]

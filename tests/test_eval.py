@@ -13,6 +13,8 @@ from recipe.eval.prompts import Prompt, read_prompts
 from recipe.eval.report import summarise_run
 from recipe.eval.speculative import Generation, MismatchError, check_lossless, greedy_generate, speculative_generate
 from recipe.eval.target_runtime import CachedTarget
+from recipe.eval.tree import DraftTree, TreeSpec, accepted_path, tree_attention_mask, tree_speculative_generate
+from recipe.eval.tree_draft import EagleTreeDrafter
 from recipe.export import export_tensors, write_export
 from kernels.ttt_attention import TTTKVCache
 from recipe.model.draft import Eagle3Draft
@@ -193,6 +195,126 @@ def test_read_prompts(tmp_path):
         read_prompts(f)
 
 
+class OracleTreeDrafter:
+    """A tree whose first branch is the known continuation (``OracleDrafter``) to ``spec.depth`` and, below the root
+    and below every path node, one wrong sibling (token + 1): τ = 1 + depth when the continuation is right."""
+
+    def __init__(self, prompt_len: int, continuation: list[int]):
+        self.chain = OracleDrafter(prompt_len, continuation)
+
+    def begin(self) -> None:
+        self.chain.begin()
+
+    def propose_tree(self, aux_SA, next_ids_S, spec: TreeSpec) -> DraftTree:
+        tokens, parents = [], []
+        for i, t in enumerate(self.chain.propose(aux_SA, next_ids_S, spec.depth)):
+            parent = -1 if i == 0 else len(tokens) - 1  # the previous path node
+            tokens += [(t + 1) % VOCAB, t]
+            parents += [parent, parent]
+        return DraftTree(tokens[: spec.budget], parents[: spec.budget])
+
+
+def test_tree_mask_and_accepted_path():
+    tree = DraftTree(tokens=[5, 6, 7, 8, 9], parents=[-1, -1, 0, 0, 3])
+    assert tree.depths() == [1, 1, 2, 2, 3]
+    expected = torch.tensor([[1, 0, 0, 0, 0, 0], [1, 1, 0, 0, 0, 0], [1, 0, 1, 0, 0, 0], [1, 1, 0, 1, 0, 0],
+                             [1, 1, 0, 0, 1, 0], [1, 1, 0, 0, 1, 1]], dtype=torch.bool)
+    assert torch.equal(tree_attention_mask(tree.parents), expected)
+    # greedy[i]: target argmax after input i (0 root, i+1 node i): root -> 5 (node 0) -> 8 (node 3) -> 9 (node 4).
+    assert accepted_path(tree, [5, 8, 0, 0, 9, 1]) == [0, 3, 4]
+    assert accepted_path(tree, [6, 8, 0, 0, 9, 1]) == [1]
+    assert accepted_path(tree, [4, 8, 0, 0, 9, 1]) == []
+    with pytest.raises(ValueError, match="node 1 has parent 1"):
+        DraftTree([1, 2], [-1, 1])
+    with pytest.raises(ValueError, match="tree budget"):
+        TreeSpec(budget=0)
+
+
+def test_tree_forward_matches_sequential_paths(tiny):
+    """One masked forward over a tree gives, at every node, the logits of a plain forward over prefix + its path;
+    ``keep`` leaves the cache of the prefix + the kept path."""
+    target, _, _ = tiny
+    cached = CachedTarget(target.model, target.aux_layer_ids)
+    prompt = _prompts(1, seed=7)[0]
+    tree = DraftTree(tokens=[11, 12, 13, 14, 15, 16], parents=[-1, -1, 0, 0, 3, 1])
+    root = 40
+    cached.begin()
+    cached.forward(prompt)
+    n = len(cached)
+    step = cached.forward([root, *tree.tokens], positions=[n + d for d in [0, *tree.depths()]],
+                          tree_mask=tree_attention_mask(tree.parents))
+    plain = CachedTarget(target.model, target.aux_layer_ids)
+    for i in range(len(tree.tokens)):
+        path, j = [], i
+        while j >= 0:
+            path.insert(0, tree.tokens[j])
+            j = tree.parents[j]
+        plain.begin()
+        ref = plain.forward(prompt + [root] + path)
+        torch.testing.assert_close(step.logits_SV[i + 1], ref.logits_SV[-1], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(step.aux_SA[i + 1], ref.aux_SA[-1], rtol=1e-5, atol=1e-5)
+    cached.keep(list(range(n)) + [n, n + 1, n + 4, n + 5])  # root, nodes 0, 3, 4
+    after = cached.forward([17])
+    plain.begin()
+    ref = plain.forward(prompt + [root, 11, 14, 15, 17])
+    torch.testing.assert_close(after.logits_SV[-1], ref.logits_SV[-1], rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="increasing"):
+        cached.keep([2, 1])
+
+
+def test_tree_oracle_reaches_one_plus_depth_and_is_lossless(tiny):
+    target, _, _ = tiny
+    cached = CachedTarget(target.model, target.aux_layer_ids)
+    spec, rounds = TreeSpec(topk=2, depth=4, budget=8), 4
+    for prompt in _prompts(3, seed=3):
+        ref = greedy_generate(cached, prompt, 1 + rounds * (spec.depth + 1))
+        oracle = OracleTreeDrafter(len(prompt), ref.tokens)
+        spec_gen = tree_speculative_generate(cached, oracle, prompt, spec, len(ref.tokens))
+        check_lossless("tree oracle", ref, spec_gen)
+        assert spec_gen.accepted == [spec.depth] * rounds and spec_gen.tau == 1 + spec.depth
+    short = tree_speculative_generate(cached, OracleTreeDrafter(len(prompt), ref.tokens), prompt,
+                                      TreeSpec(topk=2, depth=4, budget=3), len(ref.tokens))
+    assert short.accepted[0] == 1  # 3 nodes: the depth-1 node, its wrong sibling and its wrong child
+    check_lossless("tree oracle, small budget", ref, short)
+
+
+def test_eagle_tree_is_chain_at_topk_one_and_lossless(tiny):
+    """A random export in float64: with topk 1 the tree is the chain (same proposals, same accepted counts); with
+    topk 3 every expanded node's children are the top 3 of chain drafting along its path; decoding is lossless."""
+    target, export, _ = tiny
+    cached = CachedTarget(target.model, target.aux_layer_ids)
+    draft = load_draft_export(export, target.embed_tokens_weight, dtype=torch.float64)
+    chain, tree = EagleDrafter(draft), EagleTreeDrafter(draft)
+    k = 4
+    for i, prompt in enumerate(_prompts(4, seed=4)):
+        ref = greedy_generate(cached, prompt, 30)
+        a = speculative_generate(cached, chain, prompt, k, 30)
+        b = tree_speculative_generate(cached, tree, prompt, TreeSpec(topk=1, depth=k, budget=k), 30)
+        c = tree_speculative_generate(cached, tree, prompt, TreeSpec(topk=3, depth=4, budget=12), 30)
+        for name, gen in (("chain", a), ("tree topk 1", b), ("tree topk 3", c)):
+            check_lossless(f"{name} {i}", ref, gen)
+        assert a.accepted == b.accepted
+    prompt = _prompts(1, seed=9)[0]
+    aux = torch.randn(len(prompt), 3 * draft.config.target_hidden_size, dtype=torch.float64)
+    nxt = torch.tensor(prompt[1:] + [7])
+    tree.begin()
+    got = tree.propose_tree(aux, nxt, TreeSpec(topk=3, depth=3, budget=100))
+    assert len(got.tokens) == 3 + 3 * 3 + 3 * 3 and got.depths().count(3) == 9
+    to_draft = {int(t): d for d, t in enumerate(chain.draft_to_target.tolist())}
+    for node in {p for p in got.parents if p >= 0}:
+        path, j = [], node
+        while j >= 0:
+            path.insert(0, got.tokens[j])
+            j = got.parents[j]
+        chain.begin()
+        hidden = chain.extend(aux, nxt)[-1]
+        for step, tok in enumerate(path, start=1):
+            hidden = chain.chain_step(hidden, tok, step)
+        top3 = set(draft.logits(hidden).topk(3).indices.tolist())
+        children = {to_draft[t] for t, p in zip(got.tokens, got.parents) if p == node}
+        assert children == top3, (node, path)
+
+
 @pytest.mark.slow
 def test_cli_on_real_target(assets, tmp_path, monkeypatch):
     """``python -m recipe.eval`` with the SmolLM2 target, MT-Bench prompts through the chat template, a random
@@ -207,16 +329,21 @@ def test_cli_on_real_target(assets, tmp_path, monkeypatch):
                           tmp_path / "export")
     out = tmp_path / "eval.json"
     argv = ["--target", str(assets.target), "--draft", str(export), "--num-draft-tokens", "2,1",
-            "--max-new-tokens", "5", "--limit", "2", "--output", str(out), "--device", "cpu"]
+            "--max-new-tokens", "5", "--limit", "2", "--output", str(out), "--device", "cpu",
+            "--tree-topk", "2", "--tree-depth", "3", "--tree-budget", "4"]
     assert cli.main(argv) == 0
     result = json.loads(out.read_text())
     assert result["num_prompts"] == 2 and result["num_draft_tokens"] == 2
+    assert result["tree"] == {"topk": 2, "depth": 3, "budget": 4} and len(result["tree_runs"]) == 1
+    assert result["tau_tree"] == result["tree_runs"][0]["tau"] and 1.0 <= result["tau_tree"] <= 4.0
+    assert result["tree_runs"][0]["new_tokens"] == 10
     assert [(r["draft"], r["num_draft_tokens"]) for r in result["runs"]] == [(str(export), 2), (str(export), 1)]
     for run in result["runs"]:
         assert 1.0 <= run["tau"] <= 1 + run["num_draft_tokens"]
         assert run["new_tokens"] == 10 and set(run["tau_by_category"]) == {"writing"}
     assert result["tau"] == result["runs"][0]["tau"]
     assert cli.main(["--target", str(assets.target), "--draft", str(tmp_path), "--limit", "1"]) == 2
+    assert cli.main(argv + ["--tree-budget", "0"]) == 2
 
     def mismatch(*_a, **_k):
         raise MismatchError("prompt 'x'")

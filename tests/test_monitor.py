@@ -18,7 +18,8 @@ STEPS = 6
 
 
 def _tags(k: int) -> set[str]:
-    names = ["loss", "lr", "grad_norm", "tokens_per_s"] + [f"{m}_{i}" for m in ("loss", "acc") for i in range(k)]
+    names = ["loss", "lr", "grad_norm", "tokens_per_s"] + [f"{m}_{i}" for m in ("loss", "acc", "acc_all_supervised")
+                                                                for i in range(k)]
     return {f"Train/Steps/{n}" for n in names}
 
 
@@ -27,6 +28,7 @@ def _expected(record: dict) -> dict[str, float]:
               "tokens_per_s": record["tokens"] / record["time_s"]}
     values.update({f"loss_{i}": v for i, v in enumerate(record["loss_k"])})
     values.update({f"acc_{i}": v for i, v in enumerate(record["acc"])})
+    values.update({f"acc_all_supervised_{i}": v for i, v in enumerate(record["acc_all_supervised"])})
     return values
 
 

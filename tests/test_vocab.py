@@ -96,3 +96,28 @@ def test_bad_draft_vocab_size(draft_vocab_size):
 def test_token_outside_target_vocab():
     with pytest.raises(ValueError, match="outside the target vocabulary"):
         build_vocab_map(_dataset([([1, V], [1, 1])]), V, 2)
+
+
+def test_target_argmax_coverage_and_report():
+    from recipe.data.vocab import target_argmax_coverage, vocab_coverage_report
+
+    vocab = build_vocab_map(_dataset(ROWS), V, 4)  # draft ids 1, 2, 7, 9
+    # argmax at q predicts token q+1: counted where loss_mask[q+1] == 1 -> q = 1, 2, 3 (argmax 7, 11, 2)
+    samples = [(torch.tensor([0, 0, 1, 1, 1]), torch.tensor([5, 7, 11, 2, 9]))]
+    cov = target_argmax_coverage(samples, vocab.t2d)
+    assert cov == {"predictions": 3, "in_draft_vocab": 2, "argmax_coverage": 2 / 3}
+    assert target_argmax_coverage([], vocab.t2d)["argmax_coverage"] == 0.0
+
+    class Store:  # the two fields of a HiddenStateStore the report reads
+        def __len__(self):
+            return 2
+
+        def get(self, i, fields):
+            assert fields == ("loss_mask", "target_argmax")
+            return {"loss_mask": samples[0][0], "target_argmax": samples[0][1] if i == 0 else torch.full((5,), 9)}
+
+    line = vocab_coverage_report(_dataset(ROWS), vocab, Store())
+    # supervised tokens: 7 x3, 2 x2, 9 x2, 5, 1 -> the map covers 8 of 9; argmax: 2 of 3, then 3 of 3 -> 5 of 6
+    assert "4 ids cover 88.9% of the 9 supervised tokens (5 distinct ids, 0 filled unseen)" in line
+    assert "83.3% of the target's 6 argmax tokens" in line
+    assert "argmax" not in vocab_coverage_report(_dataset(ROWS), vocab)

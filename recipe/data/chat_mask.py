@@ -17,7 +17,12 @@ For each assistant message i:
 3. **Fallback**, used when a template renders a message differently once it is no longer the last one (so the
    prefixes above are not prefixes of ``full``): the turn's content is searched in ``full`` after the previous
    turn's end (with surrounding whitespace stripped, as templates often ``trim`` it); the turn then extends over
-   the special tokens that follow it directly. A content that cannot be found raises ``BadRow("template_error")``.
+   the special tokens that follow it directly. Reasoning templates (Qwen3: a ``<think>...</think>`` block at the
+   start of an assistant content) render the reasoning of assistant turns before the last user turn not at all:
+   when the content is not found and holds ``</think>``, the text after the last ``</think>`` is searched instead,
+   so an earlier turn is supervised as the template renders it (the answer only) and a turn after the last user
+   turn with its reasoning (found by the prefixes, as at inference, where the model writes the ``<think>`` block).
+   A content that cannot be found raises ``BadRow("template_error")``.
 4. The character span [start, end) is mapped to tokens with the fast tokenizer's ``offset_mapping`` of ``full``
    (tokenised with ``add_special_tokens=False``, exactly as ``apply_chat_template(tokenize=True)`` does); a token is
    in the span iff its first character is. Trailing tokens of the span that are whitespace and not special tokens
@@ -61,9 +66,15 @@ def _consistent_prefix(tokenizer, messages: list[dict], full: str, add_generatio
     return len(text) if full.startswith(text) else None
 
 
+REASONING_END = "</think>"
+
+
 def _fallback_span(content: str, full: str, cursor: int, offsets, ids, special: set[int]) -> tuple[int, int]:
     needle = content.strip()
     start = full.find(needle, cursor)
+    if start < 0 and REASONING_END in content:  # the template dropped this turn's reasoning (Qwen3 style)
+        needle = content.rsplit(REASONING_END, 1)[1].strip()
+        start = full.find(needle, cursor) if needle else -1
     if start < 0:
         raise BadRow("template_error", "assistant content not found verbatim in the rendered conversation")
     end = start + len(needle)

@@ -4,7 +4,9 @@ Two on-disk schemas are accepted, one record per JSONL line or one element of a 
 
 - ShareGPT: ``{"conversations": [{"from": "human"|"user"|"gpt"|"assistant"|"chatgpt"|"bard"|"system",
   "value": str}, ...]}`` (an optional top-level ``"system": str`` becomes a leading system turn);
-- OpenAI: ``{"messages": [{"role": "system"|"user"|"assistant", "content": str}, ...]}``.
+- OpenAI: ``{"messages": [{"role": "system"|"user"|"assistant", "content": str}, ...]}``; ``content`` may also be
+  a list of text parts ``[{"type": "text", "text": str}, ...]``, joined with newlines (other part types, e.g.
+  images, make the row ``bad_content``).
 
 A column mapping (``run.py --data-column messages=dialog``) names another field for either list; a field holding a
 JSON string of the list (a CSV cell) is decoded. Parquet, CSV and hub datasets are read by ``datasets``
@@ -43,7 +45,7 @@ SKIP_REASONS = {
     "non_utf8": "line is not valid UTF-8",
     "unknown_schema": "record has neither a 'conversations' nor a 'messages' list",
     "unknown_role": "a turn has a role outside system/user/assistant (and ShareGPT aliases)",
-    "bad_content": "a turn's content is empty or not a string",
+    "bad_content": "a turn's content is empty, not a string, or holds a part that is not text",
     "no_assistant_turn": "no assistant turn to supervise",
     "template_error": "the chat template could not render the conversation",
     "too_long": "longer than max_length (drop_long policy)",
@@ -84,6 +86,17 @@ def _turn_list(record: dict, column: str) -> list | None:
     return value if isinstance(value, list) else None
 
 
+def _text_parts(content: object, k: int, role: str) -> object:
+    """OpenAI content parts ``[{"type": "text", "text": str}, ...]`` -> their texts joined with ``"\n"``; any other
+    value is returned unchanged. BadRow ``bad_content`` for a list with a part that is not a text part."""
+    if not isinstance(content, list) or not all(isinstance(p, dict) for p in content) or not content:
+        return content
+    for j, part in enumerate(content):
+        if part.get("type") != "text" or not isinstance(part.get("text"), str):
+            raise BadRow("bad_content", f"turn {k} ({role}) content part {j} is not a text part: {part!r:.40}")
+    return "\n".join(part["text"] for part in content)
+
+
 def normalise_record(record: object, columns: dict[str, str] | None = None) -> list[dict[str, str]]:
     """Return the record's turns as ``[{"role", "content"}]`` with roles in {system, user, assistant}.
 
@@ -116,7 +129,7 @@ def normalise_record(record: object, columns: dict[str, str] | None = None) -> l
         role = ROLE_ALIASES.get(raw_role.lower()) if isinstance(raw_role, str) else None
         if role is None:
             raise BadRow("unknown_role", f"turn {k} has {role_key}={raw_role!r}")
-        content = turn.get(content_key)
+        content = _text_parts(turn.get(content_key), k, role)
         if not isinstance(content, str) or not content.strip():
             raise BadRow("bad_content", f"turn {k} ({role}) has {content_key}={content!r:.40}")
         messages.append({"role": role, "content": content})

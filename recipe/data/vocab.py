@@ -159,3 +159,39 @@ def vocab_stats(vocab: VocabMap, counts: np.ndarray) -> dict[str, float]:
         "supervised_tokens": total,
         "coverage": float(counts[draft].sum() / total) if total else 0.0,
     }
+
+
+def target_argmax_coverage(samples, t2d: torch.Tensor) -> dict[str, float]:
+    """How many of the target's greedy predictions of supervised tokens the draft vocabulary holds.
+
+    ``samples``: iterable of ``(loss_mask [S], target_argmax [S])`` per sample (tensors or arrays of ints; the
+    store's fields). The argmax at position q predicts token q+1, so the positions counted are those with
+    ``loss_mask[q+1] == 1``. Returns ``{"predictions", "in_draft_vocab", "argmax_coverage"}`` (coverage = in / all,
+    0.0 without predictions): 1 - coverage is the share of supervised positions that every accuracy over all
+    supervised positions counts as a miss whatever the draft does.
+    """
+    t2d_np = t2d.numpy()
+    total = inside = 0
+    for mask, argmax in samples:
+        mask, argmax = np.asarray(mask, dtype=np.int64), np.asarray(argmax, dtype=np.int64)
+        predicted = argmax[:-1][mask[1:] == 1]
+        total += len(predicted)
+        inside += int(t2d_np[predicted].sum())
+    return {"predictions": total, "in_draft_vocab": inside, "argmax_coverage": inside / total if total else 0.0}
+
+
+def vocab_coverage_report(dataset, vocab: VocabMap, store=None) -> str:
+    """One line for the run's log: the share of the supervised tokens of ``dataset`` (``input_ids``/``loss_mask``,
+    the data trained on) the draft vocabulary covers and, with the offline ``store`` (a ``HiddenStateStore`` of
+    the same samples), the share of the target's argmax tokens at supervised positions it covers."""
+    stats = vocab_stats(vocab, supervised_token_counts(dataset, vocab.target_vocab_size)[0])
+    line = (f"draft vocabulary: {stats['draft_vocab_size']} ids cover {stats['coverage']:.1%} of the "
+            f"{stats['supervised_tokens']} supervised tokens ({stats['distinct_supervised_ids']} distinct ids, "
+            f"{stats['filled_unseen_ids']} filled unseen)")
+    if store is not None:
+        fields = ("loss_mask", "target_argmax")
+        cov = target_argmax_coverage(((s["loss_mask"], s["target_argmax"]) for s in
+                                      (store.get(i, fields=fields) for i in range(len(store)))), vocab.t2d)
+        line += (f"; {cov['argmax_coverage']:.1%} of the target's {cov['predictions']} argmax tokens at supervised "
+                 "positions (out-of-vocabulary ones are misses in acc_all_supervised)")
+    return line

@@ -2,11 +2,14 @@
 
     python -m recipe.eval --target DIR --draft EXPORT_DIR [--draft EXPORT_DIR2 ...] [--prompts FILE]
         [--num-draft-tokens 5[,3]] [--max-new-tokens N] [--limit N] [--output JSON] [--draft-dtype bf16|fp32]
+        [--tree-topk 4] [--tree-depth 5] [--tree-budget 16]
 
-Chain drafting of k tokens per round, greedy verification; every speculative output is checked against plain
-greedy decoding of the target (exit 1 naming the prompt on a mismatch). Default prompts: the MT-Bench first turns
-from ``recipe.assets``. The JSON's top level has ``tau``, ``num_draft_tokens`` and ``num_prompts`` of the first
-draft at the first k, and ``runs`` with every (draft, k).
+Chain drafting of k tokens per round and dynamic-tree drafting (EAGLE-2/3: top-k expansion per depth, a budget of
+draft tokens verified in one target forward; ``--tree-depth 0`` turns it off), greedy verification; every
+speculative output is checked against plain greedy decoding of the target (exit 1 naming the prompt on a
+mismatch). Default prompts: the MT-Bench first turns from ``recipe.assets``. The JSON's top level has ``tau``,
+``num_draft_tokens`` and ``num_prompts`` of the first draft at the first k, ``tau_tree`` of the first draft's tree
+(null without trees), ``runs`` with every (draft, k) and ``tree_runs`` with every draft's tree.
 """
 from __future__ import annotations
 
@@ -37,6 +40,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", help="cpu, cuda, ... (default: cuda when available)")
     p.add_argument("--draft-dtype", choices=sorted(DRAFT_DTYPES),
                    help="the draft's compute dtype (default: the export's own; the target always runs in fp32)")
+    p.add_argument("--tree-topk", type=int, default=4, help="tree drafting: children per expanded node and nodes "
+                   "expanded per depth")
+    p.add_argument("--tree-depth", type=int, default=5, help="tree drafting: draft levels below the root, the most "
+                   "draft tokens one round can accept (0: no tree drafting)")
+    p.add_argument("--tree-budget", type=int, default=16, help="tree drafting: draft tokens verified per round")
     return p
 
 
@@ -48,9 +56,12 @@ def main(argv: list[str] | None = None) -> int:
     from recipe.eval.harness import evaluate
     from recipe.eval.prompts import read_prompts
     from recipe.eval.speculative import MismatchError
+    from recipe.eval.tree import TreeSpec
 
     console = Console(stderr=True)
     try:
+        tree = (TreeSpec(topk=args.tree_topk, depth=args.tree_depth, budget=args.tree_budget)
+                if args.tree_depth else None)
         if args.prompts is None:
             from recipe.assets import prepare_assets
 
@@ -59,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
         labels = [str(d) for d in args.draft]
         result = evaluate(args.target, dict(zip(labels, args.draft)), prompts, args.num_draft_tokens,
                           args.max_new_tokens, device=args.device, console=console,
-                          draft_dtype=DRAFT_DTYPES[args.draft_dtype] if args.draft_dtype else None)
+                          draft_dtype=DRAFT_DTYPES[args.draft_dtype] if args.draft_dtype else None, tree=tree)
     except MismatchError as exc:
         console.print(f"[bold red]lossless check failed[/bold red]: {exc}")
         return 1
@@ -67,8 +78,9 @@ def main(argv: list[str] | None = None) -> int:
         console.print(f"[bold red]error[/bold red]: {exc}")
         return 2
     head = result["runs"][0]
-    result = {"tau": head["tau"], "num_draft_tokens": head["num_draft_tokens"], "num_prompts": len(prompts),
-              "prompts": str(args.prompts), **result}
+    tau_tree = result["tree_runs"][0]["tau"] if result.get("tree_runs") else None
+    result = {"tau": head["tau"], "tau_tree": tau_tree, "num_draft_tokens": head["num_draft_tokens"],
+              "num_prompts": len(prompts), "prompts": str(args.prompts), **result}
     if args.output:
         args.output.parent.mkdir(parents=True, exist_ok=True)
         args.output.write_text(json.dumps(result, indent=2) + "\n")

@@ -52,10 +52,11 @@ def summarise_run(label: str, k: int, prompts: list[Prompt], generations: list[G
     }
 
 
-def tau_table(runs: list[dict]) -> Table:
-    """τ per draft and k with per-position acceptance and speed (one row per run)."""
-    table = Table(title="Acceptance length τ (chain drafting, greedy verification)")
-    for col in ("draft", "k", "τ", "accept rate by position", "tok/s spec", "tok/s greedy", "speedup"):
+def tau_table(runs: list[dict], title: str = "Acceptance length τ (chain drafting, greedy verification)",
+              k_label: str = "k") -> Table:
+    """τ per draft and k (or tree depth: ``k_label``) with per-position acceptance and speed (one row per run)."""
+    table = Table(title=title)
+    for col in ("draft", k_label, "τ", "accept rate by position", "tok/s spec", "tok/s greedy", "speedup"):
         table.add_column(col, justify="left" if col in ("draft", "accept rate by position") else "right")
     for r in runs:
         rates = " ".join(f"{x:.2f}" for x in r["acceptance_rate_per_position"])
@@ -65,11 +66,12 @@ def tau_table(runs: list[dict]) -> Table:
 
 
 def category_table(runs: list[dict]) -> Table:
-    """τ per prompt category (rows) for each draft and k (columns)."""
+    """τ per prompt category (rows) for each draft and k or tree (columns; tree runs have a ``tree`` key)."""
     table = Table(title="τ by prompt category")
     table.add_column("category")
     for r in runs:
-        table.add_column(f"{Path(r['draft']).name or r['draft']} k={r['num_draft_tokens']}", justify="right")
+        kind = f"tree d={r['num_draft_tokens']}" if "tree" in r else f"k={r['num_draft_tokens']}"
+        table.add_column(f"{Path(r['draft']).name or r['draft']} {kind}", justify="right")
     for cat in sorted({c for r in runs for c in r["tau_by_category"]}):
         table.add_row(cat, *[f"{r['tau_by_category'].get(cat, float('nan')):.3f}" for r in runs])
     return table

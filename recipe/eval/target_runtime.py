@@ -25,7 +25,8 @@ class CachedTarget:
     Args:
         model: a ``PreTrainedModel`` causal LM (e.g. ``TargetModel.model``), eval mode.
         aux_layer_ids: decoder layers whose outputs form the aux features (empty: no capture).
-    ``forward(ids)`` appends tokens after the cached ones; ``crop(n)`` keeps the first ``n`` cached positions.
+    ``forward(ids)`` appends tokens after the cached ones; ``crop(n)`` keeps the first ``n`` cached positions;
+    ``keep(indices)`` keeps chosen cache entries (a tree's accepted path).
     """
 
     def __init__(self, model, aux_layer_ids: list[int] = ()):
@@ -49,12 +50,43 @@ class CachedTarget:
         if remove:
             self.cache.crop(-remove)
 
+    def keep(self, indices: list[int]) -> None:
+        """Keep the cache entries at ``indices`` (increasing), in that order, in every layer. Raises ValueError for
+        an index out of range or a cache layer that cannot be re-indexed (only full-attention ``DynamicLayer``s)."""
+        n = len(self)
+        if any(not 0 <= i < n for i in indices) or any(a >= b for a, b in zip(indices, indices[1:])):
+            raise ValueError(f"cache indices must be increasing and within 0..{n - 1}, got {indices}")
+        idx = torch.as_tensor(indices, dtype=torch.long, device=self.device)
+        for layer in self.cache.layers:
+            if getattr(layer, "is_sliding", False) or not hasattr(layer, "keys"):
+                raise ValueError(f"cannot re-index a {type(layer).__name__} cache layer (tree verification needs "
+                                 "full-attention layers)")
+            layer.keys = layer.keys.index_select(-2, idx)
+            layer.values = layer.values.index_select(-2, idx)
+
     @torch.no_grad()
-    def forward(self, input_ids: list[int] | torch.Tensor) -> TargetStep:
-        """Run the target over ``input_ids`` (m new tokens at positions ``len(self) ..``), extending the cache."""
+    def forward(self, input_ids: list[int] | torch.Tensor, positions: list[int] | None = None,
+                tree_mask: torch.Tensor | None = None) -> TargetStep:
+        """Run the target over ``input_ids`` (m new tokens), extending the cache.
+
+        Without ``positions``/``tree_mask``: positions ``len(self) ..`` under causal attention. With them (tree
+        verification): RoPE ``positions`` [m] and ``tree_mask`` [m, m] bool (True: input i reads input j); every
+        input also reads the whole cache. The mask goes to the model as a prepared 4D additive float mask
+        [1, 1, m, len(self) + m] (0 readable, dtype min otherwise), which transformers passes through unchanged
+        (``masking_utils``: "If the mask is already 4D, simply return as-is") to its eager or SDPA attention.
+        """
         ids_BS = torch.as_tensor(input_ids, dtype=torch.long, device=self.device).view(1, -1)
+        kwargs = {}
+        if tree_mask is not None:
+            m, dtype = ids_BS.shape[1], self.model.dtype
+            allowed = torch.ones(m, len(self) + m, dtype=torch.bool, device=self.device)
+            allowed[:, len(self):] = tree_mask.to(self.device)
+            mask = torch.zeros(allowed.shape, dtype=dtype, device=self.device)
+            kwargs["attention_mask"] = mask.masked_fill(~allowed, torch.finfo(dtype).min)[None, None]
+        if positions is not None:
+            kwargs["position_ids"] = torch.as_tensor(positions, dtype=torch.long, device=self.device).view(1, -1)
         with capture_layer_outputs(self.layers, self.aux_layer_ids) as captured:
-            out = self.model(input_ids=ids_BS, past_key_values=self.cache, use_cache=True)
+            out = self.model(input_ids=ids_BS, past_key_values=self.cache, use_cache=True, **kwargs)
         aux = (torch.cat([captured[i] for i in self.aux_layer_ids], dim=-1)[0] if self.aux_layer_ids
                else torch.empty(ids_BS.shape[1], 0, device=self.device))
         return TargetStep(logits_SV=out.logits[0].float(), aux_SA=aux)

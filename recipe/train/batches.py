@@ -26,6 +26,14 @@ class MicroBatch:
     ttt: TTTBatch            # this rank's (cp-sharded) TTT batch, on the training device
     samples: int             # samples in the micro-batch (whole, not per cp rank)
     supervised_tokens: int   # loss-mask ones over the whole micro-batch
+    supervised_K: torch.Tensor  # [K] int64 supervised positions per TTT step, whole micro-batch
+
+
+def supervised_per_step(loss_mask_BS: torch.Tensor, ttt_steps: int) -> torch.Tensor:
+    """[K] int64: supervised positions of each TTT step k over a right-padded [B, S] loss mask: anchors p whose
+    step-k label ``t[p+2+k]`` has loss mask 1 (``make_ttt_batch``'s ``valid`` without the in-vocabulary term)."""
+    mask = loss_mask_BS.long()
+    return torch.stack([mask[:, k + 2:].sum() for k in range(ttt_steps)])
 
 
 class BatchBuilder:
@@ -112,7 +120,8 @@ class BatchBuilder:
         ttt = ttt.to(self.device)
         ttt.aux_hidden_BSA = ttt.aux_hidden_BSA.to(self.dtype)
         ttt.target_hidden_BLH = ttt.target_hidden_BLH.to(self.dtype)
-        return MicroBatch(ttt=ttt, samples=b, supervised_tokens=int(loss_mask.sum()))
+        return MicroBatch(ttt=ttt, samples=b, supervised_tokens=int(loss_mask.sum()),
+                          supervised_K=supervised_per_step(loss_mask, self.ttt_steps))
 
     def _cp_online(self, input_ids, loss_mask, attention) -> TTTBatch:
         """This rank's TTT batch from the context-parallel target forward (``CPTarget.capture``): the shifts are

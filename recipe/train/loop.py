@@ -93,6 +93,7 @@ class Trainer:
         self.settings, self.parts, self.console = settings, parts, console
         self.config = parts.config
         self.engine, self.pstate = parts.engine, parts.pstate
+        self.validator = parts.validator
         self.rank0 = dist.get_rank() == 0
         self.step = 0
         self.skipped_steps: list[int] = []
@@ -228,14 +229,28 @@ class Trainer:
         correct = comm.sum(correct, self.pstate.dp_cp_group)
         tokens = comm.sum(torch.tensor([sum(b.supervised_tokens for b in batches)], dtype=torch.float64),
                           self.pstate.dp_group)
+        supervised = comm.sum(torch.stack([b.supervised_K for b in batches]).sum(0).double(), self.pstate.dp_group)
         n = n_valid.clamp(min=1)
         weights = step_weights(K, torch.float64)
         if grad_norm is None:
             grad_norm = self.engine.get_global_grad_norm()
         return {"loss": float((weights * loss_sum / n).sum()), "loss_k": (loss_sum / n).tolist(),
-                "acc": (correct / n).tolist(), "valid": n_valid.long().tolist(),
+                "acc": (correct / n).tolist(), "acc_all_supervised": (correct / supervised.clamp(min=1)).tolist(),
+                "valid": n_valid.long().tolist(), "supervised": supervised.long().tolist(),
                 "grad_norm": float(grad_norm) if grad_norm is not None else None,
                 "tokens": int(tokens.item()), "samples": len(indices)}
+
+    def validate(self) -> dict:
+        """Evaluate the held-out split (collective, ``recipe.train.validation``); write ``{"step", "eval"}`` to
+        metrics.jsonl and the monitors and print it (rank 0). Returns the record."""
+        record = {"step": self.step, "eval": self.validator.evaluate(self.engine)}
+        self.metrics.write(record)
+        self.monitor.write(record)
+        if self.rank0:
+            ev = record["eval"]
+            self.console.print(f"eval at step {self.step}: loss {ev['loss']:.4f}  acc0 {ev['acc'][0]:.3f}  "
+                               f"acc_all_supervised0 {ev['acc_all_supervised'][0]:.3f} ({ev['samples']} samples)")
+        return record
 
     def lr(self) -> float:
         return float(self.engine.get_lr()[0])
@@ -280,6 +295,8 @@ class Trainer:
                             self.console.print(f"[yellow]skipped step[/yellow] {escape(record['skipped'])}")
                     else:
                         progress.update(record)
+                    if self.validator is not None and self.validator.due(self.step, total):
+                        self.validate()
                     if stop.agreed(self.pstate.comm) and self.step < total:
                         interrupted = True
                         break

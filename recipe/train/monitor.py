@@ -9,10 +9,14 @@ value. Events of a step that was not skipped (``--skip-nonfinite``):
 
     Train/Steps/loss            the global objective Σ_k 0.8^k·L_k/N_k (``loss`` of metrics.jsonl)
     Train/Steps/loss_{k}        the soft cross-entropy of TTT step k (``loss_k[k]``)
-    Train/Steps/acc_{k}         the accuracy of TTT step k (``acc[k]``)
+    Train/Steps/acc_{k}         the accuracy of TTT step k over valid positions (``acc[k]``)
+    Train/Steps/acc_all_supervised_{k}  ... over all supervised positions (``acc_all_supervised[k]``)
     Train/Steps/lr              the learning rate the step ran with (``lr``)
     Train/Steps/grad_norm       the global gradient norm before clipping (``grad_norm``, when DeepSpeed reports one)
     Train/Steps/tokens_per_s    supervised tokens of the step / its wall time (``tokens`` / ``time_s``)
+
+and of a validation record (``{"step", "eval"}``, ``recipe.train.validation``): ``Train/Steps/eval_loss``,
+``eval_loss_{k}``, ``eval_acc_{k}`` and ``eval_acc_all_supervised_{k}``.
 
 TensorBoard files land in ``output_path/job_name`` (one event file per process start), CSV files in
 ``output_path/job_name/Train_Steps_<name>.csv`` with the header ``step,<name>``. An empty ``output_path`` (DeepSpeed's
@@ -33,12 +37,20 @@ PATH_SECTIONS = ("tensorboard", "csv_monitor")  # the sections with an output_pa
 
 def step_events(record: dict) -> list[tuple[str, float, int]]:
     """``(tag, value, step)`` events of one metrics.jsonl record (module docstring); [] for a skipped step."""
+    step = record["step"]
+    if "eval" in record:
+        ev = record["eval"]
+        values = {"eval_loss": ev["loss"]}
+        for key in ("loss_k", "acc", "acc_all_supervised"):
+            name = key.removesuffix("_k")
+            values.update({f"eval_{name}_{k}": v for k, v in enumerate(ev[key])})
+        return [(PREFIX + name, float(value), step) for name, value in values.items()]
     if "loss" not in record:
         return []
-    step = record["step"]
     values = {"loss": record["loss"]}
     values.update({f"loss_{k}": v for k, v in enumerate(record.get("loss_k", []))})
     values.update({f"acc_{k}": v for k, v in enumerate(record["acc"])})
+    values.update({f"acc_all_supervised_{k}": v for k, v in enumerate(record.get("acc_all_supervised", []))})
     values["lr"] = record["lr"]
     if record.get("grad_norm") is not None:
         values["grad_norm"] = record["grad_norm"]

@@ -16,7 +16,7 @@ from rich.console import Console
 
 from recipe.config import RunConfig, load_run_config
 from recipe.cli import TrainArgs
-from recipe.data.vocab import VocabMap, build_vocab_map
+from recipe.data.vocab import VocabMap, build_vocab_map, vocab_coverage_report
 from recipe.model.draft import Eagle3Draft
 from recipe.model.draft_config import Eagle3DraftConfig, load_draft_config_overrides
 from recipe.model.target_head import final_logit_softcap, load_embedding_and_head
@@ -26,6 +26,7 @@ from recipe.parallel.topology import ParallelState
 from recipe.train import checkpoint
 from recipe.train.batches import BatchBuilder
 from recipe.train.sampler import StepSampler
+from recipe.train.validation import Validator, held_out_data
 
 
 @dataclass
@@ -43,6 +44,7 @@ class RunParts:
     engine: object
     data_fingerprint: str
     resume_from: Path | None
+    validator: object | None = None  # recipe.train.validation.Validator of the held-out split (None: no validation)
 
 
 def rank0_first(fn, comm):
@@ -105,6 +107,8 @@ def build_run(args: TrainArgs, device: torch.device, console: Console) -> RunPar
     pstate = ParallelState(dims, device)
 
     examples, store, fingerprint = _data(args, console, pstate.comm)
+    examples, store, eval_examples, eval_store, eval_tag = held_out_data(args, examples, store, console, pstate.comm)
+    fingerprint += f":{eval_tag}:{len(examples) if examples is not None else len(store)}" if eval_tag else ""
     embed_VH, lm_head_VH, hf_config = load_embedding_and_head(args.target)
     if store is not None:
         store.check_compatible(args.target, args.aux_layer_ids)
@@ -117,6 +121,8 @@ def build_run(args: TrainArgs, device: torch.device, console: Console) -> RunPar
         cache = args.cache_dir or args.output / "cache"
         vocab = rank0_first(lambda: build_vocab_map(_token_rows(examples, store), hf_config.vocab_size, draft_vocab,
                                                     cache_dir=cache), pstate.comm)
+        if dist.get_rank() == 0:
+            console.print(vocab_coverage_report(_token_rows(examples, store), vocab, store))
 
     overrides = load_draft_config_overrides(args.draft_config) if args.draft_config else {}
     if args.aux_layer_ids:
@@ -148,13 +154,21 @@ def build_run(args: TrainArgs, device: torch.device, console: Console) -> RunPar
                            ttt_steps=args.ttt_steps, seq_divisor=dims.seq_divisor, cp_size=dims.cp,
                            cp_rank=pstate.cp_rank, device=device, dtype=config.dtype)
     sampler = StepSampler(len(builder), config.plan.global_batch, args.seed)
+    validator = None
+    if eval_examples is not None or eval_store is not None:
+        eval_builder = BatchBuilder(examples=eval_examples, store=eval_store, target=target, t2d=vocab.t2d,
+                                    ttt_steps=args.ttt_steps, seq_divisor=dims.seq_divisor, cp_size=dims.cp,
+                                    cp_rank=pstate.cp_rank, device=device, dtype=config.dtype)
+        validator = Validator(eval_builder, args.eval_every, config.plan.micro_batch, pstate,
+                              args.ttt_steps)
     config = config.with_total_steps(sampler.total_steps(args.epochs, args.max_steps))
 
     params = [p for p in model.parameters() if p.requires_grad]
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=params, config=config.deepspeed_config(),
                                            mpu=pstate.mpu())
     return RunParts(config=config, pstate=pstate, draft_config=draft_config, vocab=vocab, builder=builder,
-                    sampler=sampler, engine=engine, data_fingerprint=fingerprint, resume_from=resume_from)
+                    sampler=sampler, engine=engine, data_fingerprint=fingerprint, resume_from=resume_from,
+                    validator=validator)
 
 
 def write_resolved_config(args: TrainArgs, parts: RunParts) -> None:
