@@ -85,6 +85,20 @@ def greedy_generate(target: CachedTarget, prompt_ids: list[int], max_new_tokens:
 
 
 @torch.no_grad()
+def prefill(target: CachedTarget, drafter, prompt_ids: list[int]):
+    """Start a speculative generation: reset the target's and the drafter's caches, run the prompt through the
+    target. Returns ``(start time, [the target's first token], aux features [S, A] of the anchors not yet given to
+    the drafter, the token after each of those anchors [S])``. Raises ValueError for an empty prompt."""
+    if not prompt_ids:
+        raise ValueError("empty prompt")
+    start = time.perf_counter()
+    target.begin()
+    drafter.begin()
+    out = target.forward(prompt_ids)
+    tokens = [int(out.logits_SV[-1].argmax())]
+    return start, tokens, out.aux_SA, torch.tensor(list(prompt_ids[1:]) + tokens)
+
+
 def speculative_generate(target: CachedTarget, drafter: Drafter, prompt_ids: list[int], k: int,
                          max_new_tokens: int, eos_token_id: int | None = None) -> Generation:
     """Chain speculative decoding with greedy verification; ``k`` >= 1 draft tokens per round.
@@ -94,15 +108,7 @@ def speculative_generate(target: CachedTarget, drafter: Drafter, prompt_ids: lis
     """
     if k < 1:
         raise ValueError(f"num_draft_tokens must be >= 1, got {k}")
-    if not prompt_ids:
-        raise ValueError("empty prompt")
-    start = time.perf_counter()
-    target.begin()
-    drafter.begin()
-    prefill = target.forward(prompt_ids)
-    tokens = [int(prefill.logits_SV[-1].argmax())]
-    # Anchors not yet given to the drafter: their aux features and the token after each.
-    new_aux, new_next = prefill.aux_SA, torch.tensor(list(prompt_ids[1:]) + tokens)
+    start, tokens, new_aux, new_next = prefill(target, drafter, prompt_ids)
     accepted: list[int] = []
     while len(tokens) < max_new_tokens and tokens[-1] != eos_token_id:
         proposal = drafter.propose(new_aux, new_next, k)

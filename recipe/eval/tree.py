@@ -25,7 +25,7 @@ from typing import Protocol
 
 import torch
 
-from recipe.eval.speculative import Generation, _stop_index
+from recipe.eval.speculative import Generation, _stop_index, prefill
 from recipe.eval.target_runtime import CachedTarget
 
 
@@ -119,14 +119,7 @@ def tree_speculative_generate(target: CachedTarget, drafter: TreeDrafter, prompt
     Returns a ``Generation`` with ``k = spec.depth`` (the most draft tokens a round can accept). Raises ValueError
     for an empty prompt or a tree over ``spec.budget`` nodes / deeper than ``spec.depth``.
     """
-    if not prompt_ids:
-        raise ValueError("empty prompt")
-    start = time.perf_counter()
-    target.begin()
-    drafter.begin()
-    prefill = target.forward(prompt_ids)
-    tokens = [int(prefill.logits_SV[-1].argmax())]
-    new_aux, new_next = prefill.aux_SA, torch.tensor(list(prompt_ids[1:]) + tokens)
+    start, tokens, new_aux, new_next = prefill(target, drafter, prompt_ids)
     accepted: list[int] = []
     while len(tokens) < max_new_tokens and tokens[-1] != eos_token_id:
         tree = drafter.propose_tree(new_aux, new_next, spec)
