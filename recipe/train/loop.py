@@ -27,11 +27,11 @@ from rich.markup import escape
 
 from recipe.cli import TrainArgs
 from recipe.export import export_tensors, write_export
-from recipe.model.ttt import step_weights, ttt_objective
+from recipe.model.ttt import ttt_objective
 from recipe.parallel.parallelize import gather_full_state
 from recipe.plot import plot_note
 from recipe.train import checkpoint
-from recipe.train.metrics import MetricsLog, TrainProgress
+from recipe.train.metrics import MetricsLog, TrainProgress, ttt_metrics
 from recipe.train.monitor import StepMonitor
 from recipe.train.oom import StepOutOfMemory, out_of_memory_message
 from recipe.train.sampler import rank_micro_batches
@@ -225,20 +225,16 @@ class Trainer:
             self.engine.step()
             loss_sum += out.loss_sum_K.detach().double().cpu()
             correct += out.correct_K.detach().double().cpu()
-        loss_sum = comm.sum(loss_sum, self.pstate.dp_cp_group)
-        correct = comm.sum(correct, self.pstate.dp_cp_group)
-        tokens = comm.sum(torch.tensor([sum(b.supervised_tokens for b in batches)], dtype=torch.float64),
-                          self.pstate.dp_group)
-        supervised = comm.sum(torch.stack([b.supervised_K for b in batches]).sum(0).double(), self.pstate.dp_group)
-        n = n_valid.clamp(min=1)
-        weights = step_weights(K, torch.float64)
+        # one sum per group: loss and correct over dp×cp (cp ranks hold parts of a sample), token counts over dp
+        loss_sum, correct = comm.sum(torch.stack([loss_sum, correct]), self.pstate.dp_cp_group)
+        local_counts = torch.cat([torch.stack([b.supervised_K for b in batches]).sum(0).double(),
+                                  torch.tensor([sum(b.supervised_tokens for b in batches)], dtype=torch.float64)])
+        counts = comm.sum(local_counts, self.pstate.dp_group)
         if grad_norm is None:
             grad_norm = self.engine.get_global_grad_norm()
-        return {"loss": float((weights * loss_sum / n).sum()), "loss_k": (loss_sum / n).tolist(),
-                "acc": (correct / n).tolist(), "acc_all_supervised": (correct / supervised.clamp(min=1)).tolist(),
-                "valid": n_valid.long().tolist(), "supervised": supervised.long().tolist(),
+        return {**ttt_metrics(loss_sum, correct, n_valid, counts[:K]),
                 "grad_norm": float(grad_norm) if grad_norm is not None else None,
-                "tokens": int(tokens.item()), "samples": len(indices)}
+                "tokens": int(counts[K].item()), "samples": len(indices)}
 
     def validate(self) -> dict:
         """Evaluate the held-out split (collective, ``recipe.train.validation``); write ``{"step", "eval"}`` to

@@ -9,9 +9,25 @@ import json
 import time
 from pathlib import Path
 
+import torch
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
+
+
+def ttt_metrics(loss_sum_K: torch.Tensor, correct_K: torch.Tensor, valid_K: torch.Tensor,
+                supervised_K: torch.Tensor) -> dict:
+    """The per-step record fields from GLOBAL sums over the step's (or the held-out split's) positions, each [K]
+    float64: ``loss`` = Σ_k STEP_DECAY^k · loss_k, ``loss_k`` and ``acc`` per valid position (target argmax in the
+    draft vocabulary), ``acc_all_supervised`` per supervised position (the EAGLE/SpecForge count: out-of-vocabulary
+    targets are misses), and the counts ``valid`` / ``supervised``."""
+    from recipe.model.ttt import step_weights
+
+    n, m = valid_K.clamp(min=1), supervised_K.clamp(min=1)
+    return {"loss": float((step_weights(len(loss_sum_K), torch.float64) * loss_sum_K / n).sum()),
+            "loss_k": (loss_sum_K / n).tolist(), "acc": (correct_K / n).tolist(),
+            "acc_all_supervised": (correct_K / m).tolist(), "valid": valid_K.long().tolist(),
+            "supervised": supervised_K.long().tolist()}
 
 
 class MetricsLog:

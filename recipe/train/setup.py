@@ -119,10 +119,11 @@ def build_run(args: TrainArgs, device: torch.device, console: Console) -> RunPar
         vocab = VocabMap.load(resume_from / checkpoint.VOCAB_FILE)
     else:
         cache = args.cache_dir or args.output / "cache"
-        vocab = rank0_first(lambda: build_vocab_map(_token_rows(examples, store), hf_config.vocab_size, draft_vocab,
-                                                    cache_dir=cache), pstate.comm)
+        rows = _token_rows(examples, store)  # read once: the vocabulary and its coverage report count the same rows
+        vocab = rank0_first(lambda: build_vocab_map(rows, hf_config.vocab_size, draft_vocab, cache_dir=cache),
+                            pstate.comm)
         if dist.get_rank() == 0:
-            console.print(vocab_coverage_report(_token_rows(examples, store), vocab, store))
+            console.print(vocab_coverage_report(rows, vocab, store))
 
     overrides = load_draft_config_overrides(args.draft_config) if args.draft_config else {}
     if args.aux_layer_ids:

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from recipe.model.ttt import step_weights
+from recipe.train.metrics import ttt_metrics
 
 
 def held_out_split(num_samples: int, fraction: float, seed: int) -> tuple[list[int], list[int]]:
@@ -115,10 +115,6 @@ class Validator:
             correct += weight * out.correct_K.detach().double().cpu()
             valid += weight * out.valid_K.detach().double().cpu()
             supervised += weight * batch.supervised_K.double()
-        loss_sum, correct, valid = (comm.sum(t, ps.dp_cp_group) for t in (loss_sum, correct, valid))
+        loss_sum, correct, valid = comm.sum(torch.stack([loss_sum, correct, valid]), ps.dp_cp_group)
         supervised = comm.sum(supervised, ps.dp_group)
-        n, m = valid.clamp(min=1), supervised.clamp(min=1)
-        return {"loss": float((step_weights(K, torch.float64) * loss_sum / n).sum()),
-                "loss_k": (loss_sum / n).tolist(), "acc": (correct / n).tolist(),
-                "acc_all_supervised": (correct / m).tolist(), "valid": valid.long().tolist(),
-                "supervised": supervised.long().tolist(), "samples": total}
+        return {**ttt_metrics(loss_sum, correct, valid, supervised), "samples": total}
