@@ -3,22 +3,28 @@ the target's own answers).
 
     python -m recipe.regenerate --target DIR --data SOURCE [SOURCE ...] --output FILE.jsonl
         [--batch-size 8] [--max-new-tokens 512] [--temperature 0] [--top-p 1.0] [--seed 0] [--max-length 2048]
-        [--limit N] [--data-column FIELD=COLUMN] [--device cuda|cpu] [--dtype bf16|fp32]
+        [--limit N] [--max-turns N] [--data-column FIELD=COLUMN] [--device cuda|cpu] [--dtype bf16|fp32]
     torchrun --nproc_per_node N -m recipe.regenerate ...   # each rank takes every N-th conversation
 
 Every conversation of ``--data`` (read like ``run.py --data``: ``recipe.data.sources``) keeps its system and user turns;
 each assistant turn, in order, is replaced by what the target generates after the chat template's rendering of the
 turns before it, the earlier assistant turns already regenerated (``apply_chat_template(add_generation_prompt=True)``).
-Conversations are generated in batches (left padding, the KV cache of ``transformers``' ``generate``), greedily with
-``--temperature 0`` (the default) or sampled with ``--temperature T --top-p P`` (``--seed`` + rank seeds the sampler).
+Assistant turns that open a conversation (ShareGPT's split conversations often start so) have nothing before them to
+generate from and are dropped (``dropped_leading_turns`` in the record). ``--max-turns N`` keeps each conversation up
+to its N-th assistant turn and drops the rest (training at a short ``--max-length`` never sees later turns, so
+generating them is wasted work). Conversations are generated in batches of like lengths (left padding, the KV cache
+of ``transformers``' ``generate``), greedily with ``--temperature 0`` (the default) or sampled with ``--temperature T
+--top-p P`` (``--seed`` + rank seeds the sampler).
 
 Output: one JSON line per conversation, ``{"id": "<source>:<row>", "messages": [{"role", "content"}, ...],
-"regenerated": {"target", "temperature", "top_p", "max_new_tokens", "seed", "source", "row", "truncated_turns"}}``,
-readable as training data (OpenAI ``messages``). With ``WORLD_SIZE`` > 1 rank r writes ``FILE`` with ``.rank<r>``
-before its suffix (give all of them to ``--data``). Resumable: ids already in the output file(s) are skipped, so a
-killed run continues where it stopped (a conversation is written once all its turns are done). Skips are counted by
-reason: the source's bad rows (``recipe.data.conversations.SKIP_REASONS``), ``too_long`` (a prompt over
-``--max-length`` tokens) and ``empty_generation`` (the target ended a turn at once).
+"regenerated": {"target", "temperature", "top_p", "max_new_tokens", "max_turns", "seed", "source", "row",
+"dropped_leading_turns", "truncated_turns"}}``, readable as training data (OpenAI ``messages``); a local source is
+named in the id by its absolute path. With ``WORLD_SIZE`` > 1 rank r writes ``FILE`` with ``.rank<r>`` before its
+suffix (give all of them to ``--data``). Resumable: ids already in the output file(s) are skipped, so a killed run
+continues where it stopped (a conversation is written once all its turns are done). Skips are counted by reason: the
+source's bad rows (``recipe.data.conversations.SKIP_REASONS``), ``no_prompt`` (no assistant turn left once the opening
+ones are dropped), ``too_long`` (a prompt over ``--max-length`` tokens) and ``empty_generation`` (the target ended a
+turn at once).
 """
 from __future__ import annotations
 
@@ -48,6 +54,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="sampling seed (plus the rank)")
     p.add_argument("--max-length", type=int, default=2048, help="skip a conversation whose prompt exceeds this")
     p.add_argument("--limit", type=int, help="read the first N records of each data file")
+    p.add_argument("--max-turns", type=int, help="keep each conversation up to its N-th assistant turn (default: all)")
     p.add_argument("--device", help="cpu, cuda, ... (default: cuda:LOCAL_RANK when available)")
     p.add_argument("--dtype", choices=sorted(DTYPES), help="the target's dtype (default: bf16 on CUDA, else fp32)")
     p.add_argument("--cache-dir", type=Path, help="datasets cache for reading the sources")
@@ -83,8 +90,29 @@ def drop_partial_line(path: Path) -> None:
         path.write_bytes(data[: data.rfind(b"\n") + 1])
 
 
+def first_turns(messages: list[dict], max_turns: int | None) -> list[dict]:
+    """``messages`` up to and including the ``max_turns``-th assistant turn (all of them with None)."""
+    if max_turns is None:
+        return messages
+    seen = 0
+    for i, m in enumerate(messages):
+        seen += m["role"] == "assistant"
+        if seen == max_turns:
+            return messages[: i + 1]
+    return messages
+
+
+def source_key(item) -> str:
+    """How a record's id names its source (a ``recipe.data.sources.DataFile``): a local file by its absolute path,
+    so a rerun from another folder or with another spelling of the path resumes; a hub dataset by its name."""
+    return item.name if item.kind == "hub" else str(Path(item.name).resolve())
+
+
 def read_conversations(args, skips: Counter) -> list[dict]:
-    """``[{"id", "source", "row", "messages"}]`` of every usable record of ``--data``; bad rows counted in ``skips``."""
+    """``[{"id", "source", "row", "dropped_leading_turns", "messages"}]`` of every usable record of ``--data``:
+    assistant turns that open a conversation are dropped (nothing to generate them from; ShareGPT's split
+    conversations often start so), the rest is cut after ``--max-turns`` assistant turns. Bad rows, and rows left
+    without an answer to generate (``no_prompt``), are counted in ``skips``."""
     from recipe.data.sources import load_rows, resolve_source
 
     out = []
@@ -96,8 +124,15 @@ def read_conversations(args, skips: Counter) -> list[dict]:
                 if r["reason"]:
                     skips[r["reason"]] += 1
                     continue
-                out.append({"id": f"{item.name}:{r['row']}", "source": item.name, "row": r["row"],
-                            "messages": [dict(m) for m in r["messages"]]})
+                messages = list(r["messages"])
+                lead = next((i for i, m in enumerate(messages) if m["role"] != "assistant"), len(messages))
+                messages = messages[lead:]  # answers with nothing before them (a split conversation's tail)
+                if not any(m["role"] == "assistant" for m in messages):
+                    skips["no_prompt"] += 1
+                    continue
+                out.append({"id": f"{source_key(item)}:{r['row']}", "source": item.name, "row": r["row"],
+                            "dropped_leading_turns": lead,
+                            "messages": [dict(m) for m in first_turns(messages, args.max_turns)]})
     return out
 
 
@@ -176,6 +211,7 @@ class Regenerator:
 def _record(c: dict, provenance: dict) -> dict:
     return {"id": c["id"], "messages": c["messages"],
             "regenerated": {**provenance, "source": c["source"], "row": c["row"],
+                            "dropped_leading_turns": c["dropped_leading_turns"],
                             "truncated_turns": c["truncated_turns"]}}
 
 
@@ -193,11 +229,12 @@ def main(argv: list[str] | None = None) -> int:
     console = Console(stderr=True)
     skips: Counter = Counter()
     try:
-        if args.batch_size < 1:
-            raise ValueError(f"--batch-size must be >= 1, got {args.batch_size}")
+        if args.batch_size < 1 or (args.max_turns is not None and args.max_turns < 1):
+            raise ValueError(f"--batch-size and --max-turns must be >= 1, got {args.batch_size}, {args.max_turns}")
         conversations = read_conversations(args, skips)
         done = finished_ids(args.output)
         mine = [c for k, c in enumerate(conversations) if k % world == rank and c["id"] not in done]
+        mine.sort(key=lambda c: sum(len(m["content"]) for m in c["messages"]))  # batches of like lengths pad less
         device = args.device or (f"cuda:{os.environ.get('LOCAL_RANK', 0)}" if torch.cuda.is_available() else "cpu")
         target = TargetModel(args.target, dtype=DTYPES[args.dtype] if args.dtype else None, device=device)
         regen = Regenerator(target.model, target.load_tokenizer(), args.max_new_tokens, args.temperature,
@@ -208,7 +245,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.manual_seed(args.seed + rank)
     provenance = {"target": str(args.target), "temperature": args.temperature,
                   "top_p": args.top_p if args.temperature > 0 else None, "max_new_tokens": args.max_new_tokens,
-                  "seed": args.seed}
+                  "max_turns": args.max_turns, "seed": args.seed}
     out_file = rank_output(args.output, rank, world)
     out_file.parent.mkdir(parents=True, exist_ok=True)
     drop_partial_line(out_file)

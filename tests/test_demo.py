@@ -1,45 +1,98 @@
-"""recipe.demo pieces that run without training: the untrained (seed-initialised) export and the DeepSpeed JSON."""
+"""recipe.demo pieces that run without training (the DeepSpeed JSON, the regeneration command, the evaluation stage
+on the real target with a random export) and ``python -m recipe.bench data``'s arm parsing and rows."""
 from __future__ import annotations
 
 import json
-from types import SimpleNamespace
+import os
 
-import torch
+import pytest
 from rich.console import Console
+from transformers import AutoConfig
 
 from recipe import demo
-from recipe.export import check_export, export_tensors, load_export, write_export
+from recipe.bench import data as bench_data
+from recipe.export import export_tensors, write_export
 from recipe.model.draft import Eagle3Draft
 from recipe.model.draft_config import Eagle3DraftConfig
-from recipe.model.target_head import load_embedding_and_head
-
-
-def test_untrained_export_is_the_seed_draft_with_the_trained_vocab(tiny_target, tmp_path):
-    target = tiny_target
-    _, lm_head_VH, hf_config = load_embedding_and_head(target)
-    config = Eagle3DraftConfig.from_target_config(hf_config, 16)
-    trained = Eagle3Draft(config, seed=9)
-    ids = torch.arange(3, 96, 6)[:16]
-    t2d = torch.zeros(96, dtype=torch.bool)
-    t2d[ids] = True
-    trained.set_vocab_map(ids - torch.arange(16), t2d)
-    write_export(export_tensors(trained.state_dict()), config.to_hf_dict(), tmp_path / "run" / "export")
-
-    args = SimpleNamespace(output=tmp_path / "run", seed=4)
-    out = demo.stage_untrained_export(args, SimpleNamespace(target=target), Console(quiet=True))
-    assert check_export(out) == []
-    tensors, cfg = load_export(out)
-    assert cfg == config.to_hf_dict(torch_dtype="float32")  # write_export records the tensors' dtype
-    assert torch.equal(tensors["d2t"], ids - torch.arange(16)) and torch.equal(tensors["t2d"], t2d)
-    assert torch.equal(tensors["lm_head.weight"], lm_head_VH[ids])
-    seed_draft = Eagle3Draft(config, seed=4)
-    for name in ("fc.weight", "midlayer.self_attn.q_proj.weight", "midlayer.mlp.down_proj.weight"):
-        assert torch.equal(tensors[name], seed_draft.state_dict()[name]), name
 
 
 def test_ds_config_overrides(tmp_path):
-    args = SimpleNamespace(ds_config=demo.REPO / "ds_configs" / "demo_zero3.json", lr=3e-3, batch_size=6,
-                           output=tmp_path)
+    args = demo.build_parser().parse_args(["--output", str(tmp_path), "--lr", "3e-3", "--batch-size", "6"])
     cfg = json.loads(demo._ds_config(args).read_text())
     assert cfg["optimizer"]["params"]["lr"] == 3e-3 and cfg["train_batch_size"] == 6
-    assert cfg["zero_optimization"]["stage"] == 3 and cfg["parallelism"] == {"tp_size": 1, "cp_size": 1}
+    assert cfg["zero_optimization"]["stage"] == 1 and cfg["parallelism"] == {"tp_size": 1, "cp_size": 1}
+    assert "gradient_accumulation_steps" not in cfg
+
+
+def test_regenerate_stage_runs_the_first_exchange(tmp_path, monkeypatch):
+    calls = []
+    monkeypatch.setattr(demo, "_run", lambda cmd, env, console, what: calls.append((cmd, env)))
+    args = demo.build_parser().parse_args(["--output", str(tmp_path), "--answers", "regenerated",
+                                           "--conversations", "7", "--regenerate-tokens", "33"])
+    assets = type("A", (), {"target": tmp_path / "t", "conversations": tmp_path / "c.jsonl"})
+    out = demo.stage_regenerate(args, assets, Console(quiet=True))
+    assert out == tmp_path / "regenerated-n7.jsonl"
+    (cmd, env), = calls
+    flags = dict(zip(cmd[3::2], cmd[4::2]))
+    assert cmd[1:3] == ["-m", "recipe.regenerate"]
+    assert flags["--limit"] == "7" and flags["--max-turns"] == "1" and flags["--max-new-tokens"] == "33"
+    assert flags["--data"] == str(tmp_path / "c.jsonl") and flags["--output"] == str(out)
+    assert env["HF_HUB_OFFLINE"] == "1" and env["OMP_NUM_THREADS"] == str(os.cpu_count() or 1)
+
+
+def _random_export(assets, folder):
+    config = Eagle3DraftConfig.from_target_config(AutoConfig.from_pretrained(assets.target), 512)
+    return write_export(export_tensors(Eagle3Draft(config, seed=0).state_dict()), config.to_hf_dict(), folder)
+
+
+def test_eval_stage_reports_chain_and_tree(assets, tmp_path):
+    import torch
+
+    _random_export(assets, tmp_path / "export")
+    argv = ["--output", str(tmp_path), "--eval-prompts", "2", "--max-new-tokens", "5", "--num-draft-tokens", "3,2",
+            "--tree-topk", "2", "--tree-depth", "3", "--tree-budget", "4"]
+    threads = torch.get_num_threads()
+    result = demo.stage_eval(demo.build_parser().parse_args(argv), assets, [3, 2], Console(quiet=True))
+    assert torch.get_num_threads() == threads  # restored after the one-process stage
+    assert result["num_prompts"] == 2 and result["num_draft_tokens"] == 3 and set(result["per_k"]) == {"3", "2"}
+    assert result["tau"] == result["per_k"]["3"]["tau"] == result["runs"][0]["tau"]
+    assert result["tau_tree"] == result["tree_runs"][0]["tau"] and 1.0 <= result["tau_tree"] <= 4.0
+    assert result["tree"] == {"topk": 2, "depth": 3, "budget": 4}
+    assert [r["draft"] for r in result["runs"]] == ["trained", "trained"]  # no untrained draft any more
+    table = demo.summary_table(result, {"train": 1.0})
+    assert table.row_count == 3 and [c.header for c in table.columns] == ["drafting", "draft tokens / round", "τ"]
+
+    chain_only = demo.stage_eval(demo.build_parser().parse_args(argv + ["--tree-depth", "0"]), assets, [3],
+                                 Console(quiet=True))
+    assert chain_only["tau_tree"] is None and "tree_runs" not in chain_only
+    assert demo.summary_table(chain_only, {}).row_count == 1
+
+
+def test_bench_arms_parse():
+    assert bench_data.parse_arm("sharegpt:740:1") == ("sharegpt", 740, 1.0)
+    assert bench_data.parse_arm("regenerated:185:2.5") == ("regenerated", 185, 2.5)
+    assert bench_data.arm_name("regenerated", 185, 2.5) == "regenerated-n185-e2.5"
+    for bad in ("sharegpt:740", "web:10:1", "sharegpt:x:1", "sharegpt:0:1", "sharegpt:10:0", "sharegpt:1:1:1"):
+        with pytest.raises(ValueError, match="arm"):
+            bench_data.parse_arm(bad)
+    assert bench_data.main(["--arms", "nope", "--output", "/nonexistent"]) == 2
+
+
+def test_bench_row_reads_a_finished_arm(tiny_target_and_store, tmp_path):
+    _, store = tiny_target_and_store
+    run = tmp_path / "sharegpt-n30-e2"
+    run.mkdir()
+    (run / "store-sharegpt-n30-len64").symlink_to(store)
+    eval_json = {"tau": 1.5, "tau_tree": 1.75, "num_draft_tokens": 5, "num_prompts": 16, "per_k": {"5": {"tau": 1.5}},
+                 "tree": {"topk": 4, "depth": 5, "budget": 16}, "stage_seconds": {"train": 12.5},
+                 "settings": {"max_length": 64}}
+    (run / "eval.json").write_text(json.dumps(eval_json))
+    lines = [{"step": s, "loss": 3.0 - s / 10, "acc_all_supervised": [0.1 * s, 0.0], "tokens": 100 + s}
+             for s in (1, 2, 3)]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+    row = bench_data.arm_row(run, "sharegpt", 30, 2.0, batch=4)
+    assert row["samples"] == 24 and row["steps"] == 3 and row["sample_passes"] == 12 and row["epochs"] == 0.5
+    assert row["tau"] == 1.5 and row["tau_tree"] == 1.75 and row["train_s"] == 12.5
+    assert row["supervised_tokens"] == 306
+    assert row["acc0_last10"] == pytest.approx(0.2)
+    assert bench_data.table([row], "t").row_count == 1

@@ -57,7 +57,7 @@ def _run(target, data, out, *extra):
                  "--device", "cpu", *extra])
 
 
-def test_greedy_is_deterministic_batch_independent_and_resumable(chat_target, tmp_path, capsys):
+def test_greedy_is_deterministic_batch_independent_and_resumable(chat_target, tmp_path, capsys, monkeypatch):
     data = _data(tmp_path / "chats.jsonl")
     a, b = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
     assert _run(chat_target, data, a, "--batch-size", "1") == 0
@@ -84,6 +84,11 @@ def test_greedy_is_deterministic_batch_independent_and_resumable(chat_target, tm
     ids = [json.loads(line)["id"] for line in c.read_text().splitlines()]  # the cut line is gone, all parse
     assert len(ids) == 5 and set(ids) == set(ra)
     assert {k: v["messages"] for k, v in _read(c).items()} == {k: v["messages"] for k, v in ra.items()}
+    # the same source spelt relative to another working folder: the ids match, nothing is redone
+    monkeypatch.chdir(data.parent)
+    assert _run(chat_target, data.name, c) == 0
+    assert "0 conversations to regenerate (5 already" in capsys.readouterr().err
+    assert c.read_text().count("\n") == 5
 
 
 def test_ranks_take_slices_and_output_is_training_data(chat_target, tmp_path, monkeypatch):
@@ -114,7 +119,36 @@ def test_too_long_prompts_are_counted_skips(chat_target, tmp_path, capsys):
     assert len(_read(out)) == 3  # the single-turn conversations
 
 
+def test_max_turns_keeps_the_first_exchanges(chat_target, tmp_path):
+    data = _data(tmp_path / "chats.jsonl")
+    full, first = tmp_path / "full.jsonl", tmp_path / "first.jsonl"
+    assert _run(chat_target, data, full) == 0 and _run(chat_target, data, first, "--max-turns", "1") == 0
+    rf, r1 = _read(full), _read(first)
+    assert set(rf) == set(r1) and sum(len(r["messages"]) == 4 for r in rf.values()) == 2
+    for key, rec in r1.items():
+        assert [m["role"] for m in rec["messages"]] == ["user", "assistant"], key
+        assert rec["messages"] == rf[key]["messages"][:2]  # greedy: the first turn does not depend on the cut
+        assert rec["regenerated"]["max_turns"] == 1
+
+
+def test_answers_that_open_a_conversation_are_dropped(chat_target, tmp_path, capsys):
+    data = _data(tmp_path / "chats.jsonl", n=2)
+    with data.open("a") as f:
+        for turns in ([("gpt", "hello"), ("human", "hi"), ("gpt", "old")], [("gpt", "x"), ("human", "y")]):
+            f.write(json.dumps({"conversations": [{"from": a, "value": v} for a, v in turns]}) + "\n")
+    out = tmp_path / "p.jsonl"
+    assert _run(chat_target, data, out) == 0
+    assert "'no_prompt': 1" in capsys.readouterr().err  # the second has no answer once its opening one is gone
+    records = _read(out)
+    assert len(records) == 3
+    tail = records[f"{data}:4"]  # rows count from 1; row 3 is the bad one
+    assert [m["role"] for m in tail["messages"]] == ["user", "assistant"] and tail["messages"][0]["content"] == "hi"
+    assert tail["regenerated"]["dropped_leading_turns"] == 1
+    assert all(r["regenerated"]["dropped_leading_turns"] == 0 for k, r in records.items() if k != f"{data}:4")
+
+
 def test_bad_settings_exit_2(chat_target, tmp_path):
     data = _data(tmp_path / "chats.jsonl")
     assert _run(chat_target, data, tmp_path / "x.jsonl", "--top-p", "0") == 2
+    assert _run(chat_target, data, tmp_path / "x.jsonl", "--max-turns", "0") == 2
     assert _run(chat_target, tmp_path / "missing.jsonl", tmp_path / "x.jsonl") == 2

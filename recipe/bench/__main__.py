@@ -1,18 +1,21 @@
-"""``python -m recipe.bench {tp,cp,memory,attention,step,target} ...``: run one benchmark (each has its own ``--help``)."""
+"""``python -m recipe.bench {tp,cp,memory,attention,step,target,data} ...``: run one benchmark (each has its own
+``--help``)."""
 from __future__ import annotations
 
 import importlib
 import sys
 
 COMMANDS = {"tp": "recipe.bench.tp", "cp": "recipe.bench.cp", "memory": "recipe.bench.memory",
-            "attention": "recipe.bench.attention", "step": "recipe.bench.step", "target": "recipe.bench.target"}
-USAGE = ("usage: python -m recipe.bench {tp,cp,memory,attention,step,target} [options]\n"
+            "attention": "recipe.bench.attention", "step": "recipe.bench.step", "target": "recipe.bench.target",
+            "data": "recipe.bench.data"}
+USAGE = ("usage: python -m recipe.bench {tp,cp,memory,attention,step,target,data} [options]\n"
          "  tp         per-rank parameter/gradient/optimizer bytes and step peak memory for tp = 1, 2, 4\n"
          "  cp         per-rank activation memory, step time, longest length in a budget and attention work per cp\n"
          "  memory     peak memory and time of a TTT step vs sequence length, per loss/checkpointing layout\n"
          "  attention  time and peak memory of the causal-block attention per backend, vs length and dtype\n"
          "  step       whole-draft TTT step time per attention backend, relative to the tiled reference\n"
-         "  target     per-rank peak memory and time of the online target forward per cp")
+         "  target     per-rank peak memory and time of the online target forward per cp\n"
+         "  data       τ per data recipe (ShareGPT or regenerated answers, samples vs epochs) at equal compute")
 
 
 def main(argv: list[str] | None = None) -> int:

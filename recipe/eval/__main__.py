@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 
 from recipe.cli import positive_int_list
+from recipe.eval.tree import add_tree_arguments, tree_from_args
 
 DRAFT_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
@@ -40,11 +41,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", help="cpu, cuda, ... (default: cuda when available)")
     p.add_argument("--draft-dtype", choices=sorted(DRAFT_DTYPES),
                    help="the draft's compute dtype (default: the export's own; the target always runs in fp32)")
-    p.add_argument("--tree-topk", type=int, default=4, help="tree drafting: children per expanded node and nodes "
-                   "expanded per depth")
-    p.add_argument("--tree-depth", type=int, default=5, help="tree drafting: draft levels below the root, the most "
-                   "draft tokens one round can accept (0: no tree drafting)")
-    p.add_argument("--tree-budget", type=int, default=16, help="tree drafting: draft tokens verified per round")
+    add_tree_arguments(p)
     return p
 
 
@@ -56,12 +53,10 @@ def main(argv: list[str] | None = None) -> int:
     from recipe.eval.harness import evaluate
     from recipe.eval.prompts import read_prompts
     from recipe.eval.speculative import MismatchError
-    from recipe.eval.tree import TreeSpec
 
     console = Console(stderr=True)
     try:
-        tree = (TreeSpec(topk=args.tree_topk, depth=args.tree_depth, budget=args.tree_budget)
-                if args.tree_depth else None)
+        tree = tree_from_args(args)
         if args.prompts is None:
             from recipe.assets import prepare_assets
 

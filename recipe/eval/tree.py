@@ -48,6 +48,23 @@ class TreeSpec:
         return {"topk": self.topk, "depth": self.depth, "budget": self.budget}
 
 
+def add_tree_arguments(parser) -> None:
+    """The ``--tree-topk/--tree-depth/--tree-budget`` flags of ``recipe.eval`` and ``recipe.demo`` (defaults of
+    :class:`TreeSpec`; ``--tree-depth 0`` turns tree drafting off)."""
+    parser.add_argument("--tree-topk", type=int, default=TreeSpec.topk,
+                        help="tree drafting: children per expanded node and nodes expanded per depth")
+    parser.add_argument("--tree-depth", type=int, default=TreeSpec.depth,
+                        help="tree drafting: draft levels below the root, the most draft tokens one round can "
+                        "accept (0: no tree drafting)")
+    parser.add_argument("--tree-budget", type=int, default=TreeSpec.budget,
+                        help="tree drafting: draft tokens verified per round")
+
+
+def tree_from_args(args) -> "TreeSpec | None":
+    """The TreeSpec of :func:`add_tree_arguments`' flags, None for ``--tree-depth 0``; ValueError for a value < 0."""
+    return TreeSpec(topk=args.tree_topk, depth=args.tree_depth, budget=args.tree_budget) if args.tree_depth else None
+
+
 @dataclass
 class DraftTree:
     """Draft tokens (target ids) ``tokens[i]`` with ``parents[i]`` (index of an earlier node, or -1 for the root).
