@@ -1,19 +1,21 @@
 """τ per data recipe at equal training compute: which answers (ShareGPT's or the target's own) and how many distinct
 samples (few seen over many epochs, or many seen once) give the better draft for the same optimizer steps.
 
-    python -m recipe.bench data [--output runs/bench-data] [--arms sharegpt:740:1,sharegpt:190:4,regenerated:190:4]
+    python -m recipe.bench data [--output runs/bench-data] [--arms sharegpt:740:1,sharegpt:190:4,regenerated:190:7]
         [--steps 154] [--json FILE] [-- DEMO FLAGS ...]
 
 Each arm ``ANSWERS:CONVERSATIONS:EPOCHS`` is one ``python -m recipe.demo`` run in ``OUTPUT/<arm>`` (so it resumes and
 skips what is done, like the demo) with ``--max-steps STEPS``: every arm makes the same number of optimizer steps of
 the same global batch, so the same training compute (sample passes = steps · batch); ``EPOCHS`` only has to be
-enough to reach them (an arm that runs out trains fewer steps, and its row says so). Flags after ``--`` go to every
+enough to reach them (an arm that runs out trains fewer steps, and its row says so; 190 conversations give 153
+ShareGPT samples but 146 regenerated ones, hence 7 epochs for the regenerated arm). Flags after ``--`` go to every
 demo run (e.g. ``--eval-prompts 16 --ttt-steps 4``). The table lists per arm the conversations read, the samples
 dumped (the rest were skipped, e.g. no assistant token within ``--max-length``), epochs actually made, steps,
 supervised tokens trained on (regenerated answers are shorter, so a step holds fewer), seconds spent making the
-data (regeneration + dump; 0 when an earlier run made it) and training, the first-token accuracy of the last 10
-steps (``acc_all_supervised``: all supervised positions, out-of-vocabulary = miss; on samples seen for the first time
-only in a one-epoch arm) and τ of chain (first k) and tree drafting on MT-Bench; the JSON has every arm's row.
+data (regeneration + dump) and training (each 0 when an earlier run of the arm did it), the first-token accuracy
+of the last 10 steps (``acc_all_supervised``: all supervised positions, out-of-vocabulary = miss; on samples seen
+for the first time only in a one-epoch arm) and τ of chain (first k) and tree drafting on MT-Bench; the JSON has
+every arm's row.
 """
 from __future__ import annotations
 
@@ -29,7 +31,7 @@ from recipe.bench.common import write_json
 from recipe.data.store import HiddenStateStore
 from recipe.plot import METRICS_FILE, read_metrics
 
-DEFAULT_ARMS = "sharegpt:740:1,sharegpt:190:4,regenerated:190:4"
+DEFAULT_ARMS = "sharegpt:740:1,sharegpt:190:4,regenerated:190:7"
 
 
 def parse_arm(text: str) -> tuple[str, int, float]:
