@@ -12,7 +12,8 @@ Stages (each skips work already done): ``recipe.assets.prepare_assets`` (cached)
 ``DS_ACCELERATOR=cpu``, gloo, ``OMP_NUM_THREADS=1``; resumes from ``OUTPUT/checkpoints``; skipped when
 ``OUTPUT/export`` exists) → ``recipe.eval`` of the export (every core of the machine) → ``OUTPUT/eval.json`` (top
 level: ``tau`` at the first k, ``tau_tree`` of the dynamic tree, ``num_draft_tokens``, ``num_prompts``, ``per_k``,
-``runs``, ``tree_runs``, ``stage_seconds``, ``settings``) and the training curves ``OUTPUT/curves.png``
+``runs``, ``tree_runs``, ``stage_seconds`` — a stage skipped because its output was there keeps the seconds the earlier
+run recorded, ``stages_skipped`` names those —, ``settings``) and the training curves ``OUTPUT/curves.png``
 (``recipe.plot``, with matplotlib). The seed-initialised draft is not evaluated: it measured τ = 1.00 in every
 earlier run (it never proposes the target's greedy token).
 The defaults fit about 25 minutes on 2 CPU cores.
@@ -109,19 +110,21 @@ def stage_regenerate(args, assets, console: Console) -> Path:
     return out
 
 
-def stage_dump(args, assets, data: Path, store: Path, console: Console) -> None:
+def stage_dump(args, assets, data: Path, store: Path, console: Console) -> bool:
+    """The hidden-state dump into ``store``; True when it was already complete (nothing run)."""
     from recipe.data.store import HiddenStateStore
 
     try:
         HiddenStateStore(store).validate()
         console.print(f"dump: {store} is complete, skipped")
-        return
+        return True
     except Exception:  # no store yet, or an interrupted one: the dump resumes its finished shards
         pass
     _run([sys.executable, "-m", "recipe.dump", "--target", str(assets.target), "--data", str(data),
           "--output", str(store), "--limit", str(args.conversations), "--max-length", str(args.max_length),
           "--dtype", "bf16", "--batch-size", "8", "--cache-dir", str(args.output / "cache")],
          subprocess_env(_one_process_threads()), console, "hidden-state dump")
+    return False
 
 
 def _ds_config(args) -> Path:
@@ -134,11 +137,12 @@ def _ds_config(args) -> Path:
     return path
 
 
-def stage_train(args, assets, store: Path, console: Console) -> None:
+def stage_train(args, assets, store: Path, console: Console) -> bool:
+    """DeepSpeed training into ``OUTPUT`` (resumes a checkpoint); True when the export already existed (nothing run)."""
     export = args.output / "export"
     if (export / "config.json").is_file():
         console.print(f"train: {export} exists, skipped (delete it to retrain)")
-        return
+        return True
     gpus = _cuda_count()
     ranks = min(args.ranks, gpus) if gpus else args.ranks
     port = str(free_port())
@@ -160,6 +164,7 @@ def stage_train(args, assets, store: Path, console: Console) -> None:
     if not gpus:
         env["DS_ACCELERATOR"] = "cpu"
     _run(launch + argv, env, console, "training")
+    return False
 
 
 def _settings(args) -> dict:
@@ -197,6 +202,14 @@ def stage_eval(args, assets, ks: list[int], console: Console) -> dict:
             "num_draft_tokens": ks[0], "num_prompts": len(prompts), "per_k": per_k, **result}
 
 
+def _earlier_seconds(eval_json: Path) -> dict[str, float]:
+    """``stage_seconds`` of an earlier run's eval.json (empty when there is none or it cannot be read)."""
+    try:
+        return dict(json.loads(eval_json.read_text()).get("stage_seconds") or {})
+    except (OSError, ValueError, AttributeError):
+        return {}
+
+
 def summary_table(result: dict, seconds: dict[str, float]) -> Table:
     table = Table(title="EAGLE-3 demo: acceptance length τ of the trained draft on MT-Bench (greedy verification)")
     for col in ("drafting", "draft tokens / round", "τ"):
@@ -218,12 +231,18 @@ def main(argv: list[str] | None = None) -> int:
     args.output.mkdir(parents=True, exist_ok=True)
     console = Console()
     seconds: dict[str, float] = {}
+    earlier = _earlier_seconds(args.output / "eval.json")
+    skipped: list[str] = []
     start = time.perf_counter()
 
     def timed(name, fn, *a):
         t = time.perf_counter()
         out = fn(*a)
         seconds[name] = time.perf_counter() - t
+        if out is True or (isinstance(out, dict) and "stage_seconds" in out):  # skipped (an earlier eval.json)
+            skipped.append(name)
+            if name in earlier:  # keep the seconds of the run that did the work
+                seconds[name] = earlier[name]
         return out
 
     from recipe.assets import prepare_assets
@@ -243,6 +262,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     seconds["total"] = time.perf_counter() - start
     result["stage_seconds"] = seconds
+    result["stages_skipped"] = skipped
     result["settings"] = _settings(args)
     (args.output / "eval.json").write_text(json.dumps(result, indent=2) + "\n")
     console.print(summary_table(result, seconds))

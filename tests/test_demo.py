@@ -96,3 +96,32 @@ def test_bench_row_reads_a_finished_arm(tiny_target_and_store, tmp_path):
     assert row["supervised_tokens"] == 306
     assert row["acc0_last10"] == pytest.approx(0.2)
     assert bench_data.table([row], "t").row_count == 1
+
+
+def test_rerun_keeps_the_seconds_of_skipped_stages(tmp_path, monkeypatch):
+    """A rerun whose dump, training and evaluation are all done records the seconds of the run that did them (the
+    bench reads them), names them in ``stages_skipped``, and measures only what it ran (assets)."""
+    from types import SimpleNamespace
+
+    import recipe.assets
+
+    earlier = {"tau": 1.3, "tau_tree": 1.5, "num_draft_tokens": 5, "num_prompts": 16, "per_k": {"5": {"tau": 1.3}},
+               "stage_seconds": {"assets": 60.0, "dump": 200.0, "train": 500.0, "eval": 400.0, "total": 1160.0}}
+    (tmp_path / "export").mkdir()
+    (tmp_path / "export" / "config.json").write_text("{}")
+    (tmp_path / "eval.json").write_text(json.dumps(earlier))
+    monkeypatch.setattr(recipe.assets, "prepare_assets", lambda: SimpleNamespace(conversations=tmp_path / "c.jsonl"))
+    monkeypatch.setattr(demo, "stage_dump", lambda *a: True)
+    monkeypatch.setattr(demo, "stage_train", lambda *a: True)
+    monkeypatch.setattr(demo, "stage_eval", lambda *a: dict(earlier))
+    monkeypatch.setattr(demo, "summary_table", lambda *a: "")
+    assert demo.main(["--output", str(tmp_path)]) == 0
+    out = json.loads((tmp_path / "eval.json").read_text())
+    assert out["stages_skipped"] == ["dump", "train", "eval"]
+    assert {k: out["stage_seconds"][k] for k in ("dump", "train", "eval")} == {"dump": 200.0, "train": 500.0,
+                                                                              "eval": 400.0}
+    assert out["stage_seconds"]["assets"] < 60.0 and out["tau"] == 1.3
+    monkeypatch.setattr(demo, "stage_dump", lambda *a: False)  # a dump that ran measures itself
+    assert demo.main(["--output", str(tmp_path)]) == 0
+    out = json.loads((tmp_path / "eval.json").read_text())
+    assert out["stages_skipped"] == ["train", "eval"] and out["stage_seconds"]["dump"] < 200.0
