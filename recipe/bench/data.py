@@ -15,8 +15,8 @@ supervised tokens trained on (regenerated answers are shorter, so a step holds f
 data (regeneration + dump) and training (a rerun of an arm reports the seconds its earlier run recorded for a
 skipped dump or training; the regeneration, which resumes rather than skips, reports its own), the first-token
 accuracy of the last 10 steps (``acc_all_supervised``: all supervised positions, out-of-vocabulary = miss; on
-samples seen for the first time only in a one-epoch arm) and τ of chain (first k) and tree drafting on MT-Bench; the JSON has
-every arm's row.
+samples seen for the first time only in a one-epoch arm) and τ of chain (first k) and tree drafting on
+MT-Bench; the JSON has every arm's row.
 """
 from __future__ import annotations
 
