@@ -175,10 +175,6 @@ class TTTModel(nn.Module):
             False recomputes each step's [B, S, Vd] target logits. The chunked loss always streams them per chunk
             (so one chunk's logits live at a time), whatever this switch says. Both give bitwise-equal numbers
             where the BLAS computes a matmul row independently of the row count (MKL on CPU; the tests check it).
-    Compute switch: ``head_on_valid_only`` True (default) runs the final norm, lm_head and loss of the whole-sequence
-    path on the valid positions only (gathered, [1, n, Vd]); False on all B·S positions, masked in the loss. Same
-    values up to float summation order; on the demo's data (~64% of positions valid) it removes a third of the head's
-    work, about a tenth of a training step. The chunked path always computes every chunk.
     Raises ValueError on a loss_chunk_size that is not None or a positive integer.
     """
 
@@ -195,7 +191,6 @@ class TTTModel(nn.Module):
         self.loss_chunk_size = loss_chunk_size
         self.checkpoint_steps = bool(checkpoint_steps)
         self.teacher_logits_once = True
-        self.head_on_valid_only = True
         self.register_buffer("target_head_d", torch.empty(0), persistent=False)
         self.set_target_head(target_lm_head_weight)
 
@@ -246,7 +241,7 @@ class TTTModel(nn.Module):
             return chunked_soft_ce(self.draft.logits, self.loss_fn, hidden_BSH, batch.target_hidden_BLH,
                                    batch.target_row_KS[k], self.target_head_d, batch.valid_KBS[k],
                                    self.loss_chunk_size, target_softcap=self.target_softcap)
-        valid_BS = batch.valid_KBS[k]
+        logits_BSV = self.draft.logits(hidden_BSH)
         with torch.no_grad():
             if teacher is not None:
                 logits_BUV, index_KS = teacher
@@ -254,14 +249,7 @@ class TTTModel(nn.Module):
             else:
                 rows_BSH = batch.target_hidden_BLH[:, batch.target_row_KS[k]]
                 target_logits_BSV = target_logits(rows_BSH, self.target_head_d, self.target_softcap)
-        if not self.head_on_valid_only:
-            return self.loss_fn(self.draft.logits(hidden_BSH), target_logits_BSV, valid_BS)
-        # Only the valid positions reach the head: [1, n, Vd] instead of [B, S, Vd] (n may be 0; the head's
-        # parameters then still get a (zero) gradient, as every rank's must).
-        valid_BS = valid_BS.bool()
-        logits_1NV = self.draft.logits(hidden_BSH[valid_BS].unsqueeze(0))
-        ones_1N = torch.ones(logits_1NV.shape[:2], dtype=torch.bool, device=logits_1NV.device)
-        return self.loss_fn(logits_1NV, target_logits_BSV[valid_BS].unsqueeze(0), ones_1N)
+        return self.loss_fn(logits_BSV, target_logits_BSV, batch.valid_KBS[k])
 
     def _checkpointed_step(self, hidden_BSH, input_ids_BS, position_ids_BS, key_valid_BS, kv_cache):
         """``draft.step`` under ``torch.utils.checkpoint``; returns ``(hidden_out_BSH, kv_cache)`` like it.
