@@ -9,7 +9,8 @@ skips what is done, like the demo) with ``--max-steps STEPS``: every arm makes t
 the same global batch, so the same training compute (sample passes = steps · batch); ``EPOCHS`` only has to be
 enough to reach them (an arm that runs out trains fewer steps, and its row says so; 190 conversations give 153
 ShareGPT samples but 146 regenerated ones, hence 7 epochs for the regenerated arm). Flags after ``--`` go to every
-demo run (e.g. ``--eval-prompts 16 --ttt-steps 4``). The table lists per arm the conversations read, the samples
+demo run (e.g. ``--eval-prompts 16 --ttt-steps 4``; the table in docs/results/data_cpu.json was measured
+with K = 4, the demo's default then, now 2). The table lists per arm the conversations read, the samples
 dumped (the rest were skipped, e.g. no assistant token within ``--max-length``), epochs actually made, steps,
 supervised tokens trained on (regenerated answers are shorter, so a step holds fewer), seconds spent making the
 data (regeneration + dump) and training (a rerun of an arm reports the seconds its earlier run recorded for a
