@@ -16,7 +16,7 @@ level: ``tau`` at the first k, ``tau_tree`` of the dynamic tree, ``num_draft_tok
 run recorded, ``stages_skipped`` names those —, ``settings``) and the training curves ``OUTPUT/curves.png``
 (``recipe.plot``, with matplotlib). The seed-initialised draft is not evaluated: it measured τ = 1.00 in every
 earlier run (it never proposes the target's greedy token).
-The defaults fit about 27 minutes on 2 CPU cores, setup included.
+The defaults fit about 25 minutes on 2 CPU cores, setup included.
 """
 from __future__ import annotations
 
@@ -53,8 +53,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-steps", type=int, help="stop training after this many optimizer steps")
     p.add_argument("--save-every", type=int, default=20, help="checkpoint every N steps (a rerun resumes)")
     p.add_argument("--ttt-steps", type=int, default=2,
-                   help="training-time-test unroll steps K (2: half the step cost of 4 at the same first-token "
-                        "accuracy per step; chain τ is nearly all positions 1-2)")
+                   help="training-time-test unroll steps K (2: a demo step costs ~2/3 of K = 4's at the same "
+                        "first-token accuracy per step; chain τ is nearly all positions 1-2)")
     p.add_argument("--draft-vocab-size", type=int, default=4096, help="draft vocabulary size")
     p.add_argument("--lr", type=float, default=2e-3, help="peak learning rate (written into the DeepSpeed JSON)")
     p.add_argument("--batch-size", type=int, default=4, help="samples per optimizer step (global)")
@@ -183,10 +183,13 @@ def stage_eval(args, assets, ks: list[int], console: Console) -> dict:
 
     done = args.output / "eval.json"
     if done.is_file() and done.stat().st_mtime > (args.output / "export" / "model.safetensors").stat().st_mtime:
-        previous = json.loads(done.read_text())
-        if previous.get("settings") == _settings(args):
+        try:
+            previous = json.loads(done.read_text())
+        except ValueError:  # a corrupt eval.json: evaluate again (the file is rewritten at the end)
+            previous = None
+        if isinstance(previous, dict) and previous.get("settings") == _settings(args):
             console.print(f"eval: {done} is up to date, skipped")
-            return previous
+            return {**previous, SKIPPED: True}
 
     every = read_prompts(assets.prompts)
     stride = max(1, len(every) // max(1, args.eval_prompts))
@@ -204,12 +207,34 @@ def stage_eval(args, assets, ks: list[int], console: Console) -> dict:
             "num_draft_tokens": ks[0], "num_prompts": len(prompts), "per_k": per_k, **result}
 
 
-def _earlier_seconds(eval_json: Path) -> dict[str, float]:
-    """``stage_seconds`` of an earlier run's eval.json (empty when there is none or it cannot be read)."""
+_DUMP_INPUTS = ("answers", "conversations", "max_length", "regenerate_tokens")
+STAGE_INPUTS = {"dump": _DUMP_INPUTS,
+                "train": _DUMP_INPUTS + ("epochs", "max_steps", "ttt_steps", "draft_vocab_size", "lr", "batch_size",
+                                         "ds_config", "ranks", "launcher", "seed"),
+                "eval": None}
+"""Settings a stage's output depends on (None: all of them; the evaluation is skipped only on equal settings)."""
+SKIPPED = "_skipped"  # key a stage's dict result carries when the stage found its output and ran nothing
+
+
+def _earlier_seconds(eval_json: Path, settings: dict) -> dict[str, float]:
+    """Per stage, the seconds an earlier run's ``eval.json`` recorded, kept only where that run's ``settings`` agree
+    with ``settings`` on ``STAGE_INPUTS[stage]`` (so the seconds belong to the output this run finds). Empty when
+    there is no file, it cannot be parsed, or its fields are not of the expected types; non-numbers are dropped."""
     try:
-        return dict(json.loads(eval_json.read_text()).get("stage_seconds") or {})
-    except (OSError, ValueError, AttributeError):
+        earlier = json.loads(eval_json.read_text())
+    except (OSError, ValueError):
         return {}
+    recorded = earlier.get("stage_seconds") if isinstance(earlier, dict) else None
+    before = earlier.get("settings") if isinstance(earlier, dict) else None
+    if not isinstance(recorded, dict) or not isinstance(before, dict):
+        return {}
+    out = {}
+    for stage, keys in STAGE_INPUTS.items():
+        value = recorded.get(stage)
+        same = before == settings if keys is None else all(before.get(k) == settings.get(k) for k in keys)
+        if same and isinstance(value, (int, float)) and not isinstance(value, bool):
+            out[stage] = float(value)
+    return out
 
 
 def summary_table(result: dict, seconds: dict[str, float]) -> Table:
@@ -233,7 +258,7 @@ def main(argv: list[str] | None = None) -> int:
     args.output.mkdir(parents=True, exist_ok=True)
     console = Console()
     seconds: dict[str, float] = {}
-    earlier = _earlier_seconds(args.output / "eval.json")
+    earlier = _earlier_seconds(args.output / "eval.json", _settings(args))
     skipped: list[str] = []
     start = time.perf_counter()
 
@@ -241,10 +266,12 @@ def main(argv: list[str] | None = None) -> int:
         t = time.perf_counter()
         out = fn(*a)
         seconds[name] = time.perf_counter() - t
-        if out is True or (isinstance(out, dict) and "stage_seconds" in out):  # skipped (an earlier eval.json)
+        if out is True or (isinstance(out, dict) and out.pop(SKIPPED, False)):  # found its output, ran nothing
             skipped.append(name)
-            if name in earlier:  # keep the seconds of the run that did the work
+            if name in earlier:  # the seconds of the run that did the work
                 seconds[name] = earlier[name]
+            else:  # unknown: no entry rather than this run's ~0 s
+                del seconds[name]
         return out
 
     from recipe.assets import prepare_assets

@@ -98,30 +98,58 @@ def test_bench_row_reads_a_finished_arm(tiny_target_and_store, tmp_path):
     assert bench_data.table([row], "t").row_count == 1
 
 
+def test_stages_report_a_skip_when_their_output_is_there(tiny_target_and_store, tmp_path):
+    _, store = tiny_target_and_store
+    args = demo.build_parser().parse_args(["--output", str(tmp_path)])
+    (tmp_path / "export").mkdir()
+    (tmp_path / "export" / "config.json").write_text("{}")
+    assert demo.stage_train(args, None, store, Console(quiet=True)) is True  # no launcher run: the export is there
+    assert demo.stage_dump(args, None, None, store, Console(quiet=True)) is True  # a complete store
+
+
 def test_rerun_keeps_the_seconds_of_skipped_stages(tmp_path, monkeypatch):
-    """A rerun whose dump, training and evaluation are all done records the seconds of the run that did them (the
-    bench reads them), names them in ``stages_skipped``, and measures only what it ran (assets)."""
+    """A rerun that finds a stage's output records the seconds of the run that did the work (the bench reads them)
+    and names the stage in ``stages_skipped``; a stage that ran measures itself; a skipped stage whose earlier run had
+    other settings, or no readable eval.json, gets no seconds at all rather than this run's ~0 s."""
     from types import SimpleNamespace
 
     import recipe.assets
 
+    argv = ["--output", str(tmp_path)]
+    settings = demo._settings(demo.build_parser().parse_args(argv)) | {"output": str(tmp_path.resolve())}
     earlier = {"tau": 1.3, "tau_tree": 1.5, "num_draft_tokens": 5, "num_prompts": 16, "per_k": {"5": {"tau": 1.3}},
-               "stage_seconds": {"assets": 60.0, "dump": 200.0, "train": 500.0, "eval": 400.0, "total": 1160.0}}
+               "stage_seconds": {"assets": 60.0, "dump": 200.0, "train": 500.0, "eval": 400.0, "total": 1160.0},
+               "settings": settings}
+    fresh = {k: v for k, v in earlier.items() if k not in ("stage_seconds", "settings")}
+
+    def rerun(eval_json, dump_ran=False, eval_result=None):
+        (tmp_path / "eval.json").write_text(json.dumps(eval_json))
+        monkeypatch.setattr(demo, "stage_dump", lambda *a: not dump_ran)
+        monkeypatch.setattr(demo, "stage_eval", lambda *a: dict(eval_result or {**earlier, demo.SKIPPED: True}))
+        assert demo.main(argv) == 0
+        return json.loads((tmp_path / "eval.json").read_text())
+
+    monkeypatch.setattr(recipe.assets, "prepare_assets", lambda: SimpleNamespace(conversations=tmp_path / "c.jsonl"))
+    monkeypatch.setattr(demo, "stage_train", lambda *a: True)
+    monkeypatch.setattr(demo, "summary_table", lambda *a: "")
     (tmp_path / "export").mkdir()
     (tmp_path / "export" / "config.json").write_text("{}")
-    (tmp_path / "eval.json").write_text(json.dumps(earlier))
-    monkeypatch.setattr(recipe.assets, "prepare_assets", lambda: SimpleNamespace(conversations=tmp_path / "c.jsonl"))
-    monkeypatch.setattr(demo, "stage_dump", lambda *a: True)
-    monkeypatch.setattr(demo, "stage_train", lambda *a: True)
-    monkeypatch.setattr(demo, "stage_eval", lambda *a: dict(earlier))
-    monkeypatch.setattr(demo, "summary_table", lambda *a: "")
-    assert demo.main(["--output", str(tmp_path)]) == 0
-    out = json.loads((tmp_path / "eval.json").read_text())
-    assert out["stages_skipped"] == ["dump", "train", "eval"]
+
+    out = rerun(earlier)
+    assert out["stages_skipped"] == ["dump", "train", "eval"] and demo.SKIPPED not in out
     assert {k: out["stage_seconds"][k] for k in ("dump", "train", "eval")} == {"dump": 200.0, "train": 500.0,
                                                                               "eval": 400.0}
     assert out["stage_seconds"]["assets"] < 60.0 and out["tau"] == 1.3
-    monkeypatch.setattr(demo, "stage_dump", lambda *a: False)  # a dump that ran measures itself
-    assert demo.main(["--output", str(tmp_path)]) == 0
-    out = json.loads((tmp_path / "eval.json").read_text())
-    assert out["stages_skipped"] == ["train", "eval"] and out["stage_seconds"]["dump"] < 200.0
+
+    out = rerun(earlier, dump_ran=True, eval_result=fresh)  # the dump and the evaluation ran this time
+    assert out["stages_skipped"] == ["train"]
+    assert out["stage_seconds"]["dump"] < 200.0 and out["stage_seconds"]["eval"] < 400.0
+    assert out["stage_seconds"]["train"] == 500.0
+
+    other = {**earlier, "settings": {**settings, "conversations": 7}}  # the earlier seconds are another store's
+    out = rerun(other)
+    assert out["stages_skipped"] == ["dump", "train", "eval"]
+    assert "dump" not in out["stage_seconds"] and "train" not in out["stage_seconds"]
+
+    out = rerun({"stage_seconds": 5, "settings": settings})  # malformed: no earlier seconds, no crash
+    assert "dump" not in out["stage_seconds"] and "train" not in out["stage_seconds"]

@@ -66,7 +66,8 @@ def arm_row(run: Path, answers: str, n: int, epochs: float, batch: int) -> dict:
     return {"arm": arm_name(answers, n, epochs), "answers": answers, "conversations": n, "samples": samples,
             "epochs": steps * batch / max(samples, 1), "steps": steps, "sample_passes": steps * batch,
             "supervised_tokens": sum(r.get("tokens", 0) for r in records),
-            "data_s": sum(result["stage_seconds"].get(k, 0.0) for k in ("regenerate", "dump")),
+            "data_s": (sum(result["stage_seconds"].get(k, 0.0) for k in ("regenerate", "dump"))
+                       if "dump" in result["stage_seconds"] else None),
             "train_s": result["stage_seconds"].get("train"), "acc0_last10": sum(tail) / len(tail) if tail else None,
             "tau": result["tau"], "tau_tree": result.get("tau_tree"), "num_draft_tokens": result["num_draft_tokens"],
             "num_prompts": result["num_prompts"], "tree": result.get("tree"), "per_k": result["per_k"]}
@@ -80,7 +81,7 @@ def table(rows: list[dict], title: str) -> Table:
     for r in rows:
         acc = r["acc0_last10"]
         t.add_row(r["arm"], str(r["samples"]), f"{r['epochs']:.2f}", str(r["steps"]), str(r["supervised_tokens"]),
-                  f"{r['data_s']:.0f}",
+                  f"{r['data_s']:.0f}" if r["data_s"] is not None else "-",
                   f"{r['train_s']:.0f}" if r["train_s"] is not None else "-", f"{acc:.3f}" if acc is not None else "-",
                   f"{r['tau']:.3f}", f"{r['tau_tree']:.3f}" if r["tau_tree"] is not None else "-")
     return t
