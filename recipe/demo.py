@@ -183,11 +183,8 @@ def stage_eval(args, assets, ks: list[int], console: Console) -> dict:
 
     done = args.output / "eval.json"
     if done.is_file() and done.stat().st_mtime > (args.output / "export" / "model.safetensors").stat().st_mtime:
-        try:
-            previous = json.loads(done.read_text())
-        except ValueError:  # a corrupt eval.json: evaluate again (the file is rewritten at the end)
-            previous = None
-        if isinstance(previous, dict) and previous.get("settings") == _settings(args):
+        previous = _read_eval_json(done)  # None when corrupt: evaluate again (the file is rewritten at the end)
+        if previous is not None and previous.get("settings") == _settings(args):
             console.print(f"eval: {done} is up to date, skipped")
             return {**previous, SKIPPED: True}
 
@@ -216,16 +213,21 @@ STAGE_INPUTS = {"dump": _DUMP_INPUTS,
 SKIPPED = "_skipped"  # key a stage's dict result carries when the stage found its output and ran nothing
 
 
+def _read_eval_json(path: Path) -> dict | None:
+    """An earlier run's ``eval.json`` as a dict; None when it is missing, unreadable, not JSON or not an object."""
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
 def _earlier_seconds(eval_json: Path, settings: dict) -> dict[str, float]:
     """Per stage, the seconds an earlier run's ``eval.json`` recorded, kept only where that run's ``settings`` agree
     with ``settings`` on ``STAGE_INPUTS[stage]`` (so the seconds belong to the output this run finds). Empty when
     there is no file, it cannot be parsed, or its fields are not of the expected types; non-numbers are dropped."""
-    try:
-        earlier = json.loads(eval_json.read_text())
-    except (OSError, ValueError):
-        return {}
-    recorded = earlier.get("stage_seconds") if isinstance(earlier, dict) else None
-    before = earlier.get("settings") if isinstance(earlier, dict) else None
+    earlier = _read_eval_json(eval_json) or {}
+    recorded, before = earlier.get("stage_seconds"), earlier.get("settings")
     if not isinstance(recorded, dict) or not isinstance(before, dict):
         return {}
     out = {}
