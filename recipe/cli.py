@@ -34,6 +34,7 @@ class TrainArgs:
     cp_size: int | None = None
     aux_layer_ids: list[int] | None = None
     lm_head_init: str = "target"
+    freeze_lm_head: bool = False
     cache_dir: Path | None = None
     log_every: int = 1
     no_export: bool = False
@@ -164,6 +165,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--aux-layer-ids", type=int_list, help="target layers for aux hidden states, e.g. 1,14,26")
     p.add_argument("--lm-head-init", choices=["target", "random"], default="target",
                    help="initialise the draft lm_head from the target's rows of the draft vocabulary")
+    p.add_argument("--freeze-lm-head", action="store_true",
+                   help="keep the draft lm_head at the target's rows (needs --lm-head-init target): the draft then "
+                        "learns to produce hidden states in the target's output space")
     p.add_argument("--cache-dir", type=Path, help="cache for tokenised data and vocab maps (default OUTPUT/cache)")
     p.add_argument("--log-every", type=_positive, default=1,
                    help="refresh the progress statistics every N steps; when stderr is not a terminal (a log file), "
@@ -194,5 +198,8 @@ def parse_args(argv: list[str] | None = None) -> TrainArgs:
     check_data_arguments(parser, ns)
     if ns.eval_every and ns.eval_data is None and ns.eval_fraction is None:
         parser.error("--eval-every needs a held-out split: --eval-data or --eval-fraction")
+    if ns.freeze_lm_head and ns.lm_head_init != "target":
+        parser.error("--freeze-lm-head keeps lm_head at its initial rows: it needs --lm-head-init target "
+                     "(a frozen random lm_head cannot learn)")
     values = {k: v for k, v in vars(ns).items() if k != "local_rank"}
     return TrainArgs(**values)

@@ -224,7 +224,9 @@ def resolve(resume: str, root: Path) -> Path:
 
 
 COMPAT_KEYS = ("world_size", "tp", "cp", "dp", "global_batch", "zero_stage", "data_fingerprint", "ttt_steps",
-               "draft_vocab_size", "aux_layer_ids", "max_length", "seed")
+               "draft_vocab_size", "aux_layer_ids", "max_length", "seed", "freeze_lm_head")
+# the value of a key that checkpoints written before it existed stand for
+COMPAT_DEFAULTS = {"freeze_lm_head": False}
 
 
 def read_run_state(path: Path) -> dict:
@@ -241,6 +243,7 @@ def check_compatible(saved: dict, current: dict, path: Path) -> None:
 
     Raises ValueError listing every differing key (checkpoint value, current value) of :data:`COMPAT_KEYS`.
     """
+    saved, current = {**COMPAT_DEFAULTS, **saved}, {**COMPAT_DEFAULTS, **current}
     diffs = [f"{k}: checkpoint {saved.get(k)!r}, now {current.get(k)!r}" for k in COMPAT_KEYS
              if saved.get(k) != current.get(k)]
     if diffs:

@@ -76,13 +76,14 @@ class TrainSettings:
     no_export: bool = False
     log_every: int = 1
     extend: bool = False
+    freeze_lm_head: bool = False
 
     @classmethod
     def from_args(cls, args: TrainArgs) -> "TrainSettings":
         return cls(output=args.output, ttt_steps=args.ttt_steps, max_length=args.max_length, seed=args.seed,
                    save_every=args.save_every, keep_checkpoints=args.keep_checkpoints,
                    skip_nonfinite=args.skip_nonfinite, no_export=args.no_export, log_every=args.log_every,
-                   extend=args.extend)
+                   extend=args.extend, freeze_lm_head=args.freeze_lm_head)
 
 
 class Trainer:
@@ -171,7 +172,8 @@ class Trainer:
                 "draft_vocab_size": self.parts.draft_config.draft_vocab_size, "max_length": self.settings.max_length,
                 "seed": self.settings.seed, "total_steps": total,
                 "zero_stage": self.engine.zero_optimization_stage(),
-                "aux_layer_ids": list(self.parts.draft_config.aux_layer_ids)}
+                "aux_layer_ids": list(self.parts.draft_config.aux_layer_ids),
+                "freeze_lm_head": self.settings.freeze_lm_head}
 
     def _nonfinite(self, loss_sum_K: torch.Tensor, micro: int, indices: list[int]) -> str | None:
         """Collective over the world: None if every rank's loss is finite, else a description naming the step,

@@ -139,6 +139,8 @@ def build_run(args: TrainArgs, device: torch.device, console: Console) -> RunPar
     model = TTTModel(draft, lm_head_VH[vocab.draft_ids].clone(), loss_chunk_size=memory.loss_chunk_size,
                      checkpoint_steps=memory.checkpoint_ttt_steps, target_softcap=final_logit_softcap(hf_config))
     parallelize(model, pstate, memory, device)
+    if args.freeze_lm_head:  # after parallelize: the TP layers are new modules with trainable weights
+        model.draft.lm_head.weight.requires_grad_(False)
 
     target = None
     if examples is not None:  # replicated, or ZeRO-3 partitioned over the world (the JSON's "target" section)

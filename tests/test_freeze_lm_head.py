@@ -1,0 +1,99 @@
+"""``--freeze-lm-head``: the draft lm_head stays exactly at the target's rows of the draft vocabulary while the rest
+of the draft trains, on one process (ZeRO-0) and with lm_head vocab-parallel over tp = 2 at ZeRO-3 (same curves);
+without the flag the same run moves lm_head; the flag without a target-initialised lm_head is refused."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from helpers.ranks import run_ranks
+from helpers.training import assert_curves_close, run_training, train_argv, write_ds_config
+
+STEPS = 6
+
+
+def _argv(tmp, target, store, name, stage, tp, *extra):
+    cfg = write_ds_config(tmp / f"{name}.json", base=f"zero{stage}.json", train_batch_size=4,
+                          train_micro_batch_size_per_gpu=1)
+    argv = train_argv(cfg, target, store, tmp / name, "--max-steps", str(STEPS), "--epochs", "2",
+                      "--tp-size", str(tp), *extra)
+    i = argv.index("--lm-head-init")
+    argv[i + 1] = "target"
+    return argv
+
+
+@pytest.fixture(scope="module")
+def runs(tiny_target_and_store, tmp_path_factory):
+    """name -> (metrics records, export folder) for the frozen runs (1 and 2 ranks) and an unfrozen one."""
+    tmp = tmp_path_factory.mktemp("frozen_head")
+    target, store = tiny_target_and_store
+    single = [_argv(tmp, target, store, "frozen-tp1", 0, 1, "--freeze-lm-head"),
+              _argv(tmp, target, store, "trained-tp1", 0, 1)]
+    pair = [_argv(tmp, target, store, "frozen-tp2-z3", 3, 2, "--freeze-lm-head")]
+    out = {}
+    for argvs, world in ((single, 1), (pair, 2)):
+        for argv, records in zip(argvs, run_ranks(world, run_training, argvs)[0]):
+            name = argv[argv.index("--output") + 1].rsplit("/", 1)[-1]
+            out[name] = (records, tmp / name / "export")
+    return target, out
+
+
+def _target_rows(target, tensors):
+    from recipe.model.target_head import load_embedding_and_head
+
+    _, head_VH, _ = load_embedding_and_head(target)
+    ids = torch.arange(tensors["d2t"].numel()) + tensors["d2t"].long()
+    return head_VH[ids].to(tensors["lm_head.weight"].dtype)
+
+
+@pytest.mark.slow
+def test_frozen_lm_head_is_the_target_rows_and_the_rest_trains(runs):
+    from recipe.export import load_export
+
+    target, out = runs
+    frozen, _ = load_export(out["frozen-tp1"][1])
+    trained, _ = load_export(out["trained-tp1"][1])
+    rows = _target_rows(target, frozen)
+    assert torch.equal(frozen["lm_head.weight"], rows)  # not one bit moved
+    assert (trained["lm_head.weight"] - rows).abs().max().item() > 1e-4  # without the flag it trains
+    for key in ("fc.weight", "midlayer.mlp.down_proj.weight"):  # the other weights did train, and differently
+        assert (frozen[key] - trained[key]).abs().max().item() > 1e-5, key
+    records = out["frozen-tp1"][0]
+    assert len(records) == STEPS and records[-1]["loss"] < records[0]["loss"]
+
+
+@pytest.mark.slow
+def test_frozen_lm_head_tp2_zero3_matches_single_process(runs):
+    from recipe.export import load_export
+
+    target, out = runs
+    assert_curves_close(out["frozen-tp1"][0], out["frozen-tp2-z3"][0], 1e-5, "frozen-tp2-z3")
+    ref, _ = load_export(out["frozen-tp1"][1])
+    sharded, _ = load_export(out["frozen-tp2-z3"][1])
+    assert torch.equal(sharded["lm_head.weight"], _target_rows(target, sharded))
+    for key, value in ref.items():
+        if value.is_floating_point():
+            assert (sharded[key] - value).abs().max().item() <= 1e-4 * value.abs().max().item(), key
+
+
+def test_freeze_needs_a_target_initialised_head(capsys):
+    from recipe.cli import parse_args
+
+    base = ["--ds_config", "c.json", "--target", "t", "--hidden-states", "s", "--output", "o", "--freeze-lm-head"]
+    with pytest.raises(SystemExit):
+        parse_args(base + ["--lm-head-init", "random"])
+    assert "--freeze-lm-head" in capsys.readouterr().err
+    assert parse_args(base).freeze_lm_head is True
+
+
+def test_resume_refuses_a_different_freeze_setting(tmp_path):
+    from recipe.train.checkpoint import check_compatible
+
+    state = {"world_size": 1, "tp": 1, "cp": 1, "dp": 1, "global_batch": 4, "zero_stage": 0, "data_fingerprint": "x",
+             "ttt_steps": 3, "draft_vocab_size": 64, "aux_layer_ids": [1, 2, 3], "max_length": 64, "seed": 0}
+    check_compatible(dict(state), {**state, "freeze_lm_head": False}, tmp_path)  # older checkpoint: not frozen
+    check_compatible({**state, "freeze_lm_head": True}, {**state, "freeze_lm_head": True}, tmp_path)
+    with pytest.raises(ValueError, match="freeze_lm_head: checkpoint False, now True"):
+        check_compatible({**state, "freeze_lm_head": False}, {**state, "freeze_lm_head": True}, tmp_path)
+    with pytest.raises(ValueError, match="freeze_lm_head: checkpoint False, now True"):
+        check_compatible(dict(state), {**state, "freeze_lm_head": True}, tmp_path)
