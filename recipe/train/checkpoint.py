@@ -225,7 +225,7 @@ def resolve(resume: str, root: Path) -> Path:
 
 COMPAT_KEYS = ("world_size", "tp", "cp", "dp", "global_batch", "zero_stage", "data_fingerprint", "ttt_steps",
                "draft_vocab_size", "aux_layer_ids", "max_length", "seed", "freeze_lm_head")
-# the value of a key that checkpoints written before it existed stand for
+# keys added after checkpoints were first written: the value a checkpoint (or state) without the key means
 COMPAT_DEFAULTS = {"freeze_lm_head": False}
 
 
@@ -241,6 +241,7 @@ def read_run_state(path: Path) -> dict:
 def check_compatible(saved: dict, current: dict, path: Path) -> None:
     """Refuse to resume when the layout, world size, ZeRO stage, data or key settings differ.
 
+    A key missing on either side reads as its :data:`COMPAT_DEFAULTS` value (older checkpoints predate it).
     Raises ValueError listing every differing key (checkpoint value, current value) of :data:`COMPAT_KEYS`.
     """
     saved, current = {**COMPAT_DEFAULTS, **saved}, {**COMPAT_DEFAULTS, **current}

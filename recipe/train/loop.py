@@ -64,7 +64,8 @@ def zero0_grad_norm(engine, comm, tp_group) -> float:
 class TrainSettings:
     """What the loop reads of the flags (``run.py --help`` explains each): the run folder, the TTT steps K, the
     sequence length cap and seed (recorded in the checkpoint's run state), the checkpoint cadence and count, the
-    non-finite policy, whether to export, the progress cadence, and whether a resume may re-plan the run length."""
+    non-finite policy, whether to export, the progress cadence, whether a resume may re-plan the run length, and
+    whether lm_head is frozen (recorded in the run state so a resume must match it)."""
 
     output: Path
     ttt_steps: int

@@ -139,7 +139,7 @@ def build_run(args: TrainArgs, device: torch.device, console: Console) -> RunPar
     model = TTTModel(draft, lm_head_VH[vocab.draft_ids].clone(), loss_chunk_size=memory.loss_chunk_size,
                      checkpoint_steps=memory.checkpoint_ttt_steps, target_softcap=final_logit_softcap(hf_config))
     parallelize(model, pstate, memory, device)
-    if args.freeze_lm_head:  # after parallelize: the TP layers are new modules with trainable weights
+    if args.freeze_lm_head:  # whichever module holds lm_head now (vocab-parallel under tp)
         model.draft.lm_head.weight.requires_grad_(False)
 
     target = None
