@@ -17,11 +17,8 @@ STEPS = 6
 def _argv(tmp, target, store, name, stage, tp, *extra):
     cfg = write_ds_config(tmp / f"{name}.json", base=f"zero{stage}.json", train_batch_size=4,
                           train_micro_batch_size_per_gpu=1)
-    argv = train_argv(cfg, target, store, tmp / name, "--max-steps", str(STEPS), "--epochs", "2",
-                      "--tp-size", str(tp), *extra)
-    i = argv.index("--lm-head-init")
-    argv[i + 1] = "target"
-    return argv
+    return train_argv(cfg, target, store, tmp / name, "--max-steps", str(STEPS), "--epochs", "2",
+                      "--tp-size", str(tp), "--lm-head-init", "target", *extra)  # the later flag wins
 
 
 @pytest.fixture(scope="module")
@@ -42,10 +39,11 @@ def runs(tiny_target_and_store, tmp_path_factory):
 
 
 def _target_rows(target, tensors):
+    from recipe.data.vocab import VocabMap
     from recipe.model.target_head import load_embedding_and_head
 
     _, head_VH, _ = load_embedding_and_head(target)
-    ids = torch.arange(tensors["d2t"].numel()) + tensors["d2t"].long()
+    ids = VocabMap(tensors["d2t"].long(), tensors["t2d"].bool()).draft_ids
     return head_VH[ids].to(tensors["lm_head.weight"].dtype)
 
 
