@@ -58,6 +58,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--draft-vocab-size", type=int, default=4096, help="draft vocabulary size")
     p.add_argument("--lr", type=float, default=2e-3, help="peak learning rate (written into the DeepSpeed JSON)")
     p.add_argument("--batch-size", type=int, default=4, help="samples per optimizer step (global)")
+    p.add_argument("--freeze-lm-head", action=argparse.BooleanOptionalAction, default=False,
+                   help="run.py --freeze-lm-head: keep the draft lm_head at the target's rows")
     p.add_argument("--ds-config", type=Path, default=REPO / "ds_configs" / "demo_zero1.json",
                    help="DeepSpeed JSON the lr/batch overrides are applied to")
     p.add_argument("--ranks", type=int, default=2, help="training processes (CPU) or GPUs")
@@ -160,6 +162,8 @@ def stage_train(args, assets, store: Path, console: Console) -> bool:
             "--save-every", str(args.save_every)]
     if args.max_steps:
         argv += ["--max-steps", str(args.max_steps)]
+    if args.freeze_lm_head:
+        argv.append("--freeze-lm-head")
     if (args.output / "checkpoints" / "latest").is_file():
         argv.append("--resume")
     env = subprocess_env(1)
@@ -195,7 +199,7 @@ def stage_eval(args, assets, ks: list[int], console: Console) -> dict:
     torch.set_num_threads(_one_process_threads())  # one process, the training ranks are gone
     try:
         result = evaluate(assets.target, {"trained": args.output / "export"}, prompts, ks, args.max_new_tokens,
-                          console=console, tree=tree_from_args(args))
+                          console=console, tree=tree_from_args(args), reference="batched")
     finally:
         torch.set_num_threads(threads)
     per_k = {str(r["num_draft_tokens"]): {"tau": r["tau"]} for r in result["runs"]}
@@ -207,7 +211,7 @@ def stage_eval(args, assets, ks: list[int], console: Console) -> dict:
 _DUMP_INPUTS = ("answers", "conversations", "max_length", "regenerate_tokens")
 STAGE_INPUTS = {"dump": _DUMP_INPUTS,
                 "train": _DUMP_INPUTS + ("epochs", "max_steps", "ttt_steps", "draft_vocab_size", "lr", "batch_size",
-                                         "ds_config", "ranks", "launcher", "seed"),
+                                         "freeze_lm_head", "ds_config", "ranks", "launcher", "seed"),
                 "eval": None}
 """Settings a stage's output depends on (None: all of them; the evaluation is skipped only on equal settings)."""
 SKIPPED = "_skipped"  # key a stage's dict result carries when the stage found its output and ran nothing

@@ -24,6 +24,19 @@ def test_ds_config_overrides(tmp_path):
     assert "gradient_accumulation_steps" not in cfg
 
 
+@pytest.mark.parametrize("flag,frozen", [([], demo.build_parser().get_default("freeze_lm_head")),
+                                         (["--freeze-lm-head"], True), (["--no-freeze-lm-head"], False)])
+def test_train_stage_passes_the_lm_head_setting(tmp_path, monkeypatch, flag, frozen):
+    calls = []
+    monkeypatch.setattr(demo, "_run", lambda cmd, env, console, what: calls.append(cmd))
+    args = demo.build_parser().parse_args(["--output", str(tmp_path), *flag])
+    assets = type("A", (), {"target": tmp_path / "t"})
+    assert demo.stage_train(args, assets, tmp_path / "store", Console(quiet=True)) is False
+    (cmd,) = calls
+    assert ("--freeze-lm-head" in cmd) is frozen and "--epochs" in cmd
+    assert "freeze_lm_head" in demo.STAGE_INPUTS["train"]
+
+
 def test_regenerate_stage_runs_the_first_exchange(tmp_path, monkeypatch):
     calls = []
     monkeypatch.setattr(demo, "_run", lambda cmd, env, console, what: calls.append((cmd, env)))
@@ -59,6 +72,7 @@ def test_eval_stage_reports_chain_and_tree(assets, tmp_path):
     assert result["tau_tree"] == result["tree_runs"][0]["tau"] and 1.0 <= result["tau_tree"] <= 4.0
     assert result["tree"] == {"topk": 2, "depth": 3, "budget": 4}
     assert [r["draft"] for r in result["runs"]] == ["trained", "trained"]  # no untrained draft any more
+    assert result["reference"] == "batched" and result["greedy_tokens_per_s"] > 0
     table = demo.summary_table(result, {"train": 1.0})
     assert table.row_count == 3 and [c.header for c in table.columns] == ["drafting", "draft tokens / round", "τ"]
 

@@ -41,6 +41,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", help="cpu, cuda, ... (default: cuda when available)")
     p.add_argument("--draft-dtype", choices=sorted(DRAFT_DTYPES),
                    help="the draft's compute dtype (default: the export's own; the target always runs in fp32)")
+    p.add_argument("--reference", choices=["sequential", "batched"], default="sequential",
+                   help="greedy reference of the lossless check: prompt by prompt (also times greedy decoding), or "
+                        "all prompts in one batch (fewer target forwards; greedy speed timed on the first prompt)")
     add_tree_arguments(p)
     return p
 
@@ -65,7 +68,8 @@ def main(argv: list[str] | None = None) -> int:
         labels = [str(d) for d in args.draft]
         result = evaluate(args.target, dict(zip(labels, args.draft)), prompts, args.num_draft_tokens,
                           args.max_new_tokens, device=args.device, console=console,
-                          draft_dtype=DRAFT_DTYPES[args.draft_dtype] if args.draft_dtype else None, tree=tree)
+                          draft_dtype=DRAFT_DTYPES[args.draft_dtype] if args.draft_dtype else None, tree=tree,
+                          reference=args.reference)
     except MismatchError as exc:
         console.print(f"[bold red]lossless check failed[/bold red]: {exc}")
         return 1

@@ -9,18 +9,22 @@ import torch
 from rich.console import Console
 
 from recipe.eval.draft_runtime import load_draft_export
+from recipe.model.packed_linear import pack_linear_layers
 from recipe.eval.prompts import Prompt, prompt_ids
 from recipe.eval.report import category_table, summarise_run, tau_table
-from recipe.eval.speculative import Generation, check_lossless, greedy_generate, speculative_generate
+from recipe.eval.speculative import (Generation, check_lossless, greedy_generate, greedy_generate_batched,
+                                     speculative_generate)
 from recipe.eval.target_runtime import CachedTarget
 from recipe.eval.tree import TreeSpec, tree_speculative_generate
 from recipe.eval.tree_draft import EagleTreeDrafter
+
+REFERENCE_MODES = ("sequential", "batched")
 
 
 def evaluate(target_dir: str | Path, drafts: dict[str, Path], prompts: list[Prompt], ks: list[int],
              max_new_tokens: int, device: str | torch.device | None = None,
              console: Console | None = None, draft_dtype: torch.dtype | None = None,
-             tree: TreeSpec | None = None) -> dict:
+             tree: TreeSpec | None = None, reference: str = "sequential") -> dict:
     """τ and speed of each draft export in ``drafts`` (label -> folder) at each k in ``ks`` (chain drafting) and,
     with ``tree``, of dynamic-tree drafting with that shape (``recipe.eval.tree``).
 
@@ -29,50 +33,59 @@ def evaluate(target_dir: str | Path, drafts: dict[str, Path], prompts: list[Prom
     tokenizer's. Returns ``{"target", "num_prompts", "max_new_tokens", "greedy_tokens_per_s", "draft_dtypes":
     {label: "bfloat16" | "float32" | ...}, "runs": [summarise_run(...), ...]}`` in ``drafts`` × ``ks`` order, and
     with ``tree`` also ``"tree": spec.as_dict()`` and ``"tree_runs"``: one ``summarise_run`` per draft, with
-    ``num_draft_tokens`` = the tree depth (per-position counts are per depth). Raises
+    ``num_draft_tokens`` = the tree depth (per-position counts are per depth).
+
+    ``reference``: how the greedy reference of the lossless check is decoded. ``"sequential"``: prompt by prompt
+    (``greedy_generate``), which also gives ``greedy_tokens_per_s``. ``"batched"``: all prompts in one batch
+    (``greedy_generate_batched``, one forward per token for all of them: about P times fewer forwards), then the
+    first prompt alone, timed for ``greedy_tokens_per_s`` and checked against its batched tokens. On the CPU the
+    target's and the drafts' linear layers are packed for oneDNN first (``recipe.model.packed_linear``). Raises
     ``MismatchError`` naming the prompt when speculative output differs from greedy decoding; ValueError for an
     unloadable export (names the folder).
     """
     from recipe.model.target import TargetModel
 
+    if reference not in REFERENCE_MODES:
+        raise ValueError(f"reference={reference!r}: choose from {', '.join(REFERENCE_MODES)}")
     console = console or Console(stderr=True)
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     configs = {label: _aux_ids(path) for label, path in drafts.items()}
     aux_ids = next(iter(configs.values()))
     model = TargetModel(target_dir, aux_layer_ids=aux_ids, dtype=torch.float32, device=dev)
+    if dev.type == "cpu":  # few-row forwards: weights packed once for oneDNN (recipe.model.packed_linear)
+        pack_linear_layers(model.model)
     tokenizer = model.load_tokenizer()
     eos = tokenizer.eos_token_id
     ids = [prompt_ids(tokenizer, p) for p in prompts]
 
-    reference: list[Generation] = []
-    plain = CachedTarget(model.model)
-    for p, prompt in zip(prompts, ids):
-        reference.append(greedy_generate(plain, prompt, max_new_tokens, eos))
-    greedy_tps = sum(len(g.tokens) for g in reference) / max(sum(g.seconds for g in reference), 1e-9)
-    console.print(f"greedy reference: {len(prompts)} prompts, {sum(len(g.tokens) for g in reference)} tokens, "
-                  f"{greedy_tps:.1f} tokens/s")
+    greedy_refs, greedy_tps = greedy_reference(model.model, prompts, ids, max_new_tokens, eos, reference,
+                                               tokenizer.pad_token_id)
+    console.print(f"greedy reference ({reference}): {len(prompts)} prompts, "
+                  f"{sum(len(g.tokens) for g in greedy_refs)} tokens; greedy decoding {greedy_tps:.1f} tokens/s")
 
     runs, tree_runs, dtypes = [], [], {}
     for label, path in drafts.items():
         target = CachedTarget(model.model, configs[label])
         draft = load_draft_export(path, model.embed_tokens_weight, device=dev, dtype=draft_dtype)
         dtypes[label] = str(draft.fc.weight.dtype).removeprefix("torch.")
+        if dev.type == "cpu":
+            pack_linear_layers(draft)
         drafter = EagleTreeDrafter(draft)
         for k in ks:
             gens = []
-            for p, prompt, ref in zip(prompts, ids, reference):
+            for p, prompt, ref in zip(prompts, ids, greedy_refs):
                 gen = speculative_generate(target, drafter, prompt, k, max_new_tokens, eos)
                 check_lossless(p.name, ref, gen)
                 gens.append(gen)
-            runs.append(summarise_run(label, k, prompts, gens, reference))
+            runs.append(summarise_run(label, k, prompts, gens, greedy_tps))
             console.print(f"{label} k={k}: τ = {runs[-1]['tau']:.3f}")
         if tree is not None:
             gens = []
-            for p, prompt, ref in zip(prompts, ids, reference):
+            for p, prompt, ref in zip(prompts, ids, greedy_refs):
                 gen = tree_speculative_generate(target, drafter, prompt, tree, max_new_tokens, eos)
                 check_lossless(p.name, ref, gen)
                 gens.append(gen)
-            tree_runs.append({**summarise_run(label, tree.depth, prompts, gens, reference), "tree": tree.as_dict()})
+            tree_runs.append({**summarise_run(label, tree.depth, prompts, gens, greedy_tps), "tree": tree.as_dict()})
             console.print(f"{label} tree {tree.as_dict()}: τ = {tree_runs[-1]['tau']:.3f}")
     console.print(tau_table(runs))
     if tree is not None:
@@ -82,7 +95,24 @@ def evaluate(target_dir: str | Path, drafts: dict[str, Path], prompts: list[Prom
     console.print(category_table(runs + tree_runs))
     extra = {"tree": tree.as_dict(), "tree_runs": tree_runs} if tree is not None else {}
     return {"target": str(target_dir), "num_prompts": len(prompts), "max_new_tokens": max_new_tokens,
-            "greedy_tokens_per_s": greedy_tps, "draft_dtypes": dtypes, "runs": runs, **extra}
+            "reference": reference, "greedy_tokens_per_s": greedy_tps, "draft_dtypes": dtypes, "runs": runs, **extra}
+
+
+def greedy_reference(model, prompts: list[Prompt], ids: list[list[int]], max_new_tokens: int, eos: int | None,
+                     mode: str, pad_token_id: int | None) -> tuple[list[Generation], float]:
+    """The greedy reference of every prompt and the target's greedy decoding speed in tokens/s (``evaluate``'s
+    ``reference`` modes). Raises ``MismatchError`` when batched and prompt-by-prompt decoding of the first prompt
+    disagree."""
+    plain = CachedTarget(model)
+    if mode == "sequential":
+        gens = [greedy_generate(plain, prompt, max_new_tokens, eos) for prompt in ids]
+        return gens, sum(len(g.tokens) for g in gens) / max(sum(g.seconds for g in gens), 1e-9)
+    batched = greedy_generate_batched(model, ids, max_new_tokens, eos, pad_token_id or 0)
+    gens = [Generation(tokens=tokens, seconds=float("nan")) for tokens in batched]
+    timed = greedy_generate(plain, ids[0], max_new_tokens, eos)
+    check_lossless(f"{prompts[0].name} (batched vs one-prompt greedy decoding)", timed, gens[0])
+    gens[0] = timed
+    return gens, len(timed.tokens) / max(timed.seconds, 1e-9)
 
 
 def _aux_ids(path: Path) -> list[int]:

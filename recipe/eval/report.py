@@ -26,13 +26,14 @@ def _tau(generations: list[Generation]) -> float:
 
 
 def summarise_run(label: str, k: int, prompts: list[Prompt], generations: list[Generation],
-                  greedy: list[Generation]) -> dict:
+                  greedy_tokens_per_s: float) -> dict:
     """One draft at one k over all prompts.
 
     Keys: ``draft``, ``num_draft_tokens``, ``tau`` (emitted tokens / verification steps over all prompts),
     ``tau_by_category``, ``verify_steps``, ``new_tokens``, ``drafted_per_position`` / ``accepted_per_position``
     (position 1..k), ``acceptance_rate_per_position`` (accepted/drafted), ``seconds``, ``tokens_per_s``,
-    ``greedy_tokens_per_s``, ``speedup`` (speculative over greedy tokens/s, same prompts and tokens).
+    ``greedy_tokens_per_s`` (the target's plain greedy decoding, as measured by the caller), ``speedup``
+    (speculative over greedy tokens/s).
     """
     by_cat: dict[str, list[Generation]] = defaultdict(list)
     for prompt, gen in zip(prompts, generations):
@@ -40,15 +41,15 @@ def summarise_run(label: str, k: int, prompts: list[Prompt], generations: list[G
     drafted, accepted = position_counts(generations, k)
     tokens = sum(len(g.tokens) for g in generations)
     seconds = sum(g.seconds for g in generations)
-    greedy_seconds = sum(g.seconds for g in greedy)
-    tps, greedy_tps = tokens / max(seconds, 1e-9), tokens / max(greedy_seconds, 1e-9)
+    tps, greedy_tps = tokens / max(seconds, 1e-9), greedy_tokens_per_s
     return {
         "draft": label, "num_draft_tokens": k, "tau": _tau(generations),
         "tau_by_category": {cat: _tau(gens) for cat, gens in sorted(by_cat.items())},
         "verify_steps": sum(g.verify_steps for g in generations), "new_tokens": tokens,
         "drafted_per_position": drafted, "accepted_per_position": accepted,
         "acceptance_rate_per_position": [a / d if d else float("nan") for a, d in zip(accepted, drafted)],
-        "seconds": seconds, "tokens_per_s": tps, "greedy_tokens_per_s": greedy_tps, "speedup": tps / greedy_tps,
+        "seconds": seconds, "tokens_per_s": tps, "greedy_tokens_per_s": greedy_tps,
+        "speedup": tps / max(greedy_tps, 1e-9),
     }
 
 

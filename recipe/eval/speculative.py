@@ -85,6 +85,51 @@ def greedy_generate(target: CachedTarget, prompt_ids: list[int], max_new_tokens:
 
 
 @torch.no_grad()
+def greedy_generate_batched(model, prompts: list[list[int]], max_new_tokens: int, eos_token_id: int | None = None,
+                            pad_token_id: int = 0) -> list[list[int]]:
+    """Greedy decoding of all ``prompts`` at once: one left-padded batch [P, S_max] through a ``transformers``
+    causal LM ``model`` with one KV cache, each row's RoPE positions counted from its first real token (the
+    attention mask hides the padding), one forward of P new tokens per decoding step. Returns each prompt's new
+    tokens as ``greedy_generate`` does (up to ``max_new_tokens``, up to and including the first EOS).
+
+    The same decoding as ``greedy_generate`` prompt by prompt, in one forward per token instead of one per token and
+    prompt; the matmuls see P rows instead of 1, so logits can differ in the last float bits (a near-tie could then
+    flip an argmax). Raises ValueError for no prompts, an empty prompt or ``max_new_tokens < 1``.
+    """
+    if not prompts or any(len(p) == 0 for p in prompts) or max_new_tokens < 1:
+        raise ValueError("greedy_generate_batched needs non-empty prompts and max_new_tokens >= 1")
+    from transformers import DynamicCache
+
+    device = next(model.parameters()).device
+    longest = max(len(p) for p in prompts)
+    ids_PS = torch.full((len(prompts), longest), pad_token_id, dtype=torch.long)
+    mask_PS = torch.zeros(len(prompts), longest, dtype=torch.long)
+    for row, p in enumerate(prompts):
+        ids_PS[row, longest - len(p):] = torch.as_tensor(p, dtype=torch.long)
+        mask_PS[row, longest - len(p):] = 1
+    ids_PS, mask_PS = ids_PS.to(device), mask_PS.to(device)
+    positions_P1 = (mask_PS.cumsum(-1) - 1).clamp(min=0)
+    cache = DynamicCache()
+    logits_PV = model(input_ids=ids_PS, attention_mask=mask_PS, position_ids=positions_P1, past_key_values=cache,
+                      use_cache=True).logits[:, -1]
+    positions_P1 = positions_P1[:, -1:]
+    tokens: list[list[int]] = [[] for _ in prompts]
+    done = [False] * len(prompts)
+    while True:
+        next_P = logits_PV.float().argmax(dim=-1)
+        for row, token in enumerate(next_P.tolist()):
+            if not done[row]:
+                tokens[row].append(token)
+                done[row] = len(tokens[row]) >= max_new_tokens or token == eos_token_id
+        if all(done):
+            return tokens
+        mask_PS = torch.cat([mask_PS, mask_PS.new_ones(len(prompts), 1)], dim=1)
+        positions_P1 = positions_P1 + 1
+        logits_PV = model(input_ids=next_P.view(-1, 1), attention_mask=mask_PS, position_ids=positions_P1,
+                          past_key_values=cache, use_cache=True).logits[:, -1]
+
+
+@torch.no_grad()
 def prefill(target: CachedTarget, drafter, prompt_ids: list[int]):
     """Start a speculative generation: reset the target's and the drafter's caches, run the prompt through the
     target. Returns ``(start time, [the target's first token], aux features [S, A] of the anchors not yet given to
