@@ -33,7 +33,6 @@ from rich.table import Table
 from recipe.cli import add_data_arguments, check_data_arguments, int_list
 from recipe.data.store import DTYPES, HiddenStateStore, StoreMeta, examples_hash
 from recipe.data.store_writer import StoreWriter, shard_plan
-from recipe.model.packed_linear import pack_linear_layers
 from recipe.model.target_options import TARGET_SECTION, TargetOptions
 from recipe.parallel.collectives import Collectives
 
@@ -212,8 +211,6 @@ def main(argv=None) -> None:
         from recipe.model.target_partition import build_target
 
         target = build_target(args.target, options, aux_layer_ids=args.aux_layer_ids, device=device)
-        if device.type == "cpu" and not options.partitioned:  # weights packed once (recipe.model.packed_linear)
-            pack_linear_layers(target.decoder, rows=args.batch_size * args.max_length)
 
         def build():
             return build_examples(args.data, target.load_tokenizer(), args.max_length, num_proc=args.num_proc,

@@ -24,7 +24,7 @@ def test_ds_config_overrides(tmp_path):
     assert "gradient_accumulation_steps" not in cfg
 
 
-@pytest.mark.parametrize("flag,frozen", [([], demo.build_parser().get_default("freeze_lm_head")),
+@pytest.mark.parametrize("flag,frozen", [([], False),
                                          (["--freeze-lm-head"], True), (["--no-freeze-lm-head"], False)])
 def test_train_stage_passes_the_lm_head_setting(tmp_path, monkeypatch, flag, frozen):
     calls = []

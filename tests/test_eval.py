@@ -142,7 +142,7 @@ def test_partial_oracle_counts_per_position(tiny):
     spec = speculative_generate(cached, Wrong(), prompt, k, len(ref.tokens))
     check_lossless("partial", ref, spec)
     assert spec.accepted == [2] * rounds and spec.tau == 3.0
-    run = summarise_run("partial", k, [Prompt("p", "c", "")], [spec], len(ref.tokens) / ref.seconds)
+    run = summarise_run("partial", k, [Prompt("p", "c", "")], [spec], [ref])
     assert run["drafted_per_position"] == [rounds] * k
     assert run["accepted_per_position"] == [rounds, rounds, 0, 0]
     assert run["tau_by_category"] == {"c": 3.0}

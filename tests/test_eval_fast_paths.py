@@ -7,9 +7,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from recipe.eval.harness import evaluate, greedy_reference
+from recipe.eval.harness import GreedyReference, evaluate
 from recipe.eval.prompts import Prompt
-from recipe.eval.speculative import MismatchError, greedy_generate, greedy_generate_batched
+from recipe.eval.report import summarise_run
+from recipe.eval.speculative import Generation, MismatchError, greedy_generate, greedy_generate_batched
 from recipe.eval.target_runtime import CachedTarget
 from recipe.model import packed_linear
 from recipe.model.packed_linear import PackedLinear, pack_linear_layers, packing_available
@@ -36,12 +37,16 @@ def test_packed_linear_matches_f_linear(bias):
     linear = nn.Linear(48, 80, bias=bias)
     packed = PackedLinear(linear, rows=6)
     assert packed.weight is linear.weight  # the same parameter: ties and dtype/device queries survive
-    for shape in [(1, 48), (6, 48), (17, 48), (2, 5, 48)]:
+    for shape in [(48,), (1, 48), (6, 48), (17, 48), (2, 5, 48)]:
         x = torch.randn(*shape)
-        got, want = packed(x), F.linear(x, linear.weight, linear.bias)
+        with torch.no_grad():
+            got, want = packed(x), F.linear(x, linear.weight, linear.bias)
         assert got.shape == want.shape
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
         assert not torch.equal(got, torch.zeros_like(got))
+    assert list(packed.state_dict()) == list(linear.state_dict())  # nn.Linear's keys
+    with pytest.raises(RuntimeError, match="inference"):  # the parameter wants a gradient, the packed copy has none
+        packed(torch.randn(2, 48))
 
 
 def test_packed_linear_rejects_other_dtypes():
@@ -57,6 +62,9 @@ def test_pack_linear_layers_on_a_target_keeps_its_logits(target):
     linears = sum(isinstance(m, nn.Linear) for m in target.model.modules())
     assert pack_linear_layers(target.model) == linears == 8 * 7 + 1  # q k v o gate up down per layer, lm_head
     assert not any(isinstance(m, nn.Linear) for m in target.model.modules())
+    tied = nn.Sequential(nn.Embedding(10, 8), nn.Linear(8, 10, bias=False))
+    tied[1].weight = tied[0].weight
+    assert pack_linear_layers(tied) == 1 and tied[1].weight is tied[0].weight  # still one tensor
     with torch.no_grad():
         after = target.model(ids).logits
     torch.testing.assert_close(after, before, rtol=1e-5, atol=1e-5)
@@ -93,24 +101,72 @@ def test_batched_greedy_equals_prompt_by_prompt(target):
         greedy_generate_batched(target.model, [[5, 6]], 0)
 
 
-def test_greedy_reference_modes_agree_and_time_the_first_prompt(target):
-    prompts = _prompts([6, 13, 9], seed=5)
+def test_batched_greedy_ignores_the_pad_id(target):
+    prompts = _prompts([3, 12, 8], seed=4)
+    assert greedy_generate_batched(target.model, prompts, 10, pad_token_id=0) == \
+        greedy_generate_batched(target.model, prompts, 10, pad_token_id=5)
+
+
+def test_reference_modes_agree_and_batched_times_the_shortest_prompt(target):
+    prompts = _prompts([9, 13, 5, 11], seed=5)
     names = [Prompt(f"q{i}", "c", "") for i in range(len(prompts))]
-    seq, seq_tps = greedy_reference(target.model, names, prompts, 20, None, "sequential", 0)
-    bat, bat_tps = greedy_reference(target.model, names, prompts, 20, None, "batched", 0)
-    assert [g.tokens for g in bat] == [g.tokens for g in seq]
-    assert seq_tps > 0 and bat_tps > 0
-    assert bat[0].seconds > 0 and all(g.seconds != g.seconds for g in bat[1:])  # only prompt 0 was timed (nan)
+    seq = GreedyReference(target.model, names, prompts, 20, None, "sequential", 0)
+    bat = GreedyReference(target.model, names, prompts, 20, None, "batched", 0)
+    assert [g.tokens for g in bat.gens] == [g.tokens for g in seq.gens]
+    assert all(g.seconds > 0 for g in seq.gens)
+    assert [g.seconds == g.seconds for g in bat.gens] == [False, False, True, False]  # prompt 2 (5 tokens) alone
+    gen = Generation(tokens=list(seq.gens[1].tokens), seconds=1.0, accepted=[0] * 20, k=1)
+    assert bat.check(1, gen) is gen
+    with pytest.raises(MismatchError, match="'q1'"):
+        bat.check(1, Generation(tokens=[0] * 20, seconds=1.0))
 
 
-def test_greedy_reference_names_a_batched_disagreement(target, monkeypatch):
+def test_batched_reference_errors_name_the_prompt_or_recover(target, monkeypatch):
     import recipe.eval.harness as harness
 
-    prompts = _prompts([6, 9], seed=6)
-    names = [Prompt("first", "c", ""), Prompt("second", "c", "")]
+    prompts = _prompts([9, 6], seed=6)
+    names = [Prompt("long", "c", ""), Prompt("short", "c", "")]
+    cached = CachedTarget(target.model)
+    truth = [greedy_generate(cached, p, 8).tokens for p in prompts]
     monkeypatch.setattr(harness, "greedy_generate_batched", lambda model, ids, n, eos, pad: [[1] * n for _ in ids])
-    with pytest.raises(MismatchError, match="first.*batched vs one-prompt"):
-        greedy_reference(target.model, names, prompts, 8, None, "batched", 0)
+    with pytest.raises(MismatchError, match="'short': batched greedy decoding differs from decoding it alone"):
+        GreedyReference(target.model, names, prompts, 8, None, "batched", 0)
+    # a batched row that is wrong for a prompt not decoded alone: re-decoded alone before blaming the speculative one
+    monkeypatch.setattr(harness, "greedy_generate_batched", lambda model, ids, n, eos, pad: [[1] * n, truth[1]])
+    refs = GreedyReference(target.model, names, prompts, 8, None, "batched", 0)
+    assert refs.gens[0].tokens == [1] * 8 != truth[0]
+    refs.check(0, Generation(tokens=truth[0], seconds=1.0))
+    assert refs.gens[0].tokens == truth[0] and refs.gens[0].seconds != refs.gens[0].seconds
+
+
+def test_speedup_counts_only_the_timed_prompts():
+    prompts = [Prompt("a", "c", ""), Prompt("b", "c", "")]
+    greedy = [Generation(tokens=[1] * 10, seconds=2.0), Generation(tokens=[1] * 10, seconds=float("nan"))]
+    spec = [Generation(tokens=[1] * 10, seconds=1.0, accepted=[1] * 5, k=2),
+            Generation(tokens=[1] * 10, seconds=5.0, accepted=[1] * 5, k=2)]
+    run = summarise_run("d", 2, prompts, spec, greedy)
+    assert run["greedy_tokens_per_s"] == 5.0 and run["speedup"] == 2.0
+    assert run["tokens_per_s"] == pytest.approx(20 / 6)
+    untimed = summarise_run("d", 2, prompts, spec, [greedy[1], greedy[1]])
+    assert untimed["speedup"] != untimed["speedup"]  # nan: nothing was timed
+
+
+def test_eval_cli_passes_the_reference_mode(tmp_path, monkeypatch):
+    import recipe.eval.harness as harness
+    from recipe.eval.__main__ import main
+
+    seen = {}
+
+    def fake_evaluate(*args, **kwargs):
+        seen.update(kwargs)
+        return {"runs": [{"tau": 1.5, "num_draft_tokens": 5}]}
+
+    monkeypatch.setattr(harness, "evaluate", fake_evaluate)
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "hi", "category": "c"}\n')
+    base = ["--target", str(tmp_path), "--draft", str(tmp_path), "--prompts", str(prompts), "--tree-depth", "0"]
+    assert main(base + ["--reference", "batched"]) == 0 and seen["reference"] == "batched"
+    assert main(base) == 0 and seen["reference"] == "sequential"
 
 
 def test_evaluate_rejects_an_unknown_reference_mode(tmp_path):

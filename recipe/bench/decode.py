@@ -68,10 +68,13 @@ def forward_ms(model, rows: int, context: int, reps: int) -> float:
 
 
 def reference_seconds(model, prompts: list[list[int]], new_tokens: int) -> dict:
-    """Seconds of the greedy reference of ``prompts`` prompt by prompt and in one batch, and whether they agree."""
+    """Seconds of the greedy reference of ``prompts`` prompt by prompt and in one batch (after a short warm-up of
+    each), and whether they agree."""
     from recipe.eval.speculative import greedy_generate, greedy_generate_batched
     from recipe.eval.target_runtime import CachedTarget
 
+    greedy_generate(CachedTarget(model), prompts[0], 2)  # warm-up of both paths, so neither pays a first call
+    greedy_generate_batched(model, prompts[:2], 2)
     start = time.perf_counter()
     sequential = [greedy_generate(CachedTarget(model), p, new_tokens).tokens for p in prompts]
     mid = time.perf_counter()

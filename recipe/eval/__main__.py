@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 
 from recipe.cli import positive_int_list
+from recipe.eval.harness import REFERENCE_MODES
 from recipe.eval.tree import add_tree_arguments, tree_from_args
 
 DRAFT_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
@@ -41,7 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", help="cpu, cuda, ... (default: cuda when available)")
     p.add_argument("--draft-dtype", choices=sorted(DRAFT_DTYPES),
                    help="the draft's compute dtype (default: the export's own; the target always runs in fp32)")
-    p.add_argument("--reference", choices=["sequential", "batched"], default="sequential",
+    p.add_argument("--reference", choices=REFERENCE_MODES, default="sequential",
                    help="greedy reference of the lossless check: prompt by prompt (also times greedy decoding), or "
                         "all prompts in one batch (fewer target forwards; greedy speed timed on the first prompt)")
     add_tree_arguments(p)

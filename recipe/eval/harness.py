@@ -11,9 +11,9 @@ from rich.console import Console
 from recipe.eval.draft_runtime import load_draft_export
 from recipe.model.packed_linear import pack_linear_layers
 from recipe.eval.prompts import Prompt, prompt_ids
-from recipe.eval.report import category_table, summarise_run, tau_table
-from recipe.eval.speculative import (Generation, check_lossless, greedy_generate, greedy_generate_batched,
-                                     speculative_generate)
+from recipe.eval.report import category_table, summarise_run, tau_table, tokens_per_s
+from recipe.eval.speculative import (Generation, MismatchError, check_lossless, greedy_generate,
+                                     greedy_generate_batched, speculative_generate)
 from recipe.eval.target_runtime import CachedTarget
 from recipe.eval.tree import TreeSpec, tree_speculative_generate
 from recipe.eval.tree_draft import EagleTreeDrafter
@@ -30,16 +30,18 @@ def evaluate(target_dir: str | Path, drafts: dict[str, Path], prompts: list[Prom
 
     The target runs in float32 (so batched verification and one-token decoding agree to the last bit as far as
     possible); each draft in ``draft_dtype`` (None: the export's own dtype, see ``load_draft_export``); EOS is the
-    tokenizer's. Returns ``{"target", "num_prompts", "max_new_tokens", "greedy_tokens_per_s", "draft_dtypes":
-    {label: "bfloat16" | "float32" | ...}, "runs": [summarise_run(...), ...]}`` in ``drafts`` × ``ks`` order, and
+    tokenizer's. Returns ``{"target", "num_prompts", "max_new_tokens", "reference", "greedy_tokens_per_s",
+    "draft_dtypes": {label: "bfloat16" | "float32" | ...}, "runs": [summarise_run(...), ...]}`` in ``drafts`` × ``ks``
+    order, and
     with ``tree`` also ``"tree": spec.as_dict()`` and ``"tree_runs"``: one ``summarise_run`` per draft, with
     ``num_draft_tokens`` = the tree depth (per-position counts are per depth).
 
-    ``reference``: how the greedy reference of the lossless check is decoded. ``"sequential"``: prompt by prompt
-    (``greedy_generate``), which also gives ``greedy_tokens_per_s``. ``"batched"``: all prompts in one batch
+    ``reference``: how the greedy reference of the lossless check is decoded (``GreedyReference``). ``"sequential"``:
+    prompt by prompt (``greedy_generate``), each timed. ``"batched"``: all prompts in one batch
     (``greedy_generate_batched``, one forward per token for all of them: about P times fewer forwards), then the
-    first prompt alone, timed for ``greedy_tokens_per_s`` and checked against its batched tokens. On the CPU the
-    target's and the drafts' linear layers are packed for oneDNN first (``recipe.model.packed_linear``). Raises
+    shortest prompt alone, timed and checked against its batched tokens. ``greedy_tokens_per_s`` and each run's
+    ``speedup`` use the timed prompts only (``summarise_run``). On the CPU the target's and float32 drafts' linear
+    layers are packed for oneDNN first (``recipe.model.packed_linear``). Raises
     ``MismatchError`` naming the prompt when speculative output differs from greedy decoding; ValueError for an
     unloadable export (names the folder).
     """
@@ -58,10 +60,10 @@ def evaluate(target_dir: str | Path, drafts: dict[str, Path], prompts: list[Prom
     eos = tokenizer.eos_token_id
     ids = [prompt_ids(tokenizer, p) for p in prompts]
 
-    greedy_refs, greedy_tps = greedy_reference(model.model, prompts, ids, max_new_tokens, eos, reference,
-                                               tokenizer.pad_token_id)
+    refs = GreedyReference(model.model, prompts, ids, max_new_tokens, eos, reference, tokenizer.pad_token_id)
+    greedy_tps = tokens_per_s([g for g in refs.gens if g.seconds == g.seconds])  # the timed ones
     console.print(f"greedy reference ({reference}): {len(prompts)} prompts, "
-                  f"{sum(len(g.tokens) for g in greedy_refs)} tokens; greedy decoding {greedy_tps:.1f} tokens/s")
+                  f"{sum(len(g.tokens) for g in refs.gens)} tokens; greedy decoding {greedy_tps:.1f} tokens/s")
 
     runs, tree_runs, dtypes = [], [], {}
     for label, path in drafts.items():
@@ -69,23 +71,17 @@ def evaluate(target_dir: str | Path, drafts: dict[str, Path], prompts: list[Prom
         draft = load_draft_export(path, model.embed_tokens_weight, device=dev, dtype=draft_dtype)
         dtypes[label] = str(draft.fc.weight.dtype).removeprefix("torch.")
         if dev.type == "cpu":
-            pack_linear_layers(draft)
+            pack_linear_layers(draft)  # a float32 draft; other dtypes keep nn.Linear
         drafter = EagleTreeDrafter(draft)
         for k in ks:
-            gens = []
-            for p, prompt, ref in zip(prompts, ids, greedy_refs):
-                gen = speculative_generate(target, drafter, prompt, k, max_new_tokens, eos)
-                check_lossless(p.name, ref, gen)
-                gens.append(gen)
-            runs.append(summarise_run(label, k, prompts, gens, greedy_tps))
+            gens = [refs.check(i, speculative_generate(target, drafter, prompt, k, max_new_tokens, eos))
+                    for i, prompt in enumerate(ids)]
+            runs.append(summarise_run(label, k, prompts, gens, refs.gens))
             console.print(f"{label} k={k}: τ = {runs[-1]['tau']:.3f}")
         if tree is not None:
-            gens = []
-            for p, prompt, ref in zip(prompts, ids, greedy_refs):
-                gen = tree_speculative_generate(target, drafter, prompt, tree, max_new_tokens, eos)
-                check_lossless(p.name, ref, gen)
-                gens.append(gen)
-            tree_runs.append({**summarise_run(label, tree.depth, prompts, gens, greedy_tps), "tree": tree.as_dict()})
+            gens = [refs.check(i, tree_speculative_generate(target, drafter, prompt, tree, max_new_tokens, eos))
+                    for i, prompt in enumerate(ids)]
+            tree_runs.append({**summarise_run(label, tree.depth, prompts, gens, refs.gens), "tree": tree.as_dict()})
             console.print(f"{label} tree {tree.as_dict()}: τ = {tree_runs[-1]['tau']:.3f}")
     console.print(tau_table(runs))
     if tree is not None:
@@ -98,21 +94,42 @@ def evaluate(target_dir: str | Path, drafts: dict[str, Path], prompts: list[Prom
             "reference": reference, "greedy_tokens_per_s": greedy_tps, "draft_dtypes": dtypes, "runs": runs, **extra}
 
 
-def greedy_reference(model, prompts: list[Prompt], ids: list[list[int]], max_new_tokens: int, eos: int | None,
-                     mode: str, pad_token_id: int | None) -> tuple[list[Generation], float]:
-    """The greedy reference of every prompt and the target's greedy decoding speed in tokens/s (``evaluate``'s
-    ``reference`` modes). Raises ``MismatchError`` when batched and prompt-by-prompt decoding of the first prompt
-    disagree."""
-    plain = CachedTarget(model)
-    if mode == "sequential":
-        gens = [greedy_generate(plain, prompt, max_new_tokens, eos) for prompt in ids]
-        return gens, sum(len(g.tokens) for g in gens) / max(sum(g.seconds for g in gens), 1e-9)
-    batched = greedy_generate_batched(model, ids, max_new_tokens, eos, pad_token_id or 0)
-    gens = [Generation(tokens=tokens, seconds=float("nan")) for tokens in batched]
-    timed = greedy_generate(plain, ids[0], max_new_tokens, eos)
-    check_lossless(f"{prompts[0].name} (batched vs one-prompt greedy decoding)", timed, gens[0])
-    gens[0] = timed
-    return gens, len(timed.tokens) / max(timed.seconds, 1e-9)
+class GreedyReference:
+    """The lossless check's greedy reference of every prompt (``evaluate``'s ``reference`` modes).
+
+    ``gens[i]``: prompt i's greedy ``Generation``; its ``seconds`` are nan where it was not decoded alone (batched
+    mode: every prompt but the shortest, whose padding is the most, which is also decoded alone, timed, and must
+    agree with its batched tokens, else ``MismatchError`` naming it). ``check(i, gen)`` raises ``MismatchError`` when
+    speculative output ``gen`` differs from prompt i's reference; a batched reference is first re-decoded alone for
+    that prompt (a P-row batch may round a near-tie differently), so only a disagreement with one-prompt greedy
+    decoding counts. Returns ``gen``.
+    """
+
+    def __init__(self, model, prompts: list[Prompt], ids: list[list[int]], max_new_tokens: int, eos: int | None,
+                 mode: str, pad_token_id: int | None):
+        self.prompts, self.ids, self.max_new_tokens, self.eos = prompts, ids, max_new_tokens, eos
+        self.plain = CachedTarget(model)
+        if mode == "sequential":
+            self.gens = [self._alone(i) for i in range(len(ids))]
+            return
+        batched = greedy_generate_batched(model, ids, max_new_tokens, eos, pad_token_id or 0)
+        self.gens = [Generation(tokens=tokens, seconds=float("nan")) for tokens in batched]
+        shortest = min(range(len(ids)), key=lambda i: len(ids[i]))
+        alone = self._alone(shortest)
+        if alone.tokens != self.gens[shortest].tokens:
+            raise MismatchError(f"prompt {prompts[shortest].name!r}: batched greedy decoding differs from decoding it "
+                                f"alone ({len(self.gens[shortest].tokens)} vs {len(alone.tokens)} tokens)")
+        self.gens[shortest] = alone
+
+    def _alone(self, i: int) -> Generation:
+        return greedy_generate(self.plain, self.ids[i], self.max_new_tokens, self.eos)
+
+    def check(self, i: int, gen: Generation) -> Generation:
+        ref = self.gens[i]
+        if ref.tokens != gen.tokens and ref.seconds != ref.seconds:  # nan: batched, not yet decoded alone
+            self.gens[i] = ref = Generation(tokens=self._alone(i).tokens, seconds=float("nan"))
+        check_lossless(self.prompts[i].name, ref, gen)
+        return gen
 
 
 def _aux_ids(path: Path) -> list[int]:

@@ -25,15 +25,22 @@ def _tau(generations: list[Generation]) -> float:
     return emitted / steps if steps else float("nan")
 
 
+def tokens_per_s(generations: list[Generation]) -> float:
+    """Emitted tokens over wall seconds summed over ``generations``; nan for none."""
+    seconds = sum(g.seconds for g in generations)
+    return sum(len(g.tokens) for g in generations) / max(seconds, 1e-9) if generations else float("nan")
+
+
 def summarise_run(label: str, k: int, prompts: list[Prompt], generations: list[Generation],
-                  greedy_tokens_per_s: float) -> dict:
+                  greedy: list[Generation]) -> dict:
     """One draft at one k over all prompts.
 
     Keys: ``draft``, ``num_draft_tokens``, ``tau`` (emitted tokens / verification steps over all prompts),
     ``tau_by_category``, ``verify_steps``, ``new_tokens``, ``drafted_per_position`` / ``accepted_per_position``
     (position 1..k), ``acceptance_rate_per_position`` (accepted/drafted), ``seconds``, ``tokens_per_s``,
-    ``greedy_tokens_per_s`` (the target's plain greedy decoding, as measured by the caller), ``speedup``
-    (speculative over greedy tokens/s).
+    ``greedy_tokens_per_s`` and ``speedup`` (speculative over greedy tokens/s), both over the prompts whose greedy
+    generation in ``greedy`` (one per prompt) was timed, i.e. has finite ``seconds`` (every prompt when the reference
+    was decoded prompt by prompt; nan when none was timed). ``tokens_per_s`` is over all prompts.
     """
     by_cat: dict[str, list[Generation]] = defaultdict(list)
     for prompt, gen in zip(prompts, generations):
@@ -41,7 +48,10 @@ def summarise_run(label: str, k: int, prompts: list[Prompt], generations: list[G
     drafted, accepted = position_counts(generations, k)
     tokens = sum(len(g.tokens) for g in generations)
     seconds = sum(g.seconds for g in generations)
-    tps, greedy_tps = tokens / max(seconds, 1e-9), greedy_tokens_per_s
+    timed = [i for i, g in enumerate(greedy) if g.seconds == g.seconds]
+    greedy_tps = tokens_per_s([greedy[i] for i in timed])
+    tps = tokens / max(seconds, 1e-9)
+    speedup = tokens_per_s([generations[i] for i in timed]) / greedy_tps if timed else float("nan")
     return {
         "draft": label, "num_draft_tokens": k, "tau": _tau(generations),
         "tau_by_category": {cat: _tau(gens) for cat, gens in sorted(by_cat.items())},
@@ -49,7 +59,7 @@ def summarise_run(label: str, k: int, prompts: list[Prompt], generations: list[G
         "drafted_per_position": drafted, "accepted_per_position": accepted,
         "acceptance_rate_per_position": [a / d if d else float("nan") for a, d in zip(accepted, drafted)],
         "seconds": seconds, "tokens_per_s": tps, "greedy_tokens_per_s": greedy_tps,
-        "speedup": tps / max(greedy_tps, 1e-9),
+        "speedup": speedup,
     }
 
 

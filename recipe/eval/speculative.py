@@ -88,8 +88,9 @@ def greedy_generate(target: CachedTarget, prompt_ids: list[int], max_new_tokens:
 def greedy_generate_batched(model, prompts: list[list[int]], max_new_tokens: int, eos_token_id: int | None = None,
                             pad_token_id: int = 0) -> list[list[int]]:
     """Greedy decoding of all ``prompts`` at once: one left-padded batch [P, S_max] through a ``transformers``
-    causal LM ``model`` with one KV cache, each row's RoPE positions counted from its first real token (the
-    attention mask hides the padding), one forward of P new tokens per decoding step. Returns each prompt's new
+    causal LM ``model`` (one that takes ``logits_to_keep``, as transformers' causal LMs do) with one KV cache, each
+    row's RoPE positions counted from its first real token (the attention mask hides the padding), one forward of P
+    new tokens per decoding step. Returns each prompt's new
     tokens as ``greedy_generate`` does (up to ``max_new_tokens``, up to and including the first EOS).
 
     The same decoding as ``greedy_generate`` prompt by prompt, in one forward per token instead of one per token and
@@ -108,11 +109,11 @@ def greedy_generate_batched(model, prompts: list[list[int]], max_new_tokens: int
         ids_PS[row, longest - len(p):] = torch.as_tensor(p, dtype=torch.long)
         mask_PS[row, longest - len(p):] = 1
     ids_PS, mask_PS = ids_PS.to(device), mask_PS.to(device)
-    positions_P1 = (mask_PS.cumsum(-1) - 1).clamp(min=0)
+    positions_PS = (mask_PS.cumsum(-1) - 1).clamp(min=0)
     cache = DynamicCache()
-    logits_PV = model(input_ids=ids_PS, attention_mask=mask_PS, position_ids=positions_P1, past_key_values=cache,
-                      use_cache=True).logits[:, -1]
-    positions_P1 = positions_P1[:, -1:]
+    logits_PV = model(input_ids=ids_PS, attention_mask=mask_PS, position_ids=positions_PS, past_key_values=cache,
+                      use_cache=True, logits_to_keep=1).logits[:, -1]
+    positions_P1 = positions_PS[:, -1:]
     tokens: list[list[int]] = [[] for _ in prompts]
     done = [False] * len(prompts)
     while True:
@@ -126,7 +127,7 @@ def greedy_generate_batched(model, prompts: list[list[int]], max_new_tokens: int
         mask_PS = torch.cat([mask_PS, mask_PS.new_ones(len(prompts), 1)], dim=1)
         positions_P1 = positions_P1 + 1
         logits_PV = model(input_ids=next_P.view(-1, 1), attention_mask=mask_PS, position_ids=positions_P1,
-                          past_key_values=cache, use_cache=True).logits[:, -1]
+                          past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1]
 
 
 @torch.no_grad()

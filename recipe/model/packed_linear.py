@@ -1,4 +1,4 @@
-"""Decoding-time linear layers on the CPU with their weights pre-packed once for oneDNN.
+"""Decoding-time linear layers on the CPU with their weights pre-packed once for oneDNN (``recipe.eval`` only).
 
 Speculative decoding runs the target over a handful of rows at a time (1 for greedy decoding, k + 1 for a chain's
 verification, the tree's budget + 1), and each forward reads all of the model's weights. At such row counts a plain
@@ -6,12 +6,16 @@ verification, the tree's budget + 1), and each forward reads all of the model's 
 memory allows; a weight reordered once into oneDNN's own blocked layout (``torch.ops.mkldnn._reorder_linear_weight``
 then ``torch.ops.mkldnn._linear_pointwise``) is read as is. Measured on the demo's 2-core CPU with SmolLM2-135M in
 float32 (``python -m recipe.bench decode``, docs/results/decode_cpu.json): a cached target forward over 1, 6 and 17
-new tokens 1.08x, 1.33x and 1.60x faster.
+new tokens 1.14x, 1.39x and 1.29x faster (an earlier run of the same command: 1.08x, 1.33x, 1.60x; the machine is
+noisy).
 
 The packed layers compute the same products in another summation order, so logits differ from ``F.linear``'s by
 float32 rounding (about 1e-4 on the target's logits); greedy, chain and tree decoding all run through the same packed
-layers, so the lossless check still compares like with like. Only for inference: the packed weight is a copy outside
-autograd. Off the CPU, or where this PyTorch build lacks the ops, nothing is replaced.
+layers, so the lossless check still compares like with like. The hidden-state dump and training keep ``nn.Linear``
+(a dump sends thousands of rows per forward, where packing was not measured to pay, and its store must match the
+online target's numbers). Only for inference: the packed weight is a snapshot taken at packing time (later changes
+to ``weight`` do not reach it) and no gradient flows through it. Off the CPU, or where this PyTorch build lacks the
+ops, nothing is replaced.
 """
 from __future__ import annotations
 
@@ -33,9 +37,10 @@ class PackedLinear(nn.Module):
     """``nn.Linear`` for inference with its float32 weight packed once for oneDNN: [..., in] -> [..., out].
 
     Args: linear, a float32 CPU ``nn.Linear``; rows, the row count the packing is tuned for. ``weight`` stays the
-    linear's own parameter (same tensor, so tied weights stay tied and ``.weight.dtype`` / ``.device`` still answer);
-    the packed copy beside it is extra memory, a buffer like the bias (no gradients flow through the packed layer).
-    Raises ValueError for another dtype or device.
+    linear's own parameter (same tensor, so tied weights stay tied, ``.weight.dtype`` / ``.device`` still answer and
+    ``state_dict`` has ``nn.Linear``'s keys); the packed copy beside it is extra memory (a non-persistent buffer), a
+    snapshot of ``weight`` at construction. Input ``[..., in]`` float32, output ``[..., out]`` float32. Raises
+    ValueError for another dtype or device; ``forward`` raises RuntimeError when a gradient would be needed.
     """
 
     def __init__(self, linear: nn.Linear, rows: int = DEFAULT_ROWS):
@@ -47,10 +52,12 @@ class PackedLinear(nn.Module):
         self.weight = linear.weight
         self.register_buffer("packed_weight", torch.ops.mkldnn._reorder_linear_weight(weight, rows),
                              persistent=False)
-        self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().clone(),
-                             persistent=False)
+        self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().clone())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad):
+            raise RuntimeError("PackedLinear is for inference: run it under torch.no_grad() (no gradient flows "
+                               "through the packed weight)")
         return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
 
     def extra_repr(self) -> str:
@@ -58,7 +65,8 @@ class PackedLinear(nn.Module):
 
 
 def pack_linear_layers(module: nn.Module, rows: int = DEFAULT_ROWS) -> int:
-    """Replace every float32 CPU ``nn.Linear`` inside ``module`` by a ``PackedLinear`` (in place; for inference).
+    """Replace every float32 CPU ``nn.Linear`` inside ``module`` (exactly that class: a subclass may compute something
+    else) by a ``PackedLinear``, in place; for inference.
 
     Returns how many were replaced: 0 when ``packing_available()`` is False or the first packed layer's output
     differs from ``F.linear``'s beyond float32 rounding (then nothing is replaced). Tied weights (e.g. an lm_head
@@ -67,7 +75,7 @@ def pack_linear_layers(module: nn.Module, rows: int = DEFAULT_ROWS) -> int:
     if not packing_available():
         return 0
     targets = [(parent, name, child) for parent in module.modules() for name, child in parent.named_children()
-               if isinstance(child, nn.Linear) and child.weight.dtype == torch.float32
+               if type(child) is nn.Linear and child.weight.dtype == torch.float32
                and child.weight.device.type == "cpu"]
     if not targets or not _agrees(targets[0][2], rows):
         return 0
