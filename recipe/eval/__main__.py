@@ -44,7 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the draft's compute dtype (default: the export's own; the target always runs in fp32)")
     p.add_argument("--reference", choices=REFERENCE_MODES, default="sequential",
                    help="greedy reference of the lossless check: prompt by prompt (also times greedy decoding), or "
-                        "all prompts in one batch (fewer target forwards; greedy speed timed on the first prompt)")
+                        "all prompts in one batch (fewer target forwards; greedy speed timed on the shortest prompt)")
     add_tree_arguments(p)
     return p
 

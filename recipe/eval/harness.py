@@ -9,7 +9,6 @@ import torch
 from rich.console import Console
 
 from recipe.eval.draft_runtime import load_draft_export
-from recipe.model.packed_linear import pack_linear_layers
 from recipe.eval.prompts import Prompt, prompt_ids
 from recipe.eval.report import category_table, summarise_run, tau_table, tokens_per_s
 from recipe.eval.speculative import (Generation, MismatchError, check_lossless, greedy_generate,
@@ -17,6 +16,7 @@ from recipe.eval.speculative import (Generation, MismatchError, check_lossless, 
 from recipe.eval.target_runtime import CachedTarget
 from recipe.eval.tree import TreeSpec, tree_speculative_generate
 from recipe.eval.tree_draft import EagleTreeDrafter
+from recipe.model.packed_linear import pack_linear_layers
 
 REFERENCE_MODES = ("sequential", "batched")
 
@@ -32,9 +32,8 @@ def evaluate(target_dir: str | Path, drafts: dict[str, Path], prompts: list[Prom
     possible); each draft in ``draft_dtype`` (None: the export's own dtype, see ``load_draft_export``); EOS is the
     tokenizer's. Returns ``{"target", "num_prompts", "max_new_tokens", "reference", "greedy_tokens_per_s",
     "draft_dtypes": {label: "bfloat16" | "float32" | ...}, "runs": [summarise_run(...), ...]}`` in ``drafts`` × ``ks``
-    order, and
-    with ``tree`` also ``"tree": spec.as_dict()`` and ``"tree_runs"``: one ``summarise_run`` per draft, with
-    ``num_draft_tokens`` = the tree depth (per-position counts are per depth).
+    order, and with ``tree`` also ``"tree": spec.as_dict()`` and ``"tree_runs"``: one ``summarise_run`` per draft,
+    with ``num_draft_tokens`` = the tree depth (per-position counts are per depth).
 
     ``reference``: how the greedy reference of the lossless check is decoded (``GreedyReference``). ``"sequential"``:
     prompt by prompt (``greedy_generate``), each timed. ``"batched"``: all prompts in one batch
@@ -61,7 +60,7 @@ def evaluate(target_dir: str | Path, drafts: dict[str, Path], prompts: list[Prom
     ids = [prompt_ids(tokenizer, p) for p in prompts]
 
     refs = GreedyReference(model.model, prompts, ids, max_new_tokens, eos, reference, tokenizer.pad_token_id)
-    greedy_tps = tokens_per_s([g for g in refs.gens if g.seconds == g.seconds])  # the timed ones
+    greedy_tps = tokens_per_s([g for g in refs.gens if g.timed])
     console.print(f"greedy reference ({reference}): {len(prompts)} prompts, "
                   f"{sum(len(g.tokens) for g in refs.gens)} tokens; greedy decoding {greedy_tps:.1f} tokens/s")
 
@@ -126,7 +125,7 @@ class GreedyReference:
 
     def check(self, i: int, gen: Generation) -> Generation:
         ref = self.gens[i]
-        if ref.tokens != gen.tokens and ref.seconds != ref.seconds:  # nan: batched, not yet decoded alone
+        if ref.tokens != gen.tokens and not ref.timed:  # batched, not yet decoded alone
             self.gens[i] = ref = Generation(tokens=self._alone(i).tokens, seconds=float("nan"))
         check_lossless(self.prompts[i].name, ref, gen)
         return gen

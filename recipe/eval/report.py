@@ -48,7 +48,7 @@ def summarise_run(label: str, k: int, prompts: list[Prompt], generations: list[G
     drafted, accepted = position_counts(generations, k)
     tokens = sum(len(g.tokens) for g in generations)
     seconds = sum(g.seconds for g in generations)
-    timed = [i for i, g in enumerate(greedy) if g.seconds == g.seconds]
+    timed = [i for i, g in enumerate(greedy) if g.timed]
     greedy_tps = tokens_per_s([greedy[i] for i in timed])
     tps = tokens / max(seconds, 1e-9)
     speedup = tokens_per_s([generations[i] for i in timed]) / greedy_tps if timed else float("nan")

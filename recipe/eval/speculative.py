@@ -17,6 +17,7 @@ naming the prompt.
 """
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -45,6 +46,11 @@ class Generation:
     seconds: float
     accepted: list[int] = field(default_factory=list)
     k: int = 0
+
+    @property
+    def timed(self) -> bool:
+        """Whether ``seconds`` was measured (a batched greedy reference leaves it nan for prompts not decoded alone)."""
+        return not math.isnan(self.seconds)
 
     @property
     def verify_steps(self) -> int:
@@ -90,8 +96,8 @@ def greedy_generate_batched(model, prompts: list[list[int]], max_new_tokens: int
     """Greedy decoding of all ``prompts`` at once: one left-padded batch [P, S_max] through a ``transformers``
     causal LM ``model`` (one that takes ``logits_to_keep``, as transformers' causal LMs do) with one KV cache, each
     row's RoPE positions counted from its first real token (the attention mask hides the padding), one forward of P
-    new tokens per decoding step. Returns each prompt's new
-    tokens as ``greedy_generate`` does (up to ``max_new_tokens``, up to and including the first EOS).
+    new tokens per decoding step. Returns each prompt's new tokens as ``greedy_generate`` does (up to
+    ``max_new_tokens``, up to and including the first EOS).
 
     The same decoding as ``greedy_generate`` prompt by prompt, in one forward per token instead of one per token and
     prompt; the matmuls see P rows instead of 1, so logits can differ in the last float bits (a near-tie could then
