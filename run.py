@@ -7,27 +7,42 @@
 
 Exit codes: 0 finished; 2 bad input or configuration (``error (rank N): ...`` names the file, line or field, no
 traceback; argparse errors also exit 2), or a step out of accelerator memory (the message names the step, the
-length, the rank's memory and the switches to try, ``recipe.train.oom``); 75
-(``recipe.train.signals.EXIT_INTERRUPTED``) interrupted by SIGTERM/SIGINT after a checkpoint of the last completed
-step was saved (continue with ``--resume``); 128+signum when a second signal forced an immediate exit.
+length, the rank's memory and the switches to try, ``recipe.train.oom``), or flex attention that would run uncompiled
+on CUDA (``kernels.flex_attention.FlexCompileError``); 75
+(``recipe.train.signals.EXIT_INTERRUPTED``) interrupted by SIGTERM/SIGINT (or the launcher's death) after a checkpoint
+of the last completed step was saved, rank 0 wrote ``OUTPUT/INTERRUPTED`` (continue with ``--resume``; the
+``deepspeed`` launcher passes 75 on only when the ranks were signalled, README.md "Interruption, resume and exit
+codes"); 74 (``recipe.io_errors.EXIT_WRITE_FAILED``, sysexits EX_IOERR) the run
+is not complete because its output could not be written (a checkpoint, ``metrics.jsonl``, monitor files or the
+export: disk full, I/O error, permission; ``error (rank N): ...`` names the path and the cause; the final save and
+the export were each retried once); ``checkpoints/latest`` still names the last complete checkpoint, continue with
+``--resume`` once there is room; 128+signum when a second signal, 2 s or more after the first, forced an immediate exit.
 ``RECIPE_DEBUG=1`` re-raises errors with their traceback.
 """
 from __future__ import annotations
 
+import json
 import os
 import sys
-import tempfile
 from pathlib import Path
 
 
-def check_output_writable(output: Path) -> None:
-    """Create ``output`` and probe it with a temporary file; ValueError naming the folder when that fails."""
+def mark_interrupted(output: Path, stop, console) -> None:
+    """Write ``OUTPUT/INTERRUPTED`` naming the checkpoint ``checkpoints/latest`` points at (rank 0, after an
+    interrupted run saved it; ``recipe.train.signals.write_interrupted``). A failed write only warns: the checkpoint
+    is saved and the exit code still says so."""
+    from recipe.train.checkpoint import RUN_STATE, latest_tag
+    from recipe.train.signals import write_interrupted
+
     try:
-        output.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=output, prefix=".write-probe-"):
-            pass
+        tag = latest_tag(output / "checkpoints")
+        try:
+            step = json.loads((output / "checkpoints" / tag / RUN_STATE).read_text())["step"] if tag else None
+        except (OSError, ValueError, KeyError):
+            step = None
+        write_interrupted(output, tag, step, stop.reason)
     except OSError as exc:
-        raise ValueError(f"--output {output}: not a writable folder ({exc.strerror or exc})") from None
+        console.print(f"[yellow]warning[/yellow]: could not write {output / 'INTERRUPTED'} ({exc})")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -39,32 +54,50 @@ def main(argv: list[str] | None = None) -> int:
     from rich.console import Console
     from rich.markup import escape
 
+    from kernels.flex_attention import FlexCompileError, flex_compile_stats
+    from recipe.io_errors import EXIT_WRITE_FAILED, WriteError
     from recipe.train.checkpoint import CheckpointError
     from recipe.train.distributed import init_distributed, release_shm_buffer
     from recipe.train.oom import StepOutOfMemory
+    from recipe.train.signals import EXIT_INTERRUPTED, StopRequest, clear_interrupted
 
     console = Console(stderr=True)
     device, owns_group = init_distributed()
+    # one stop request for the whole run (the loop's shares it): signals during set-up count, the launcher's death
+    # counts (watch_launcher), a forced exit still unlinks the /dev/shm buffer, and signals while closing are ignored
+    stop = StopRequest(watch_launcher=True, on_abort=release_shm_buffer).__enter__()
     try:
         from recipe.train.loop import Trainer, TrainSettings, plan_summary
         from recipe.train.setup import build_run, write_resolved_config
 
-        check_output_writable(args.output)
-        parts = build_run(args, device, console)
-        write_resolved_config(args, parts)
+        parts = build_run(args, device, console)  # checks --output (a previous run, writable) before writing to it
+        trainer = Trainer(TrainSettings.from_args(args), parts, console)  # refuses an incompatible --resume
+        # every check has passed: only now is anything of the previous run replaced
+        if dist.get_rank() == 0:
+            clear_interrupted(args.output)
+        write_resolved_config(args, parts, console)
         if dist.get_rank() == 0:
             console.print(plan_summary(parts))
-        return Trainer(TrainSettings.from_args(args), parts, console).train()
-    except (ValueError, KeyError, OSError, CheckpointError, StepOutOfMemory) as exc:
+        code = trainer.train()
+        if code == EXIT_INTERRUPTED and dist.get_rank() == 0:
+            mark_interrupted(args.output, stop, console)
+        flex = flex_compile_stats()
+        if flex["calls"] and dist.get_rank() == 0:
+            console.print(f"flex attention: {flex['compiles']} compile(s) for {flex['calls']} calls "
+                          f"(dynamic={flex['dynamic']}, limit {flex['recompile_limit']})")
+        return code
+    except (ValueError, KeyError, OSError, CheckpointError, StepOutOfMemory, FlexCompileError) as exc:
         if os.environ.get("RECIPE_DEBUG"):
             raise
         message = exc.args[0] if isinstance(exc, KeyError) and exc.args else exc
         console.print(f"[bold red]error[/bold red] (rank {dist.get_rank()}): {escape(str(message))}")
-        return 2
+        return EXIT_WRITE_FAILED if isinstance(exc, WriteError) else 2
     finally:
+        stop.closing()
         if owns_group and dist.is_initialized():
             dist.destroy_process_group()
         release_shm_buffer()
+        stop.__exit__(None, None, None)
 
 
 if __name__ == "__main__":

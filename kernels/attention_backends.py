@@ -12,7 +12,9 @@ readable key, differentiable in q, k, v including through lse — exactly (no ap
          (the tiles give the causal skipping between tiles and bound the memory of a general mask). CPU only; float32,
          float64, bfloat16 inputs (computes in the accumulation dtype).
   flex   ``torch.nn.attention.flex_attention``, compiled (``kernels.flex_attention``). CUDA only (torch 2.13 has no
-         flex backward on CPU); float32 and bfloat16; ``tile_size`` unused (flex's own 128-position blocks).
+         flex backward on CPU); float32 and bfloat16; ``tile_size`` unused (flex's own 128-position blocks). One
+         dynamic-shape compile for all lengths, never an uncompiled fallback (``FlexCompileError``), and one block
+         mask per micro-batch reused by the TTT steps and the recompute.
 
 ``auto``: ``flex`` on CUDA, ``sdpa`` on CPU (measured fastest exact CPU kernel: docs/results/attention_cpu.json,
 step_cpu.json), ``tiled`` elsewhere or when the installed torch lacks the fused op.
@@ -89,7 +91,9 @@ def make_causal_attention(backend: str, tile_size: int | None, device, cp_group=
     elif name == "sdpa":
         from kernels.sdpa_attention import SDPA_KERNEL as kernel
     else:
-        from kernels.flex_attention import FLEX_KERNEL as kernel
+        from kernels.flex_attention import make_flex_kernel
+
+        kernel = make_flex_kernel()  # its own block-mask cache
     if ring:
         from kernels.ring_attention import make_ring_causal_attention
 

@@ -4,22 +4,48 @@ The mask is a ``mask_mod(b, h, q_idx, kv_idx) = k_valid[b, kv] & (k_pos[b, kv] <
 GLOBAL positions and validity, so one function serves one device, every ring hop and an inference KV cache. The
 ``BlockMask`` is built from per-block position ranges (``flex_block_mask``: O((S/128)²) work and memory, no S x S
 mask is ever evaluated): blocks no query can read are skipped, fully readable ones run without the mask_mod, the
-rest apply it. ``flex_attention`` is called compiled on CUDA (``torch.compile``, created lazily on first use);
+rest apply it. ``flex_attention`` is called compiled on CUDA (:class:`CompiledFlex`, created lazily on first use);
 importing this module touches neither CUDA nor the compiler.
+
+Compile policy (never silently slow). Uncompiled flex materialises the full [B, H, Sq, Sk] scores, so on CUDA it must
+never run uncompiled: a call with ``compiled=False`` on CUDA raises :class:`FlexCompileError`, and the compiled
+function is ``torch.compile(flex_attention, dynamic=True, fullgraph=True)`` called under Dynamo's
+``fail_on_recompile_limit_hit`` (past ``recompile_limit`` Dynamo would otherwise fall back to the uncompiled function
+without an error) and ``suppress_errors=False`` (a failed compile raises instead of running eager). ``fullgraph``
+turns a graph break, which would also run flex eagerly, into an error. Every compile is counted and logged
+(``flex_compile_stats``; logger ``kernels.flex_attention``).
+
+Why dynamic shapes and not length buckets: training lengths vary per micro-batch (the batch is padded to its longest
+sample), and under a static policy every new length is a new compile (tens of seconds for flex forward + backward
+on a GPU); buckets would bound the count but pad the attention's q/k/v (extra copies and up to a bucket's worth of
+wasted work), and a useful ladder from 128 to 128k still holds dozens of buckets. ``dynamic=True`` makes the
+sequence length and batch symbolic from the first call; the block mask's block counts are specialised by that first
+compile and made symbolic at the first call with another block count (Dynamo's automatic dynamic), so each call
+variant compiles at most twice, whatever the lengths that follow (``tests/test_flex_policy.py``). The variants: with
+and without autograd (training, validation) and, under CP, the ring's detached pair forward and its recompute.
+``FLEX_RECOMPILE_LIMIT`` leaves room for those with margin; a run that exceeds it is told so instead of crawling.
+
+The ``BlockMask`` depends only on the query/key positions and the key validity, which are the same tensors for every
+TTT step of a micro-batch and for the per-step recompute in backward: :class:`BlockMaskCache` keeps the masks of the
+live position tensors (keyed by the tensors' identity, storage and version, dropped when the tensors are freed), so
+one mask is built per micro-batch and reused by the K steps and the recompute.
 
 What is supported where (torch 2.13): on CUDA forward and backward, including the gradient through the returned LSE,
 in float32 and bfloat16 (LSE float32). On CPU the eager (uncompiled, O(Sq·Sk) memory) forward only: flex attention
 has no CPU backward and its compiled CPU kernel returns no LSE; ``flex_block_attention(..., compiled=False)`` on
 detached CPU tensors is what the CPU tests check the mask and LSE conventions with.
 
-In the ring (``FLEX_KERNEL``) the backward cannot be handed the final LSE, so each hop's block is recomputed under
+In the ring (``make_flex_kernel``) the backward cannot be handed the final LSE, so each hop's block is recomputed under
 autograd and the final merge's gradient is pulled through its own (out, lse)
 (``kernels.tiled_attention.recompute_block_backward``): one extra block forward per hop, and no per-hop graph (or
 received K/V block) is kept alive between forward and backward.
 """
 from __future__ import annotations
 
+import logging
 import math
+import weakref
+from collections import OrderedDict
 
 import torch
 
@@ -29,17 +55,139 @@ from kernels.tiled_attention import BlockKernel, check_block_shapes, keys_valid,
 FLEX_BLOCK = 128
 """flex attention's default sparse block size (positions per query and key block)."""
 
+FLEX_DYNAMIC = True
+"""The compile policy: one dynamic-shape kernel for every sequence length and batch (module docstring)."""
+
+FLEX_RECOMPILE_LIMIT = 16
+"""Compiles of flex allowed in one process before :class:`FlexCompileError` (Dynamo's ``recompile_limit`` for it)."""
+
 _INT64_MAX, _INT64_MIN = torch.iinfo(torch.int64).max, torch.iinfo(torch.int64).min
-_COMPILED: dict[str, object] = {}
+log = logging.getLogger(__name__)
 
 
-def _compiled_flex():
-    """``torch.compile(flex_attention)``, created on the first call of the process."""
+class FlexCompileError(RuntimeError):
+    """Flex attention would run uncompiled on CUDA (materialising [B, H, Sq, Sk] scores): asked for explicitly, or
+    Dynamo reached its recompile limit, or the compile failed. The message says which and what to do."""
+
+
+class CompiledFlex:
+    """``torch.compile(fn, dynamic=dynamic, fullgraph=True)`` that counts its compiles and never falls back to the
+    uncompiled function (module docstring, "Compile policy").
+
+    Args: fn the function (default ``torch.nn.attention.flex_attention``); dynamic the dynamic-shape policy
+    (default ``FLEX_DYNAMIC``); recompile_limit the compiles allowed (default ``FLEX_RECOMPILE_LIMIT``); backend the
+    Dynamo backend that compiles each graph ("inductor"; the CPU tests use "eager" to check the policy).
+    Attributes: ``compiles`` (graphs compiled so far), ``calls``, ``last_shapes`` (the shapes of the latest
+    compile's tensor inputs). Calling it raises :class:`FlexCompileError` when Dynamo hits the recompile limit or
+    the compile fails (the original exception chained).
+    """
+
+    def __init__(self, fn=None, *, dynamic: bool = FLEX_DYNAMIC, recompile_limit: int = FLEX_RECOMPILE_LIMIT,
+                 backend: str = "inductor"):
+        if fn is None:
+            from torch.nn.attention.flex_attention import flex_attention as fn
+        self.fn, self.dynamic, self.recompile_limit, self.backend = fn, dynamic, recompile_limit, backend
+        self.compiles = self.calls = 0
+        self.last_shapes: list[tuple] = []
+        self._compiled = None
+
+    def _compile_graph(self, gm, example_inputs):
+        from torch._dynamo.backends.registry import lookup_backend
+
+        self.compiles += 1
+        self.last_shapes = [tuple(t.shape) for t in example_inputs if isinstance(t, torch.Tensor)][:4]
+        log.info("flex attention compile #%d (dynamic=%s, backend %s): input shapes %s", self.compiles,
+                 self.dynamic, self.backend, self.last_shapes)
+        return lookup_backend(self.backend)(gm, example_inputs)
+
+    def __call__(self, *args, **kwargs):
+        if self._compiled is None:
+            self._compiled = torch.compile(self.fn, backend=self._compile_graph, dynamic=self.dynamic,
+                                           fullgraph=True)
+        self.calls += 1
+        from torch._dynamo import config as dynamo_config
+        from torch._dynamo.exc import FailOnRecompileLimitHit
+
+        try:
+            with dynamo_config.patch(recompile_limit=self.recompile_limit, fail_on_recompile_limit_hit=True,
+                                     suppress_errors=False):
+                return self._compiled(*args, **kwargs)
+        except FailOnRecompileLimitHit as exc:
+            raise FlexCompileError(
+                f"flex attention reached its recompile limit ({self.recompile_limit} compiles, dynamic="
+                f"{self.dynamic}; latest input shapes {self.last_shapes}); running it uncompiled would materialise "
+                "the full attention scores, so the run stops here. Set TORCH_LOGS=recompiles to see why it "
+                "recompiled, or raise kernels.flex_attention.FLEX_RECOMPILE_LIMIT") from exc
+
+    def stats(self) -> dict:
+        """``{"compiles", "calls", "dynamic", "recompile_limit", "last_shapes"}`` (JSON-able)."""
+        return {"compiles": self.compiles, "calls": self.calls, "dynamic": self.dynamic,
+                "recompile_limit": self.recompile_limit, "last_shapes": [list(s) for s in self.last_shapes]}
+
+
+_COMPILED: dict[str, CompiledFlex] = {}
+
+
+def _compiled_flex() -> CompiledFlex:
+    """The process's :class:`CompiledFlex` of ``flex_attention`` (Dynamo's compile cache is per process anyway),
+    created on the first call."""
     if "flex" not in _COMPILED:
-        from torch.nn.attention.flex_attention import flex_attention
-
-        _COMPILED["flex"] = torch.compile(flex_attention)
+        _COMPILED["flex"] = CompiledFlex()
     return _COMPILED["flex"]
+
+
+def flex_compile_stats() -> dict:
+    """The compiled flex's counters (:meth:`CompiledFlex.stats`); zeros before its first use."""
+    if "flex" not in _COMPILED:
+        return {"compiles": 0, "calls": 0, "dynamic": FLEX_DYNAMIC, "recompile_limit": FLEX_RECOMPILE_LIMIT,
+                "last_shapes": []}
+    return _COMPILED["flex"].stats()
+
+
+def _identity(t: torch.Tensor | None):
+    """(key, weakref to the storage's owner) of a position/validity tensor; None for None."""
+    if t is None:
+        return None, None
+    base = t if t._base is None else t._base
+    return (t.data_ptr(), str(t.device), t.dtype, tuple(t.shape), t.stride(), t._version), weakref.ref(base)
+
+
+class BlockMaskCache:
+    """The flex ``BlockMask`` (and the has-a-readable-key flags) of the most recent position/validity tensors.
+
+    An entry is reused while the tensors it was built from are alive and unmodified: its key is each tensor's data
+    pointer, shape, strides and version, and a weak reference to the tensor's base tells whether that memory still
+    belongs to it (while the base lives, no other tensor can occupy it; views and the copies autograd hands back
+    from saved tensors share the key, so the backward's recompute finds the forward's mask). Holds at most ``capacity``
+    entries (least recently used dropped) and drops entries whose tensors were freed, so masks never outlive a
+    micro-batch for long. ``hits`` / ``misses`` count lookups.
+    """
+
+    def __init__(self, capacity: int = 64):
+        self.capacity = capacity
+        self.hits = self.misses = 0
+        self._entries: OrderedDict = OrderedDict()
+
+    def get(self, q_pos_BS, k_pos_BS, k_valid_BS, block_size: int = FLEX_BLOCK):
+        """(block_mask, has_key [B, 1, Sq] bool) for these tensors (``flex_block_mask``; built on a miss)."""
+        ids = [_identity(t) for t in (q_pos_BS, k_pos_BS, k_valid_BS)]
+        key = (tuple(i[0] for i in ids), block_size)
+        entry = self._entries.get(key)
+        if entry is not None and all(ref is None or ref() is not None for ref in entry[0]):
+            self.hits += 1
+            self._entries.move_to_end(key)
+            return entry[1], entry[2]
+        self.misses += 1
+        value = flex_block_mask(q_pos_BS, k_pos_BS, k_valid_BS, block_size), _has_key(q_pos_BS, k_pos_BS, k_valid_BS)
+        self._entries[key] = (tuple(i[1] for i in ids), *value)
+        for stale in [k for k, e in self._entries.items() if any(r is not None and r() is None for r in e[0])]:
+            del self._entries[stale]
+        while len(self._entries) > self.capacity:
+            self._entries.popitem(last=False)
+        return value
+
+    def __len__(self) -> int:
+        return len(self._entries)
 
 
 def _pad(x_BS: torch.Tensor, length: int, value) -> torch.Tensor:
@@ -94,56 +242,85 @@ def flex_block_mask(q_pos_BS: torch.Tensor, k_pos_BS: torch.Tensor, k_valid_BS: 
                                     mask_mod=mask_mod, seq_lengths=(sq, sk))
 
 
+def _has_key(q_pos_BS, k_pos_BS, k_valid_BS) -> torch.Tensor:
+    """[B, 1, Sq] bool: the query has at least one readable key (its position is at or after the first valid key)."""
+    valid = keys_valid(k_pos_BS, k_valid_BS)
+    first_BS = k_pos_BS.long().masked_fill(~valid, _INT64_MAX).amin(dim=1, keepdim=True)
+    return (q_pos_BS.long() >= first_BS)[:, None, :]
+
+
 def flex_block_attention(q_BHSD, k_BHkvSD, v_BHkvSD, q_pos_BS, k_pos_BS, k_valid_BS=None, scale=None, *,
-                         compiled: bool = True, block_size: int = FLEX_BLOCK):
+                         compiled: bool = True, block_size: int = FLEX_BLOCK, masks: BlockMaskCache | None = None):
     """``block_attention``'s (out, lse) through flex attention; differentiable in q, k, v (through lse too) on CUDA.
 
     q [B, H, Sq, D], k/v [B, Hkv, Sk, D] (GQA), positions [B, Sq] / [B, Sk] int64, k_valid [B, Sk] bool or None.
     Returns out [B, H, Sq, D] in q's dtype (0 on rows with no readable key) and lse [B, H, Sq] in the accumulation
     dtype (-inf there). ``compiled=False`` runs flex's eager path (O(Sq·Sk) memory; on CPU forward only, with inputs
-    that do not require grad). Raises NotImplementedError (torch's) for a CPU call that needs gradients.
+    that do not require grad). ``masks``: a :class:`BlockMaskCache` to take the block mask from (None: built here).
+    Raises :class:`FlexCompileError` for ``compiled=False`` on CUDA (and from the compiled call, see
+    :class:`CompiledFlex`), NotImplementedError (torch's) for a CPU call that needs gradients.
     """
     from torch.nn.attention.flex_attention import AuxRequest, flex_attention
 
-    block_mask = flex_block_mask(q_pos_BS, k_pos_BS, k_valid_BS, block_size)
+    if not compiled and q_BHSD.is_cuda:
+        raise FlexCompileError("flex attention was asked to run uncompiled on CUDA, which materialises the full "
+                               f"[B, H, Sq, Sk] = {[*q_BHSD.shape[:3], k_BHkvSD.shape[2]]} scores; call it compiled")
+    if masks is not None:
+        block_mask, has_key = masks.get(q_pos_BS, k_pos_BS, k_valid_BS, block_size)
+    else:
+        block_mask = flex_block_mask(q_pos_BS, k_pos_BS, k_valid_BS, block_size)
+        has_key = _has_key(q_pos_BS, k_pos_BS, k_valid_BS)
     fn = _compiled_flex() if compiled else flex_attention
     out, aux = fn(q_BHSD, k_BHkvSD, v_BHkvSD, block_mask=block_mask, scale=scale, enable_gqa=True,
                   return_aux=AuxRequest(lse=True))
-    valid = keys_valid(k_pos_BS, k_valid_BS)
-    first_BS = k_pos_BS.long().masked_fill(~valid, _INT64_MAX).amin(dim=1, keepdim=True)
-    has_key = (q_pos_BS.long() >= first_BS)[:, None, :]
     lse = aux.lse.to(accum_dtype(q_BHSD.dtype))
     return (torch.where(has_key[..., None], out, torch.zeros_like(out)),
             torch.where(has_key, lse, torch.full_like(lse, float("-inf"))))
 
 
-def _flex_pair_forward(q_BHSD, k_BHkvSD, v_BHkvSD, q_pos_BS, k_pos_BS, k_valid_BS, scale):
-    """Forward of one ring pair: no graph (detached inputs), compiled on CUDA, eager elsewhere."""
-    q, k, v = (t.detach() for t in (q_BHSD, k_BHkvSD, v_BHkvSD))
-    return flex_block_attention(q, k, v, q_pos_BS, k_pos_BS, k_valid_BS, scale, compiled=q.is_cuda)
+def make_flex_kernel(masks: BlockMaskCache | None = None) -> BlockKernel:
+    """Flex attention as the ``BlockKernel`` of the tile loops (the ring), with its own block-mask cache (so the
+    backward's per-pair recompute reuses the forward's mask of the same saved key block).
+
+    Inputs stay in their dtype (bf16 runs bf16, LSE float32); forward on CUDA (compiled) or CPU (eager), backward on
+    CUDA only. In the ring the backward cannot be handed the final LSE, so each pair is recomputed under autograd and
+    the final merge's gradient is pulled through its own (out, lse) (``recompute_block_backward``).
+    """
+    masks = BlockMaskCache() if masks is None else masks
+
+    def pair_forward(q_BHSD, k_BHkvSD, v_BHkvSD, q_pos_BS, k_pos_BS, k_valid_BS, scale):
+        q, k, v = (t.detach() for t in (q_BHSD, k_BHkvSD, v_BHkvSD))
+        return flex_block_attention(q, k, v, q_pos_BS, k_pos_BS, k_valid_BS, scale, compiled=q.is_cuda, masks=masks)
+
+    def pair_differentiable(q_BHSD, k_BHkvSD, v_BHkvSD, q_pos_BS, k_pos_BS, k_valid_BS, scale):
+        return flex_block_attention(q_BHSD, k_BHkvSD, v_BHkvSD, q_pos_BS, k_pos_BS, k_valid_BS, scale,
+                                    compiled=q_BHSD.is_cuda, masks=masks)
+
+    kernel = BlockKernel("flex", pair_forward, recompute_block_backward(pair_differentiable),
+                         compute_dtype=lambda dtype: dtype)
+    kernel.forward.masks = masks  # reachable for tests and counters
+    return kernel
 
 
-def _flex_pair_differentiable(q_BHSD, k_BHkvSD, v_BHkvSD, q_pos_BS, k_pos_BS, k_valid_BS, scale):
-    return flex_block_attention(q_BHSD, k_BHkvSD, v_BHkvSD, q_pos_BS, k_pos_BS, k_valid_BS, scale,
-                                compiled=q_BHSD.is_cuda)
-
-
-FLEX_KERNEL = BlockKernel("flex", _flex_pair_forward, recompute_block_backward(_flex_pair_differentiable),
-                          compute_dtype=lambda dtype: dtype)
-"""Flex attention in the tile loops (the ring): inputs stay in their dtype (bf16 runs bf16, LSE float32), forward
-on CUDA (compiled) or CPU (eager), backward on CUDA only (per-pair recompute, module docstring)."""
+FLEX_KERNEL = make_flex_kernel()
+"""A flex ``BlockKernel`` with its own mask cache (``make_causal_attention`` makes a fresh one per attention)."""
 
 
 class FlexCausalAttention:
     """Callable with the draft's causal-block signature ``(q, k, v, q_pos, k_pos, k_valid) -> (out, lse)`` on one
     device: one compiled flex call (its 128-position blocks do the causal skipping; memory O(S·D), so no tile size),
-    differentiated by flex's own backward. Raises ValueError (naming the shapes) when they disagree."""
+    differentiated by flex's own backward. The block mask of a micro-batch's positions is built once and reused by
+    every TTT step and the recompute (``masks``, a :class:`BlockMaskCache`). Raises ValueError (naming the shapes)
+    when they disagree, :class:`FlexCompileError` as :class:`CompiledFlex` does."""
+
+    def __init__(self, masks: BlockMaskCache | None = None):
+        self.masks = BlockMaskCache() if masks is None else masks
 
     def __call__(self, q_BHSD, k_BHkvSD, v_BHkvSD, q_pos_BS, k_pos_BS, k_valid_BS=None):
         check_block_shapes(q_BHSD, k_BHkvSD, v_BHkvSD, q_pos_BS, k_pos_BS, k_valid_BS, "flex attention")
         scale = 1.0 / math.sqrt(q_BHSD.shape[-1])
         return flex_block_attention(q_BHSD, k_BHkvSD, v_BHkvSD, q_pos_BS, k_pos_BS, k_valid_BS, scale,
-                                    compiled=q_BHSD.is_cuda)
+                                    compiled=q_BHSD.is_cuda, masks=self.masks)
 
     def __repr__(self) -> str:
         return "FlexCausalAttention()"

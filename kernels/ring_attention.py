@@ -14,6 +14,10 @@ Work skipping and memory: the local shard and each received block are cut into `
 zigzag chunks), each into tiles of at most ``tile_size`` positions; the per-block work is the tile loop of
 ``kernels.tiled_attention`` (score memory bounded by tile², no S² matrix saved for the backward). A (query tile,
 key tile) pair in which no query can read any key (all keys later than all queries, or all padding) is skipped.
+Which pairs those are is decided per hop in the forward, on the host: from the host copies of every cp rank's
+positions/validity that the batch builder attaches to the local tensors (``kernels.host_positions``; zigzag
+arithmetic and the padding, known on every rank), so no hop syncs the device; without them from the received block's
+tensors (one device sync per hop). The backward reuses the forward's pair matrices.
 Each pair is computed by a ``BlockKernel``: the pure-PyTorch reference, the fused CPU kernel (its backward takes the
 final LSE directly) or flex attention (whose backward recomputes the pair under autograd and pulls the final
 merge's gradient through the pair's own (out, lse): ``recompute_block_backward``).
@@ -31,8 +35,10 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from kernels.tiled_attention import (DENSE_KERNEL, BlockKernel, backward_queries, check_block_shapes, check_tile_size,
-                                     forward_accumulators, forward_tiles, key_block_gradients, key_tiles, keys_valid)
+from kernels.host_positions import host_copies, host_copy
+from kernels.tiled_attention import (DENSE_KERNEL, BlockKernel, backward_queries, block_pairs, check_block_shapes,
+                                     check_tile_size, forward_accumulators, forward_tiles, key_block_gradients,
+                                     key_tiles, keys_valid)
 
 
 @dataclass
@@ -111,6 +117,17 @@ def _pack_keys_meta(k_pos_BS: torch.Tensor, k_valid_BS: torch.Tensor | None) -> 
     return torch.stack([k_pos_BS.long(), keys_valid(k_pos_BS, k_valid_BS).long()])
 
 
+def _ring_host_keys(q_pos_BS, k_pos_BS, k_valid_BS, comm: RingComm) -> bool:
+    """Whether the local tensors carry host copies of every cp rank's key positions/validity, attached for this
+    ring (same size, this rank's entry), and of the query positions."""
+    ok = host_copy(q_pos_BS) is not None
+    for t in (k_pos_BS, k_valid_BS):
+        copies = host_copies(t) if t is not None else None
+        ok = ok and (t is None or (copies is not None and len(copies.per_rank) == comm.size
+                                   and copies.rank == comm.rank))
+    return ok
+
+
 def ring_attention_forward(q_BHSD, k_BHkvSD, v_BHkvSD, q_pos_BS, k_pos_BS, k_valid_BS, comm: RingComm,
                            scale: float | None = None, num_chunks: int = 2, tile_size: int | None = None,
                            kernel: BlockKernel = DENSE_KERNEL):
@@ -123,39 +140,47 @@ def ring_attention_forward(q_BHSD, k_BHkvSD, v_BHkvSD, q_pos_BS, k_pos_BS, k_val
     (``kernels.tiled_attention``); ``kernel`` computes each (query tile, key tile) pair. Every rank must have the
     same Sk, B, Hkv, D.
     Returns (out [B, H, Sq, D] in q's dtype, lse [B, H, Sq] in accum dtype (-inf where no key is readable),
-    key_meta): key_meta[s] is the [2, B, Sk] int64 positions/validity of the block of group rank (r - s) mod cp,
-    which the backward reuses instead of re-sending it.
+    key_meta, needed): key_meta[s] is the [2, B, Sk] int64 positions/validity of the block of group rank (r - s) mod
+    cp, which the backward reuses instead of re-sending it, and needed[s] that block's pair matrix (``block_pairs``:
+    from the host copies of the local tensors when they carry every rank's, else from key_meta[s], one sync).
     """
     scale = 1.0 / math.sqrt(q_BHSD.shape[-1]) if scale is None else scale
     queries, outs, lses = forward_accumulators(q_BHSD, q_pos_BS, tile_size, num_chunks, kernel)
     kv = torch.stack([k_BHkvSD, v_BHkvSD])  # [2, B, Hkv, Sk, D]
     compute = kernel.compute_dtype(kv.dtype)
     meta = _pack_keys_meta(k_pos_BS, k_valid_BS)
-    key_meta = []
+    host = _ring_host_keys(q_pos_BS, k_pos_BS, k_valid_BS, comm)
+    key_meta, needed = [], []
     for step in range(comm.size):
         hop = comm.start([kv, meta], "kv") if step + 1 < comm.size else None  # overlaps the compute below
         key_meta.append(meta)
+        if host:  # the block of group rank (r - step) mod cp, from the local tensors' host copies
+            needed.append(block_pairs(q_pos_BS, k_pos_BS, k_valid_BS, tile_size, num_chunks,
+                                      key_rank=(comm.rank - step) % comm.size))
+        else:
+            needed.append(block_pairs(q_pos_BS, meta[0], meta[1].bool(), tile_size, num_chunks))
         keys = key_tiles(kv[0].to(compute), kv[1].to(compute), meta[0], meta[1].bool(), tile_size, num_chunks)
-        comm.counts.forward_pairs += forward_tiles(queries, keys, outs, lses, scale, kernel)
+        comm.counts.forward_pairs += forward_tiles(queries, keys, outs, lses, scale, kernel, needed[-1])
         if hop is not None:
             kv, meta = hop.wait()
-    return torch.cat(outs, dim=2).to(q_BHSD.dtype), torch.cat(lses, dim=2), key_meta
+    return torch.cat(outs, dim=2).to(q_BHSD.dtype), torch.cat(lses, dim=2), key_meta, needed
 
 
-def _backward_one_block(kv, meta, queries, dq_tiles, comm, scale, num_chunks, tile_size, kernel):
+def _backward_one_block(kv, meta, needed, queries, dq_tiles, comm, scale, num_chunks, tile_size, kernel):
     """dK/dV [2, B, Hkv, Sk, D] (fp32+) of one key block from the local queries; adds into dq_tiles in place."""
     dkv, pairs = key_block_gradients(queries, dq_tiles, kv[0], kv[1], meta[0], meta[1].bool(), scale, tile_size,
-                                     num_chunks, kernel)
+                                     num_chunks, kernel, needed)
     comm.counts.backward_pairs += pairs
     return dkv
 
 
 def ring_attention_backward(dout_BHSD, dlse_BHS, q_BHSD, k_BHkvSD, v_BHkvSD, out_BHSD, lse_BHS, q_pos_BS,
                             key_meta, comm: RingComm, scale: float | None = None, num_chunks: int = 2,
-                            tile_size: int | None = None, kernel: BlockKernel = DENSE_KERNEL):
+                            tile_size: int | None = None, kernel: BlockKernel = DENSE_KERNEL, needed=None):
     """Gradients (dq, dk, dv) of the local shards for the loss gradients ``dout`` [B, H, Sq, D] and ``dlse`` [B, H, Sq].
 
-    ``out``, ``lse`` and ``key_meta`` are what ``ring_attention_forward`` returned; ``dlse=None`` means zero.
+    ``out``, ``lse``, ``key_meta`` and ``needed`` are what ``ring_attention_forward`` returned; ``dlse=None`` means
+    zero; ``needed=None`` decides each block's pairs again from key_meta (one sync per block on a device).
     Order per rank r: the own block first (overlapping the first K/V hop), then blocks r-1, r-2, ... A block's dK/dV
     accumulator is created by rank owner+1, grows at each rank it visits and reaches its owner after cp-1 hops.
     Returns dq in q's dtype, dk/dv in k's/v's dtype (accumulated in fp32 or wider).
@@ -164,14 +189,15 @@ def ring_attention_backward(dout_BHSD, dlse_BHS, q_BHSD, k_BHkvSD, v_BHkvSD, out
     queries, dq, dq_tiles = backward_queries(dout_BHSD, dlse_BHS, q_BHSD, q_pos_BS, out_BHSD, lse_BHS, tile_size,
                                              num_chunks, kernel)
     args = (queries, dq_tiles, comm, scale, num_chunks, tile_size, kernel)
+    needed = [None] * comm.size if needed is None else needed
     kv = torch.stack([k_BHkvSD, v_BHkvSD])
     kv_hop = comm.start([kv], "kv") if comm.size > 1 else None
-    dkv_own = _backward_one_block(kv, key_meta[0], *args)
+    dkv_own = _backward_one_block(kv, key_meta[0], needed[0], *args)
     grad_hop = None
     for step in range(1, comm.size):
         (kv,) = kv_hop.wait()  # block of rank (r - step)
         kv_hop = comm.start([kv], "kv") if step + 1 < comm.size else None
-        dkv = _backward_one_block(kv, key_meta[step], *args)
+        dkv = _backward_one_block(kv, key_meta[step], needed[step], *args)
         if grad_hop is not None:  # the accumulator of the same block, from rank r-1
             dkv += grad_hop.wait()[0]
         grad_hop = comm.start([dkv], "grad")  # on the last step this goes to the block's owner
@@ -186,17 +212,18 @@ class RingAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, q_pos, k_pos, k_valid, comm, scale, num_chunks, tile_size, kernel):
-        out, lse, key_meta = ring_attention_forward(q, k, v, q_pos, k_pos, k_valid, comm, scale, num_chunks,
-                                                    tile_size, kernel)
+        out, lse, key_meta, needed = ring_attention_forward(q, k, v, q_pos, k_pos, k_valid, comm, scale, num_chunks,
+                                                            tile_size, kernel)
         ctx.save_for_backward(q, k, v, out, lse, q_pos, *key_meta)
         ctx.comm, ctx.scale, ctx.num_chunks, ctx.tile_size, ctx.kernel = comm, scale, num_chunks, tile_size, kernel
+        ctx.needed = needed
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, dlse):
         q, k, v, out, lse, q_pos, *key_meta = ctx.saved_tensors
         dq, dk, dv = ring_attention_backward(dout, dlse, q, k, v, out, lse, q_pos, key_meta, ctx.comm,
-                                             ctx.scale, ctx.num_chunks, ctx.tile_size, ctx.kernel)
+                                             ctx.scale, ctx.num_chunks, ctx.tile_size, ctx.kernel, ctx.needed)
         return dq, dk, dv, None, None, None, None, None, None, None, None
 
 

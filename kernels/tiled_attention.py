@@ -6,7 +6,9 @@ of at most ``tile_size`` positions; the forward visits (query tile, key tile) pa
 ``(out, lse)`` with ``merge_lse``, and keeps only q, k, v, the output and the final LSE. The backward recomputes each
 pair's probabilities from the final LSE (the flash-attention backward: Dao et al. 2022, "FlashAttention", Alg. 4).
 Pairs in which no query can read any key (every key later than every query, or padding) are skipped, so a causal
-block costs about half the pairs.
+block costs about half the pairs. Which pairs those are is decided on the host once per forward (``block_pairs``),
+from CPU copies of the positions/validity when the batch builder attached them (``kernels.host_positions``; no device
+sync), else from the tensors (one sync); the backward reuses the forward's decision.
 
 The same tile loops serve the ring attention (``kernels.ring_attention``), which runs them on every K/V block that
 arrives around the context-parallel ring. What one (query tile, key tile) pair computes is a ``BlockKernel``: the
@@ -21,6 +23,7 @@ from typing import Callable, NamedTuple
 import torch
 
 from kernels.block_attention import accum_dtype, block_attention, expand_kv, merge_lse
+from kernels.host_positions import host_block_meta
 
 
 def check_tile_size(tile_size, allow_none: bool = True) -> None:
@@ -69,7 +72,8 @@ def split_tiles(x: torch.Tensor, dim: int, tile_size: int | None = None, groups:
 
 def readable_pairs(q_pos_tiles, k_pos_tiles, k_valid_tiles) -> list[list[bool]]:
     """[query tile][key tile] -> True when some query of the tile can read some key of the tile (per batch row: a
-    valid key at or before the tile's latest query position). Decided on the host with ONE device sync per call.
+    valid key at or before the tile's latest query position). Decided on the host: no sync for CPU tiles, ONE
+    device sync per call for device tiles (the training path hands CPU tiles: ``block_pairs``).
 
     Tiles are [B, T] int64 positions / bool validity; empty tiles read and are read by nothing.
     """
@@ -88,6 +92,24 @@ def readable_pairs(q_pos_tiles, k_pos_tiles, k_valid_tiles) -> list[list[bool]]:
     last_QB = torch.stack([latest(t.long()) for t in q_pos_tiles])
     first_KB = torch.stack([first_valid(p.long(), v) for p, v in zip(k_pos_tiles, k_valid_tiles)])
     return (first_KB[None, :, :] <= last_QB[:, None, :]).any(dim=-1).tolist()
+
+
+def block_pairs(q_pos_BS, k_pos_BS, k_valid_BS, tile_size: int | None, groups: int = 1,
+                key_rank: int | None = None) -> list[list[bool]]:
+    """``readable_pairs`` of the tiles ``split_tiles`` cuts from a block's q_pos [B, Sq], k_pos [B, Sk] and k_valid
+    [B, Sk] (None: all valid), decided on their host copies (``kernels.host_positions``; the keys of cp rank
+    ``key_rank`` when given) when every one has one, without a sync; otherwise on the tensors themselves (one device
+    sync for device tensors, none on the CPU). Callers pass ``key_rank`` only with the LOCAL key tensors."""
+    meta = host_block_meta(q_pos_BS, k_pos_BS, k_valid_BS, key_rank)
+    if meta is None:
+        if key_rank is not None:
+            raise ValueError(f"block_pairs: no host copies of cp rank {key_rank}'s keys")
+        meta = (q_pos_BS, k_pos_BS, k_valid_BS)
+    q_pos, k_pos, k_valid = meta
+
+    def cut(x):
+        return split_tiles(x, 1, tile_size, groups)
+    return readable_pairs(cut(q_pos.long()), cut(k_pos.long()), cut(keys_valid(k_pos, k_valid)))
 
 
 def attention_block_backward(dout_BHSD, dlse_BHS, delta_BHS, lse_BHS, q_BHSD, k_BHkvSD, v_BHkvSD,
@@ -175,15 +197,16 @@ def recompute_block_backward(forward: Callable) -> Callable:
 
 
 def forward_tiles(queries, keys, outs: list[torch.Tensor], lses: list[torch.Tensor], scale: float,
-                  kernel: BlockKernel = DENSE_KERNEL) -> int:
+                  kernel: BlockKernel = DENSE_KERNEL, needed: list[list[bool]] | None = None) -> int:
     """Attend every query tile over every key tile it can read, merging into ``outs``/``lses`` (replaced in place).
 
     ``queries``: (q tiles [B, H, Tq, D] in the kernel's compute dtype, q_pos tiles [B, Tq]); ``keys``: (k tiles,
     v tiles [B, Hkv, Tk, D], k_pos tiles [B, Tk], k_valid tiles [B, Tk] bool); ``kernel`` computes each pair.
-    Returns the number of pairs computed.
+    ``needed``: the pair matrix (``block_pairs``, decided on the host); None decides it here from the tiles (one
+    device sync for device tiles). Returns the number of pairs computed.
     """
     q_tiles, qpos_tiles = queries
-    needed = readable_pairs(qpos_tiles, keys[2], keys[3])
+    needed = readable_pairs(qpos_tiles, keys[2], keys[3]) if needed is None else needed
     pairs = 0
     for i, (q_t, qpos_t) in enumerate(zip(q_tiles, qpos_tiles)):
         for j, (k_t, v_t, kpos_t, kvalid_t) in enumerate(zip(*keys)):
@@ -196,14 +219,15 @@ def forward_tiles(queries, keys, outs: list[torch.Tensor], lses: list[torch.Tens
 
 
 def backward_tiles(queries, keys, dq_tiles, dk_tiles, dv_tiles, scale: float,
-                   kernel: BlockKernel = DENSE_KERNEL) -> int:
+                   kernel: BlockKernel = DENSE_KERNEL, needed: list[list[bool]] | None = None) -> int:
     """Accumulate the gradients of every readable (query tile, key tile) pair into the given views.
 
     ``queries``: (q, q_pos, dout, dlse, delta, lse) tiles; ``keys``: (k, v, k_pos, k_valid) tiles; q/k/v in the
     kernel's compute dtype, dout/dlse/delta/lse in the accumulation dtype. ``dq_tiles``/``dk_tiles``/``dv_tiles``
-    are views of the (accumulation dtype) gradient buffers, added to in place. Returns the number of pairs computed.
+    are views of the (accumulation dtype) gradient buffers, added to in place. ``needed``: the forward's pair
+    matrix (None: decided here, as ``forward_tiles``). Returns the number of pairs computed.
     """
-    needed = readable_pairs(queries[1], keys[2], keys[3])
+    needed = readable_pairs(queries[1], keys[2], keys[3]) if needed is None else needed
     pairs = 0
     for i, (q_t, qpos_t, dout_t, dlse_t, delta_t, lse_t) in enumerate(zip(*queries)):
         for j, (k_t, v_t, kpos_t, kvalid_t) in enumerate(zip(*keys)):
@@ -269,34 +293,38 @@ def backward_queries(dout_BHSD, dlse_BHS, q_BHSD, q_pos_BS, out_BHSD, lse_BHS, t
 
 
 def key_block_gradients(queries, dq_tiles, k_BHkvSD, v_BHkvSD, k_pos_BS, k_valid_BS, scale: float,
-                        tile_size: int | None, groups: int = 1,
-                        kernel: BlockKernel = DENSE_KERNEL) -> tuple[torch.Tensor, int]:
+                        tile_size: int | None, groups: int = 1, kernel: BlockKernel = DENSE_KERNEL,
+                        needed: list[list[bool]] | None = None) -> tuple[torch.Tensor, int]:
     """(dkv [2, B, Hkv, Sk, D] in the accumulation dtype, pairs computed) of one key block from the query tiles of
-    ``backward_queries``; adds the block's dq contribution into ``dq_tiles`` in place."""
+    ``backward_queries``; adds the block's dq contribution into ``dq_tiles`` in place. ``needed``: the block's
+    pair matrix from the forward (None: decided again from the tiles)."""
     acc = queries[2][0].dtype  # dout's: the accumulation dtype
     compute = kernel.compute_dtype(k_BHkvSD.dtype)
     dkv = torch.zeros((2, *k_BHkvSD.shape), dtype=acc, device=k_BHkvSD.device)
     keys = key_tiles(k_BHkvSD.to(compute), v_BHkvSD.to(compute), k_pos_BS, k_valid_BS, tile_size, groups)
     pairs = backward_tiles(queries, keys, dq_tiles, split_tiles(dkv[0], 2, tile_size, groups),
-                           split_tiles(dkv[1], 2, tile_size, groups), scale, kernel)
+                           split_tiles(dkv[1], 2, tile_size, groups), scale, kernel, needed)
     return dkv, pairs
 
 
 class TiledAttention(torch.autograd.Function):
     """``TiledAttention.apply(q, k, v, q_pos, k_pos, k_valid, scale, tile_size, kernel) -> (out, lse)``; gradients
     flow to q, k, v, including the LSE's. Saves q, k, v, out, lse and the positions only (no score matrices); the
-    backward recomputes each pair from the final LSE through ``kernel.backward``."""
+    backward recomputes each pair from the final LSE through ``kernel.backward``. The pair matrix is decided once,
+    in the forward (``block_pairs``: on host copies of the positions/validity when attached, else one sync), and
+    reused by the backward."""
 
     @staticmethod
     def forward(ctx, q, k, v, q_pos, k_pos, k_valid, scale, tile_size, kernel):
+        needed = block_pairs(q_pos, k_pos, k_valid, tile_size)
         q_pos, k_pos, k_valid = q_pos.long(), k_pos.long(), keys_valid(k_pos, k_valid)
         queries, outs, lses = forward_accumulators(q, q_pos, tile_size, kernel=kernel)
         compute = kernel.compute_dtype(k.dtype)
         forward_tiles(queries, key_tiles(k.to(compute), v.to(compute), k_pos, k_valid, tile_size), outs, lses, scale,
-                      kernel)
+                      kernel, needed)
         out, lse = torch.cat(outs, dim=2).to(q.dtype), torch.cat(lses, dim=2)
         ctx.save_for_backward(q, k, v, out, lse, q_pos, k_pos, k_valid)
-        ctx.scale, ctx.tile_size, ctx.kernel = scale, tile_size, kernel
+        ctx.scale, ctx.tile_size, ctx.kernel, ctx.needed = scale, tile_size, kernel, needed
         return out, lse
 
     @staticmethod
@@ -304,7 +332,7 @@ class TiledAttention(torch.autograd.Function):
         q, k, v, out, lse, q_pos, k_pos, k_valid = ctx.saved_tensors
         queries, dq, dq_tiles = backward_queries(dout, dlse, q, q_pos, out, lse, ctx.tile_size, kernel=ctx.kernel)
         dkv, _ = key_block_gradients(queries, dq_tiles, k, v, k_pos, k_valid, ctx.scale, ctx.tile_size,
-                                     kernel=ctx.kernel)
+                                     kernel=ctx.kernel, needed=ctx.needed)
         return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None, None, None
 
 

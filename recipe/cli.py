@@ -30,6 +30,7 @@ class TrainArgs:
     keep_checkpoints: int = 2
     resume: str | None = None
     extend: bool = False
+    overwrite: bool = False
     tp_size: int | None = None
     cp_size: int | None = None
     aux_layer_ids: list[int] | None = None
@@ -138,7 +139,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ds_config", "--deepspeed_config", dest="ds_config", type=Path, required=True,
                    help="DeepSpeed JSON (optimizer, scheduler, ZeRO stage, batch sizes) with our 'parallelism' section")
     p.add_argument("--target", type=Path, required=True, help="target model folder (Hugging Face format)")
-    p.add_argument("--output", type=Path, required=True, help="run folder: metrics.jsonl, checkpoints/, export/")
+    p.add_argument("--output", type=Path, required=True,
+                   help="run folder: metrics.jsonl, checkpoints/, export/; one that holds a previous run needs "
+                   "--resume or --overwrite")
     add_data_arguments(p)
     p.add_argument("--hidden-states", type=Path, help="offline store written by `python -m recipe.dump`")
     p.add_argument("--max-length", type=_positive, default=2048, help="tokens per sample after the chat template")
@@ -157,6 +160,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--keep-checkpoints", type=_positive, default=2, help="how many checkpoints to keep")
     p.add_argument("--resume", nargs="?", const="latest", default=None,
                    help="resume from OUTPUT/checkpoints/latest, or from the given checkpoint folder")
+    p.add_argument("--overwrite", action="store_true",
+                   help="start a new run in an --output folder that holds a previous run: its checkpoints/, "
+                   "metrics.jsonl, run_config.json, export/ and curves.png are deleted once the run is built "
+                   "(without it, or --resume, such a run is refused)")
     p.add_argument("--extend", action="store_true",
                    help="with --resume and another --max-steps/--epochs: re-plan the LR schedule for the new length "
                    "from the saved step (README, 'Extending a run'); without it such a resume is refused")
@@ -193,6 +200,8 @@ def parse_args(argv: list[str] | None = None) -> TrainArgs:
     ns = parser.parse_args(argv)
     if (ns.data is None) == (ns.hidden_states is None):
         parser.error("give exactly one of --data (online: the target runs each step) or --hidden-states (offline)")
+    if ns.overwrite and ns.resume is not None:
+        parser.error("--overwrite starts the run afresh and --resume continues it: give one of them")
     if ns.extend and ns.resume is None:
         parser.error("--extend re-plans a resumed run: give it together with --resume")
     check_data_arguments(parser, ns)

@@ -166,6 +166,8 @@ def stage_train(args, assets, store: Path, console: Console) -> bool:
         argv.append("--freeze-lm-head")
     if (args.output / "checkpoints" / "latest").is_file():
         argv.append("--resume")
+    elif (args.output / "metrics.jsonl").is_file():
+        argv.append("--overwrite")  # an earlier run stopped before its first checkpoint: nothing to continue from
     env = subprocess_env(1)
     if not gpus:
         env["DS_ACCELERATOR"] = "cpu"

@@ -1,5 +1,6 @@
 """Bad inputs and configurations: each gives ``error (rank N): ...`` naming the file, line or field and exit code 2
-through ``run.main`` (argparse errors: SystemExit 2 naming the flag), or a counted skip; never a traceback.
+through ``run.main`` (argparse errors: SystemExit 2 naming the flag; a full disk: ``EXIT_WRITE_FAILED``), or a
+counted skip; never a traceback.
 
 All single-process cases share one gloo process (``run_ranks(1, run_jobs, ...)``), the tp/cp cases one 2-rank group.
 """
@@ -13,6 +14,7 @@ import pytest
 from helpers.faults import Job, run_jobs
 from helpers.ranks import run_ranks
 from helpers.training import ROOT, train_argv, write_ds_config
+from recipe.io_errors import EXIT_WRITE_FAILED
 from recipe.train.checkpoint import LATEST
 from recipe.train.sampler import StepSampler
 
@@ -149,8 +151,8 @@ def cases(tiny_target_and_store, other_tiny_target, assets, tmp_path_factory):
                                          ["--skip-nonfinite needs gradient_accumulation_steps = 1", "got 2"]),
         "disk_full_setup": (Job(offline("full", "--max-steps", "2")), []),
         "disk_full": (Job(offline("full", "--max-steps", "4", "--resume", "--extend"), enospc=True),
-                      ["saving checkpoint", "step-00000004", "rank 0: No space left on device", "draft.safetensors",
-                       "the previous checkpoint step-00000002 is intact"]),
+                      ["saving checkpoint", "step-00000004", "(rank 0: ", "rng-rank00000.safetensors: No space left "
+                       "on device", "the previous checkpoint step-00000002 is intact"]),
     }
     skip = Job(offline("n3", "--max-steps", str(nan_step + 1), "--skip-nonfinite"), nan_sample=5)
     outcomes = run_ranks(1, run_jobs, [job for job, _ in table.values()] + [skip])[0]
@@ -173,7 +175,8 @@ SINGLE = ["ds_config_missing", "ds_config_invalid_json", "unknown_parallelism_ke
 @pytest.mark.parametrize("name", SINGLE)
 def test_bad_input_gives_a_clear_error(cases, name):
     out, fragments = cases[name]
-    assert out.rc == 2, f"{name}: rc {out.rc}\n{out.stderr}"
+    expected = EXIT_WRITE_FAILED if name == "disk_full" else 2  # output that cannot be written: the run is not done
+    assert out.rc == expected, f"{name}: rc {out.rc}\n{out.stderr}"
     lines = [line for line in out.stderr.splitlines() if line.startswith("error (rank 0): ")]
     assert lines, out.stderr
     for fragment in fragments:

@@ -11,7 +11,7 @@ import pytest
 from helpers.faults import Job, run_jobs, same_curve
 from helpers.ranks import run_ranks
 from helpers.training import train_argv, write_ds_config
-from recipe.train.checkpoint import FAULT_ENV, LATEST, PARTIAL, check_compatible
+from recipe.train.checkpoint import FAULT_ENV, LATEST, PARTIAL, check_compatible, verify
 from recipe.train.signals import EXIT_INTERRUPTED
 
 STEPS, STOP = 20, 10
@@ -62,8 +62,12 @@ def test_interrupt_resume_and_crash_mid_save_are_exact(tiny_target_and_store, tm
     assert ckpts == ["step-00000016", "step-00000020"]  # keep 2
     saved = tmp_path / "z3_cut" / "checkpoints" / "step-00000020"
     for name in ("draft.safetensors", "vocab_map.safetensors", "run_state.json", "run_config.json",
-                 "rng-rank00000.pt", "rng-rank00001.pt"):
+                 "rng-rank00000.safetensors", "rng-rank00001.safetensors", "manifest.json"):
         assert (saved / name).is_file(), name
+    assert not list(saved.glob("rng-rank*.pt"))  # RNG states without pickle
+    manifest = json.loads((saved / "manifest.json").read_text())["files"]  # every file but itself, DeepSpeed's too
+    assert sorted(manifest) == sorted(p.name for p in saved.iterdir() if p.name != "manifest.json")
+    assert "zero_pp_rank_1_mp_rank_00_optim_states.pt" in manifest and verify(saved) is None
     assert json.loads((saved / "run_state.json").read_text())["step"] == STEPS
 
     # crash mid-save: the previous checkpoint stays 'latest' and loads; the resumed curve is the straight one

@@ -64,11 +64,11 @@ def test_jsonl_and_parquet_with_a_column_mapping(tokenizer, files, tmp_path):
     assert (b.path, b.kept, b.skipped, b.example_rows) == (str(parquet), 4, {"no_assistant_turn": 1},
                                                            {"no_assistant_turn": [1]})
     assert (report.kept, report.total) == (7, 9)
-    # without the mapping the Parquet file has no conversation column: an error naming it and its rows
+    # without the mapping the Parquet file has no conversation column: an error naming it, its columns and the flag
     with pytest.raises(ValueError) as err:
         build_examples([jsonl, parquet], tokenizer, MAX_LENGTH, cache_dir=str(tmp_path / "c"))
-    assert str(err.value).startswith(f"{parquet}: no usable conversation left")
-    assert "unknown_schema 5 [rows 0, 1, 2, 3, 4]" in str(err.value)
+    assert str(err.value).startswith(f"{parquet}: no conversation column: the parquet file has columns [")
+    assert "'dialog'" in str(err.value) and "--data-column messages=dialog" in str(err.value)
 
 
 def test_folder_equals_its_files_and_limit_applies_per_file(tokenizer, files, tmp_path):

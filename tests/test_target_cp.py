@@ -72,10 +72,11 @@ def test_cp_target_equals_full_forward(arch_targets, cp):
             aux, label, argmax = result[name]
             pos, rows = zigzag_indices(SEQ, cp, rank), label_rows(SEQ, cp, rank, K)
             assert aux.shape == (2, SEQ // cp, full.aux_hidden_BSA.shape[-1]), (name, rank)
-            assert _rel(aux, full.aux_hidden_BSA[:, pos]) <= 1e-5, (name, cp, rank, "aux")
+            real = mask.bool()  # padded rows are unspecified: the full capture runs without the mask (right padding)
+            assert _rel(aux[real[:, pos]], full.aux_hidden_BSA[:, pos][real[:, pos]]) <= 1e-5, (name, cp, rank, "aux")
             assert label.shape[1] == rows.numel() < SEQ, (name, rank)
-            assert _rel(label, full.last_hidden_BSH[:, rows]) <= 1e-5, (name, cp, rank, "last")
-            real = mask.bool()
+            assert _rel(label[real[:, rows]], full.last_hidden_BSH[:, rows][real[:, rows]]) <= 1e-5, \
+                (name, cp, rank, "last")
             assert torch.equal(argmax[real], full.argmax_BS[real]), (name, cp, rank, "argmax")
 
 
@@ -104,13 +105,18 @@ def _builder_worker(rank, world_size, folder):
 def test_online_builder_at_cp2_equals_sharded_full_capture(arch_targets):
     from recipe.parallel.cp_shard import shard_ttt_batch
 
+    from recipe.parallel.cp_shard import label_rows
+
+    _, mask, _ = _batch()
     for rank, (got, full) in enumerate(run_ranks(2, _builder_worker, arch_targets["qwen3"])):
         ref = shard_ttt_batch(full, 2, rank)
         for field in ("input_ids_KBS", "valid_KBS", "position_ids_BS", "key_valid_BS", "target_row_KS"):
             assert torch.equal(getattr(got, field), getattr(ref, field)), (rank, field)
         assert got.valid_KBS.any() and not got.valid_KBS.all()
-        assert _rel(got.aux_hidden_BSA, ref.aux_hidden_BSA) <= 1e-5
-        assert _rel(got.target_hidden_BLH, ref.target_hidden_BLH) <= 1e-5
+        real = ref.key_valid_BS  # padded rows are unspecified (the full capture runs without the mask)
+        assert _rel(got.aux_hidden_BSA[real], ref.aux_hidden_BSA[real]) <= 1e-5
+        real_rows = mask.bool()[:, label_rows(SEQ, 2, rank, K)]
+        assert _rel(got.target_hidden_BLH[real_rows], ref.target_hidden_BLH[real_rows]) <= 1e-5
 
 
 def test_single_rank_cp_target_equals_capture(arch_targets):
@@ -124,9 +130,10 @@ def test_single_rank_cp_target_equals_capture(arch_targets):
     cap = CPTarget(target, Collectives("cpu"), None, 1, 0, "tiled", None).capture(ids, mask, K)
     full = target.capture(ids, mask)
     assert target.config._attn_implementation == "sdpa"  # restored after the capture
-    assert _rel(cap.aux_hidden_BSA, full.aux_hidden_BSA) <= 1e-5
-    assert _rel(cap.label_hidden_BUH, full.last_hidden_BSH[:, 1:]) <= 1e-5  # label rows 1..S-1
-    assert torch.equal(cap.argmax_BS, full.argmax_BS)
+    real = mask.bool()  # padded rows are unspecified: the full capture runs without the (right-padding) mask
+    assert _rel(cap.aux_hidden_BSA[real], full.aux_hidden_BSA[real]) <= 1e-5
+    assert _rel(cap.label_hidden_BUH[real[:, 1:]], full.last_hidden_BSH[:, 1:][real[:, 1:]]) <= 1e-5  # rows 1..S-1
+    assert torch.equal(cap.argmax_BS[real], full.argmax_BS[real])
 
 
 def test_unsupported_target_names_its_model_type(tmp_path):

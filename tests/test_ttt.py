@@ -105,7 +105,9 @@ def test_ttt_forward_and_every_gradient_match_dense_reference(K):
             assert param.grad is None and name == "embed_tokens.weight"
             continue
         assert param.grad is not None and param.grad.abs().sum() > 0, name
-        torch.testing.assert_close(param.grad, ref_params[name].grad, rtol=1e-4, atol=1e-6, msg=name)
+        ref = ref_params[name].grad  # fp32 rounding scales with the tensor's largest entries (grads up to ~140)
+        torch.testing.assert_close(param.grad, ref, rtol=1e-4, atol=1e-6 * max(1.0, ref.abs().max().item()),
+                                   msg=name)
         checked += 1
     assert checked == 13
     torch.testing.assert_close(aux.grad, aux_ref.grad, rtol=1e-4, atol=1e-6)

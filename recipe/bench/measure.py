@@ -22,7 +22,6 @@ from dataclasses import dataclass
 
 import torch
 
-from recipe.bench.estimate import StepShape
 from recipe.config import MemoryOptions
 from recipe.parallel.dims import check_tp_divides, seq_divisor
 from recipe.parallel.parallelize import parallelize
@@ -38,8 +37,10 @@ MALLOC_ENV = "MALLOC_MMAP_THRESHOLD_"
 
 @dataclass(frozen=True)
 class BenchSpec:
-    """One measurement: draft geometry, sequence length, layout and parallel degrees (see ``StepShape``), and the
-    causal-block backend (``kernels.attention_backends``; "tiled" is the reference)."""
+    """One measurement: draft geometry (hidden, heads, KV heads, head dim, MLP width, draft vocab Vd, target vocab
+    V, target hidden H_t), sequence length, TTT steps K, batch, layout (``LAYOUTS``), parallel degrees tp/cp, dtype,
+    device, loss chunk and attention tile sizes, and the causal-block backend (``kernels.attention_backends``;
+    "tiled" is the reference). ``recipe.plan.predict_step`` predicts its memory."""
 
     seq_len: int
     layout: str = "full"
@@ -79,20 +80,11 @@ class BenchSpec:
     def world_size(self) -> int:
         return self.tp * self.cp
 
-    def shape(self) -> StepShape:
-        chunked, ckpt = LAYOUTS[self.layout]
-        return StepShape(seq_len=self.seq_len, hidden=self.hidden, heads=self.heads, kv_heads=self.kv_heads,
-                         head_dim=self.head_dim, intermediate=self.intermediate, draft_vocab=self.draft_vocab,
-                         vocab=self.vocab, target_hidden=self.target_hidden, ttt_steps=self.ttt_steps,
-                         batch=self.batch, tp=self.tp, cp=self.cp, dtype_bytes=DTYPES[self.dtype].itemsize,
-                         loss_chunk_size=self.loss_chunk_size if chunked else None, checkpoint_steps=ckpt,
-                         attention_tile=self.attention_tile)
-
 
 # ---- memory probes ---------------------------------------------------------------------------------------------
 def _status_kib(field: str) -> int:
     with open("/proc/self/status") as fh:
-        return int(re.search(rf"^{field}:\s+(\d+) kB", fh.read(), re.M).group(1))
+        return int(re.search(rf"^{field}:\s+(\d+) kB", fh.read(), re.MULTILINE).group(1))
 
 
 class CpuPeak:

@@ -1,13 +1,13 @@
 """Memory report: peak memory per rank and time of a TTT training step vs sequence length, per layout.
 
 ``python -m recipe.bench.memory --lengths 2k,4k,8k [--tp N --cp N] [--draft-vocab V] [--hidden H] [--budget-gib X]
-[--attention-tile T] [--json OUT] [--plot OUT.png]`` measures forward + backward of ``TTTModel`` on random aux states (no target) for
-each length and layout (``full`` logits, ``chunked`` loss, ``ckpt`` per-step checkpointing, ``chunked+ckpt``), each
-in fresh processes (``recipe.bench.measure``), with the causal block tiled at T positions as training does (0: the
-dense block), prints the measurement beside the static estimate
-(``recipe.bench.estimate``), and the longest length per layout whose peak fits the budget. Once a layout exceeds
-the budget, or its estimate exceeds ``--skip-estimate-gib``, its longer lengths are not run (so the report cannot
-exhaust the machine; ``--run-over-budget`` keeps measuring past the budget).
+[--attention-tile T] [--json OUT] [--plot OUT.png]`` measures forward + backward of ``TTTModel`` on random aux
+states (no target) for each length and layout (``full`` logits, ``chunked`` loss, ``ckpt`` per-step checkpointing,
+``chunked+ckpt``), each in fresh processes (``recipe.bench.measure``), with the causal block tiled at T positions as training does (0: the
+dense block), prints the measurement beside the planner's prediction (``recipe.plan.predict_step``: a fake-tensor
+trace of the same step), and the longest length per layout whose peak fits the budget. Once a layout exceeds
+the budget, or its predicted peak exceeds ``--skip-predicted-gib``, its longer lengths are not run (so the report
+cannot exhaust the machine; ``--run-over-budget`` keeps measuring past the budget).
 """
 from __future__ import annotations
 
@@ -20,7 +20,6 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from recipe.bench.estimate import COMPONENTS, bytes_per_token, estimate_step_bytes
 from recipe.bench.measure import LAYOUTS, BenchSpec, run_measurement
 
 GIB = 1024 ** 3
@@ -47,7 +46,8 @@ def length_list(text: str) -> list[int]:
 
 
 def layout_list(text: str) -> list[str]:
-    """argparse type: comma-separated names of ``recipe.bench.measure.LAYOUTS``; ArgumentTypeError naming unknown ones."""
+    """argparse type: comma-separated names of ``recipe.bench.measure.LAYOUTS``; ArgumentTypeError naming unknown
+    ones."""
     names = [x.strip() for x in text.split(",") if x.strip()]
     bad = [n for n in names if n not in LAYOUTS]
     if bad or not names:
@@ -91,8 +91,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--budget-gib", type=float, help="per-rank memory budget; default: none (all lengths run)")
     p.add_argument("--run-over-budget", action="store_true",
                    help="keep measuring a layout's longer lengths after one exceeded the budget")
-    p.add_argument("--skip-estimate-gib", type=float,
-                   help="do not run a measurement whose estimate exceeds this (default on CPU: 60%% of MemAvailable)")
+    p.add_argument("--skip-predicted-gib", "--skip-estimate-gib", dest="skip_predicted_gib", type=float,
+                   help="do not run a measurement whose predicted peak (recipe.plan) exceeds this (default on CPU: "
+                        "60%% of MemAvailable)")
     p.add_argument("--timeout", type=float, default=900.0, help="seconds per measurement")
     p.add_argument("--json", type=Path, help="write the results as JSON here")
     p.add_argument("--plot", type=Path, help="write a PNG of peak memory vs length per layout (needs matplotlib)")
@@ -112,20 +113,24 @@ def make_spec(args, length: int, layout: str) -> BenchSpec:
 
 def run_report(args, console: Console) -> dict:
     """Measure every (layout, length); returns the JSON-ready report."""
+    from recipe.plan import layout_fit, predict_step, trace_limit
+
     results, max_length = [], {}
     for layout in args.layouts:
-        stopped = None
+        stopped, fit = None, None
         max_length[layout] = None
         for length in args.lengths:
             spec = make_spec(args, length, layout)
-            est = estimate_step_bytes(spec.shape())
-            row = {"layout": layout, "length": length, "estimate": est,
-                   "bytes_per_token": bytes_per_token(spec.shape())}
+            if length > trace_limit(spec) and fit is None:
+                fit = layout_fit(spec)
+            pred = predict_step(spec, fit if length > trace_limit(spec) else None)
+            row = {"layout": layout, "length": length, "predicted": {k: pred[k] for k in
+                                                                    ("step_bytes", "peak_bytes", "method")}}
             if stopped:
                 row.update(status="not run", detail=stopped)
-            elif args.skip_estimate_gib and est["total"] > args.skip_estimate_gib * GIB:
-                row.update(status="not run", detail=f"estimate {est['total'] / GIB:.1f} GiB > "
-                                                    f"--skip-estimate-gib {args.skip_estimate_gib:g}")
+            elif args.skip_predicted_gib and pred["peak_bytes"] > args.skip_predicted_gib * GIB:
+                row.update(status="not run", detail=f"predicted peak {pred['peak_bytes'] / GIB:.1f} GiB > "
+                                                    f"--skip-predicted-gib {args.skip_predicted_gib:g}")
                 stopped = "a shorter length was not run"
             else:
                 console.print(f"[dim]measuring {layout} at {length} tokens ...[/dim]")
@@ -157,25 +162,20 @@ def chunked_vs_full(results: list[dict]) -> dict | None:
             "step_ratio": full["step_bytes"] / max(chunked["step_bytes"], 1)}
 
 
-def _estimated_step(est: dict) -> float:
-    """What the step itself adds (the measured "step Δ"): gradients and activations, not weights or optimizer."""
-    return est["total"] - est["weights"] - est["optimizer"]
-
-
 def print_report(report: dict, console: Console) -> None:
     cfg = report["config"]
     tile = cfg.get("attention_tile") or "dense"
     table = Table(title=f"TTT step memory per rank (K={cfg['ttt_steps']}, Vd={cfg['draft_vocab']}, H={cfg['hidden']}, "
                         f"tp={cfg['tp']}, cp={cfg['cp']}, attention tile {tile}, {cfg['dtype']}, {cfg['device']})")
-    for col in ("length", "layout", "peak GiB", "step Δ GiB", "est. step GiB", "est. total GiB", "s/step", "tok/s",
+    for col in ("length", "layout", "peak GiB", "step Δ GiB", "pred. step GiB", "pred. peak GiB", "s/step", "tok/s",
                 "status"):
         table.add_column(col, justify="left" if col in ("layout", "status") else "right", no_wrap=True)
     for row in report["results"]:
         ok = row["status"] == "ok"
         status = ("fits" if row.get("fits") else "over budget") if ok else f"{row['status']}"
         table.add_row(str(row["length"]), row["layout"], f"{row['peak_bytes'] / GIB:.2f}" if ok else "-",
-                      f"{row['step_bytes'] / GIB:.2f}" if ok else "-", f"{_estimated_step(row['estimate']) / GIB:.2f}",
-                      f"{row['estimate']['total'] / GIB:.2f}",
+                      f"{row['step_bytes'] / GIB:.2f}" if ok else "-", f"{row['predicted']['step_bytes'] / GIB:.2f}",
+                      f"{row['predicted']['peak_bytes'] / GIB:.2f}",
                       f"{row['seconds']:.2f}" if ok else "-", f"{row['length'] * cfg['batch'] / row['seconds']:.0f}"
                       if ok else "-", status)
     console.print(table)
@@ -183,15 +183,6 @@ def print_report(report: dict, console: Console) -> None:
         if row["status"] not in ("ok", "not run"):
             console.print(f"[red]{row['layout']} at {row['length']}: {row['status']}: "
                           f"{row['detail'].strip().splitlines()[-1] if row['detail'].strip() else ''}[/red]")
-    est = Table(title="Static estimate at the longest length, GiB by component (recipe.bench.estimate)")
-    est.add_column("layout", no_wrap=True)
-    for c in COMPONENTS:
-        est.add_column(c, justify="right", no_wrap=True)
-    longest = max(r["length"] for r in report["results"])
-    for row in report["results"]:
-        if row["length"] == longest:
-            est.add_row(row["layout"], *(f"{row['estimate'][c] / GIB:.3f}" for c in COMPONENTS))
-    console.print(est)
     summary = Table(title=f"Longest length within the budget ({cfg['budget_gib'] or 'none'} GiB)")
     summary.add_column("layout", no_wrap=True)
     summary.add_column("max length", justify="right")
@@ -240,9 +231,9 @@ def main(argv: list[str] | None = None) -> int:
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
     if args.attention_tile < 0:
         parser.error("--attention-tile must be >= 0 (0: dense attention)")
-    if args.skip_estimate_gib is None and args.device == "cpu":
+    if args.skip_predicted_gib is None and args.device == "cpu":
         available = _available_gib()
-        args.skip_estimate_gib = round(0.6 * available, 1) if available else None
+        args.skip_predicted_gib = round(0.6 * available, 1) if available else None
     for name in ("tp", "cp", "hidden", "ttt_steps", "batch", "loss_chunk_size", "steps", "draft_vocab"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1")

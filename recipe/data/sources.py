@@ -118,13 +118,30 @@ def _load_table(item: DataFile, cache_dir: str | None) -> tuple[datasets.Dataset
     return table, file_digest(item.name)
 
 
+def check_conversation_column(item: DataFile, found: list[str], columns: dict[str, str] | None) -> None:
+    """ValueError naming the file, the columns it has and the ``--data-column`` flag when a Parquet/CSV file (or hub
+    dataset) has none of the columns the conversations are read from (``conversations``, ``messages``, or what
+    ``columns`` maps them to): every row would otherwise be skipped as ``unknown_schema``."""
+    columns = columns or {}
+    wanted = sorted({columns.get(f, f) for f in ("conversations", "messages")})
+    if set(wanted) & set(found):
+        return
+    example = next((c for c in found if c not in ("id", "text")), found[0] if found else "COLUMN")
+    mapped = f" (--data-column maps them to {wanted})" if columns else ""
+    raise ValueError(f"{item.name}: no conversation column: the {item.kind} file has columns {list(found)}, the "
+                     f"conversations are read from {wanted}{mapped}; name the column that holds them with "
+                     f"--data-column FIELD=COLUMN, e.g. --data-column conversations={example} (ShareGPT turns "
+                     f"{{from, value}}) or --data-column messages={example} (OpenAI turns {{role, content}})")
+
+
 def load_rows(item: DataFile, limit: int | None = None, columns: dict[str, str] | None = None,
               cache_dir: str | None = None) -> datasets.Dataset:
     """The normalised rows (:data:`ROW_FEATURES`) of the first ``limit`` records of one data file.
 
     Cached by ``datasets`` under ``cache_dir`` with a fingerprint of the file's name and content (sha256; a hub
-    dataset's own fingerprint), ``limit`` and ``columns``. Raises ValueError naming the file when it cannot be read
-    or holds no record (a malformed record is a skip row, not an error).
+    dataset's own fingerprint), ``limit`` and ``columns``. Raises ValueError naming the file when it cannot be read,
+    holds no record, or (Parquet/CSV/hub) has no conversation column (:func:`check_conversation_column`); a
+    malformed record is a skip row, not an error.
     """
     key = (READER_VERSION, item.name, limit, sorted((columns or {}).items()))
     if item.kind == "json":
@@ -134,6 +151,7 @@ def load_rows(item: DataFile, limit: int | None = None, columns: dict[str, str] 
             gen_kwargs={"path": item.name, "digest": digest, "limit": limit, "columns": columns})
     else:
         table, content = _load_table(item, cache_dir)
+        check_conversation_column(item, table.column_names, columns)
         if limit is not None and limit < len(table):
             table = table.select(range(limit))
         rows = table.map(_normalise_batch, batched=True, with_indices=True,

@@ -45,7 +45,9 @@ class StoreError(ValueError):
 class StoreMeta:
     """What a store was made from; a re-run must match it to resume, a trainer must match it to use the store.
 
-    target_path: where the target was loaded from (informative); target_fingerprint: ``TargetModel.fingerprint``;
+    target_path: where the target was loaded from (informative); target_fingerprint: ``TargetModel.fingerprint``
+    (``recipe.model.target.target_fingerprint``: config + weights; stores written before it hold the legacy
+    config + 8 embedding rows fingerprint, still accepted by :meth:`HiddenStateStore.check_compatible`);
     hidden_size: H_t; aux_layer_ids: captured decoder layers (aux width = len(ids)·H_t); dtype: "bf16" | "fp32";
     max_length: the examples' token limit; data_hash: ``examples_hash`` of the dataset; num_samples: its length.
     """
@@ -242,28 +244,36 @@ class HiddenStateStore:
             out[field] = t.long() if field in ("input_ids", "loss_mask", "target_argmax") else t
         return out
 
-    def check_compatible(self, target, aux_layer_ids=None) -> None:
+    def check_compatible(self, target, aux_layer_ids=None) -> str | None:
         """Raise StoreError if this store was dumped from another target or with other aux layer ids.
 
         target: a fingerprint string, a ``TargetModel``, or a target path (folder or ``.gguf``; fingerprinted with
-        ``recipe.model.target.target_fingerprint``). aux_layer_ids: None skips that check.
+        ``recipe.model.target.target_fingerprint``: config + a sample of every weight tensor). aux_layer_ids: None
+        skips that check. A store written before weight fingerprints (a legacy 16-hex ``target_fingerprint``: config
+        + 8 embedding rows) is still read: it is compared with the target's legacy fingerprint, and the one-line
+        note returned says so (None otherwise); a fingerprint string cannot be compared with the other kind.
         """
-        if hasattr(target, "fingerprint"):
-            target_fingerprint = target.fingerprint
-        elif isinstance(target, Path) or (isinstance(target, str) and os.path.exists(target)):
-            from recipe.model.target import target_fingerprint as fingerprint_of
+        from recipe.model.target import is_weight_fingerprint, legacy_target_fingerprint, target_fingerprint
 
-            target_fingerprint = fingerprint_of(target)
+        note = None
+        legacy = not is_weight_fingerprint(self.meta.target_fingerprint)
+        path = getattr(target, "path", None) if hasattr(target, "fingerprint") else target
+        if isinstance(path, Path) or (isinstance(path, str) and os.path.exists(path)):
+            current = legacy_target_fingerprint(path) if legacy else target_fingerprint(path)
         else:
-            target_fingerprint = str(target)
+            current = target.fingerprint if hasattr(target, "fingerprint") else str(target)
+        if legacy:
+            note = (f"note: store {self.path} predates weight fingerprints (its target fingerprint covers the config "
+                    "and 8 embedding rows); checked that way. Re-dump it for the full check")
         problems = []
-        if target_fingerprint != self.meta.target_fingerprint:
+        if current != self.meta.target_fingerprint:
             problems.append(f"target fingerprint {self.meta.target_fingerprint} (from {self.meta.target_path}) "
-                            f"!= the current target's {target_fingerprint}")
+                            f"!= the current target's {current}")
         if aux_layer_ids is not None and [int(i) for i in aux_layer_ids] != list(self.meta.aux_layer_ids):
             problems.append(f"aux_layer_ids {list(self.meta.aux_layer_ids)} != requested {list(aux_layer_ids)}")
         if problems:
             raise StoreError(f"store {self.path} is incompatible: " + "; ".join(problems) + ". Re-dump it.")
+        return note
 
     def validate(self, deep: bool = False) -> None:
         """Check the store against its index; raise StoreError listing every problem, each naming its shard file.
@@ -274,7 +284,8 @@ class HiddenStateStore:
         """
         problems = []
         if self.index.get("num_shards") != len(self.shards):
-            problems.append(f"index lists {len(self.shards)} shards, expected num_shards={self.index.get('num_shards')}")
+            problems.append(f"index lists {len(self.shards)} shards, expected "
+                            f"num_shards={self.index.get('num_shards')}")
         seen = [int(i) for shard in self.shards for i in shard["sample_ids"]]
         if sorted(seen) != list(range(len(self))):
             problems.append(f"shards hold {len(seen)} sample ids ({len(set(seen))} distinct), expected each of "

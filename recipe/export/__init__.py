@@ -19,6 +19,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from recipe.io_errors import WriteError, writing
+
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
 
@@ -88,20 +90,30 @@ def write_export(tensors: dict[str, torch.Tensor], config: dict, out_dir: Path) 
     """Write ``config.json`` (``config`` plus ``torch_dtype`` of the tensors, :func:`weights_dtype`) +
     ``model.safetensors`` atomically (temp folder, then rename). Returns ``out_dir``.
 
-    Raises ValueError listing every problem when the tensors don't match the config (see ``check_tensors``).
+    Raises ValueError listing every problem when the tensors don't match the config (see ``check_tensors``), and
+    ``recipe.io_errors.WriteError`` naming the file and the cause when it cannot be written (an existing export
+    at ``out_dir`` is then untouched).
     """
     config = {**config, "torch_dtype": weights_dtype(tensors)}
     problems = check_tensors(tensors, config)
     if problems:
         raise ValueError("refusing to write a broken export:\n  " + "\n  ".join(problems))
     out_dir = Path(out_dir)
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = out_dir.with_name(out_dir.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    save_file(tensors, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
-    (tmp / CONFIG_FILE).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-    _replace_dir(tmp, out_dir)
+    try:
+        with writing(tmp):
+            out_dir.parent.mkdir(parents=True, exist_ok=True)
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir()
+        with writing(tmp / WEIGHTS_FILE):
+            save_file(tensors, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
+        with writing(tmp / CONFIG_FILE):
+            (tmp / CONFIG_FILE).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+        with writing(out_dir):
+            _replace_dir(tmp, out_dir)
+    except WriteError:
+        shutil.rmtree(tmp, ignore_errors=True)  # frees the space of a half-written export
+        raise
     return out_dir
 
 

@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 from recipe.export import check_export, export_tensors, write_export
+from recipe.io_errors import EXIT_WRITE_FAILED, WriteError
 from recipe.train.checkpoint import read_draft
 
 
@@ -18,7 +19,8 @@ def export_checkpoint(checkpoint_dir: Path, out_dir: Path) -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m recipe.export", description="Write or check the draft export folder that SGLang and vLLM load.")
+    p = argparse.ArgumentParser(prog="python -m recipe.export",
+                                description="Write or check the draft export folder that SGLang and vLLM load.")
     p.add_argument("paths", nargs="+", type=Path, help="CHECKPOINT_DIR OUT_DIR, or EXPORT_DIR with --check")
     p.add_argument("--check", action="store_true", help="verify an export folder instead of writing one")
     args = p.parse_args(argv)
@@ -34,9 +36,9 @@ def main(argv: list[str] | None = None) -> int:
         p.error("give CHECKPOINT_DIR OUT_DIR")
     try:
         out = export_checkpoint(*args.paths)
-    except ValueError as exc:
+    except (ValueError, WriteError) as exc:  # WriteError: the export folder cannot be written (path and cause)
         print(f"error: {exc}", file=sys.stderr)
-        return 1
+        return EXIT_WRITE_FAILED if isinstance(exc, WriteError) else 1
     print(f"exported {out}")
     return 0
 

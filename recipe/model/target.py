@@ -14,6 +14,7 @@ Conventions (transformers 5.23, Llama-family decoders):
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 from contextlib import contextmanager
@@ -45,9 +46,15 @@ def _split_gguf(path: str | Path) -> tuple[str, dict]:
     return str(path), {}
 
 
+def _canonical_config(config: PretrainedConfig | dict) -> bytes:
+    d = config.to_dict() if hasattr(config, "to_dict") else dict(config)
+    return json.dumps({k: v for k, v in d.items() if k not in _VOLATILE_CONFIG_KEYS}, sort_keys=True,
+                      default=str).encode()
+
+
 def _fingerprint(config: PretrainedConfig, embed_rows: torch.Tensor) -> str:
-    cfg = {k: v for k, v in config.to_dict().items() if k not in _VOLATILE_CONFIG_KEYS}
-    h = hashlib.sha256(json.dumps(cfg, sort_keys=True, default=str).encode())
+    """The legacy (store format before weight fingerprints) 16 hex chars: config + bf16 embedding rows 0..7."""
+    h = hashlib.sha256(_canonical_config(config))
     h.update(embed_rows.detach().to("cpu", torch.bfloat16).contiguous().view(torch.uint8).numpy().tobytes())
     return h.hexdigest()[:16]
 
@@ -62,22 +69,142 @@ def _embed_rows_from_safetensors(folder: Path) -> torch.Tensor | None:
     return None
 
 
-def target_fingerprint(path: str | Path) -> str:
-    """16 hex chars identifying a target independent of load dtype/device: sha256 of its canonical config
-    (save/load-dependent keys dropped) and of the bf16 bytes of input-embedding rows 0..7.
-
-    Reads only config and those rows from a safetensors folder; other formats (GGUF) load the model on CPU.
-    """
+def legacy_target_fingerprint(path: str | Path) -> str:
+    """The fingerprint stores written before :func:`target_fingerprint` hashed the weights recorded (16 hex chars:
+    sha256 of the canonical config and the bf16 bytes of input-embedding rows 0..7); kept to check such stores.
+    Reads only config and those rows from a safetensors folder; other formats (GGUF) load the model on CPU."""
     folder, kwargs = _split_gguf(path)
     rows = None if kwargs else _embed_rows_from_safetensors(Path(folder))
     if rows is None:
-        return TargetModel(path, aux_layer_ids=[0], dtype=torch.float32, device="cpu").fingerprint
+        model = TargetModel(path, aux_layer_ids=[0], dtype=torch.float32, device="cpu")
+        return _fingerprint(model.config, model.embed_tokens_weight[:_FINGERPRINT_ROWS])
     return _fingerprint(AutoConfig.from_pretrained(folder), rows)
 
 
-def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
-    """The target's tokenizer from a HF folder or a ``*.gguf`` file (offline)."""
+# The weight fingerprint (target_fingerprint). Per tensor of a safetensors file: its name, dtype and shape (from the
+# file's JSON header) and SAMPLES strided reads of SAMPLE_BYTES of its data, first and last bytes included (a
+# tensor of at most SAMPLES·SAMPLE_BYTES bytes is read whole): a bounded read per tensor, so the cost grows with the
+# tensor count (~300 for 135M parameters, ~720 for 70B), not with the model size. Tensors are hashed in name order
+# and their offsets in the files are left out, so the same weights sharded differently have the same fingerprint.
+# Other weight files (GGUF, .bin) are sampled as raw bytes (RAW_SAMPLES strided reads and the size).
+FINGERPRINT_TAG = "w1:"  # legacy fingerprints (16 hex chars, no tag) hashed the config + 8 embedding rows only
+SAMPLES, SAMPLE_BYTES, RAW_SAMPLES = 16, 256, 1024
+_RAW_WEIGHT_SUFFIXES = (".bin", ".pt", ".pth", ".gguf")
+
+
+def is_weight_fingerprint(fingerprint: str) -> bool:
+    """Whether ``fingerprint`` is a :func:`target_fingerprint` (weights hashed), not a legacy one."""
+    return str(fingerprint).startswith(FINGERPRINT_TAG)
+
+
+def _strided_reads(f, start: int, nbytes: int, samples: int, h) -> None:
+    if nbytes <= samples * SAMPLE_BYTES:
+        f.seek(start)
+        h.update(f.read(nbytes))
+        return
+    span = nbytes - SAMPLE_BYTES
+    for i in range(samples):
+        f.seek(start + span * i // (samples - 1))
+        h.update(f.read(SAMPLE_BYTES))
+
+
+def _hash_safetensors(files: list[Path], h) -> None:
+    tensors = []  # (name, dtype, shape, file, absolute start, nbytes)
+    for file in files:
+        with open(file, "rb") as f:
+            header_len = int.from_bytes(f.read(8), "little")
+            try:
+                header = json.loads(f.read(header_len))
+            except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+                raise ValueError(f"{file}: not a safetensors file (unreadable header: {exc})") from None
+        for name, info in header.items():
+            if name != "__metadata__":
+                begin, end = info["data_offsets"]
+                tensors.append((name, info["dtype"], list(info["shape"]), file, 8 + header_len + begin, end - begin))
+    handles = {}
+    try:
+        for name, dtype, shape, file, start, nbytes in sorted(tensors, key=lambda t: t[0]):
+            h.update(json.dumps([name, dtype, shape]).encode())
+            f = handles.get(file) or handles.setdefault(file, open(file, "rb"))
+            _strided_reads(f, start, nbytes, SAMPLES, h)
+    finally:
+        for f in handles.values():
+            f.close()
+
+
+def _hash_raw(files: list[Path], h) -> None:
+    for file in files:
+        size = file.stat().st_size
+        h.update(json.dumps([file.suffix, size]).encode())
+        with open(file, "rb") as f:
+            _strided_reads(f, 0, size, RAW_SAMPLES, h)
+
+
+def _weight_files(path: str | Path) -> tuple[list[Path], list[Path], Path | None]:
+    """(safetensors files, raw weight files, config.json or None) of a target folder or ``.gguf`` file."""
     folder, kwargs = _split_gguf(path)
+    if kwargs:
+        return [], [Path(folder) / kwargs["gguf_file"]], None
+    folder = Path(folder)
+    safetensors = sorted(folder.glob("*.safetensors"))
+    raw = [] if safetensors else sorted(p for p in folder.iterdir() if p.suffix in _RAW_WEIGHT_SUFFIXES)
+    if not safetensors and not raw:
+        kinds = ", ".join(f"*{suffix}" for suffix in (".safetensors", *_RAW_WEIGHT_SUFFIXES))
+        raise FileNotFoundError(f"target folder {folder} holds no weight files ({kinds})")
+    config = folder / "config.json"
+    return safetensors, raw, config if config.is_file() else None
+
+
+@functools.lru_cache(maxsize=16)
+def _cached_fingerprint(path: str, signature: tuple) -> str:
+    del signature  # only the cache key: the files' names, sizes and modification times
+    safetensors, raw, config = _weight_files(path)
+    h = hashlib.sha256(FINGERPRINT_TAG.encode())
+    if config is not None:
+        h.update(_canonical_config(json.loads(config.read_text())))
+    _hash_safetensors(safetensors, h)
+    _hash_raw(raw, h)
+    return FINGERPRINT_TAG + h.hexdigest()[:24]
+
+
+def target_fingerprint(path: str | Path) -> str:
+    """``"w1:"`` + 24 hex chars identifying a target's config and weights, independent of load dtype, device and
+    sharding: sha256 of its canonical config (save/load-dependent keys dropped) and of every weight tensor's name,
+    dtype, shape and a strided sample of its bytes (see ``SAMPLES``; read from the files, no model load). Two targets
+    with the same config and other weights differ. Computed once per process for unchanged files. Raises
+    FileNotFoundError for a missing target or a folder without weights, ValueError for an unreadable file."""
+    safetensors, raw, config = _weight_files(path)
+    files = [*safetensors, *raw, *([config] if config is not None else [])]
+    signature = tuple((str(p), p.stat().st_size, p.stat().st_mtime_ns) for p in files)
+    return _cached_fingerprint(str(Path(path).resolve()), signature)
+
+
+# A HF folder's tokenizer: one vocabulary file (the fast tokenizer's tokenizer.json, a sentencepiece model, a BPE
+# vocab.json, a tiktoken file) and tokenizer_config.json (class, special tokens, the chat template of older saves).
+TOKENIZER_VOCAB_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "*.tiktoken")
+TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
+
+
+def check_tokenizer_files(folder: str | Path) -> None:
+    """FileNotFoundError naming ``folder`` and the missing files when it has no tokenizer vocabulary file
+    (:data:`TOKENIZER_VOCAB_FILES`; tokenizer.json alone is enough): transformers would otherwise fail with "need
+    sentencepiece or tiktoken", naming neither the folder nor the files."""
+    folder = Path(folder)
+    if any(next(folder.glob(pattern), None) is not None for pattern in TOKENIZER_VOCAB_FILES):
+        return
+    missing = "tokenizer.json (or tokenizer.model, vocab.json, *.tiktoken)"
+    if not (folder / TOKENIZER_CONFIG_FILE).is_file():
+        missing += f" and {TOKENIZER_CONFIG_FILE}"
+    raise FileNotFoundError(f"target folder {folder} has no tokenizer: missing {missing}. Copy the tokenizer files "
+                            "of the model the weights come from into it (tokenizer.save_pretrained writes them)")
+
+
+def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
+    """The target's tokenizer from a HF folder or a ``*.gguf`` file (offline). Raises FileNotFoundError naming the
+    folder and the missing files when a folder has no tokenizer (:func:`check_tokenizer_files`)."""
+    folder, kwargs = _split_gguf(path)
+    if not kwargs:
+        check_tokenizer_files(folder)
     return AutoTokenizer.from_pretrained(folder, **kwargs)
 
 
@@ -98,6 +225,15 @@ def capture_layer_outputs(layers, layer_ids):
     finally:
         for handle in handles:
             handle.remove()
+
+
+def is_right_padded(attention_mask_BS: torch.Tensor) -> bool:
+    """Whether a [B, S] 0/1 (or bool) mask is right padding: in every row, ones then only zeros. Decide it on a CPU
+    mask (on a device tensor this reads the device)."""
+    mask = attention_mask_BS.long()
+    if mask.numel() == 0:
+        return True
+    return bool(((mask == 0) | (mask == 1)).all() and (mask[:, 1:] <= mask[:, :-1]).all())
 
 
 @dataclass
@@ -189,7 +325,7 @@ class TargetModel:
     def fingerprint(self) -> str:
         """``target_fingerprint`` of this model (computed once)."""
         if self._fingerprint is None:
-            self._fingerprint = _fingerprint(self.config, self.embed_tokens_weight[:_FINGERPRINT_ROWS])
+            self._fingerprint = target_fingerprint(self.path)
         return self._fingerprint
 
     @torch.no_grad()
@@ -200,12 +336,19 @@ class TargetModel:
         logits at once).
 
         input_ids_BS: [B, S] int64 token ids; attention_mask_BS: [B, S] 1 = token, 0 = padding (default all ones).
-        Rows at padded positions hold whatever the model computes there; callers strip them.
+        A RIGHT-padded mask given on the CPU (``is_right_padded``: every row ones then zeros, the training batches'
+        and the dump's) is not passed to the model: under causal attention a padded position comes after every real
+        one, so the real rows are the same without it, and transformers then builds no dense [B, 1, S, S] mask.
+        Any other mask (left padding, holes, or one on a device, which would cost a sync to inspect) is passed on.
+        Rows at padded positions hold whatever the model computes there (with or without the mask); callers strip
+        them or mask them from the loss.
         """
+        mask = attention_mask_BS
+        if mask is not None and mask.device.type == "cpu" and is_right_padded(mask):
+            mask = None
         with capture_layer_outputs(self.layers, self.aux_layer_ids) as captured:
             out = self.decoder(input_ids=input_ids_BS.to(self.device),
-                               attention_mask=None if attention_mask_BS is None else attention_mask_BS.to(self.device),
-                               use_cache=False)
+                               attention_mask=None if mask is None else mask.to(self.device), use_cache=False)
         aux = torch.cat([captured[i] for i in self.aux_layer_ids], dim=-1)
         last = out.last_hidden_state
         with self.full_lm_head() as head_VH:

@@ -158,7 +158,9 @@ class CPTarget:
                 ) -> CPTargetCapture:
         """This rank's ``CPTargetCapture`` of the FULL padded micro-batch ``input_ids_BS`` [B, S] int64 with
         ``attention_mask_BS`` [B, S] (1 token, 0 padding; right padding), for K = ``ttt_steps``. A collective over
-        the cp group. Raises ValueError when S is not a multiple of 2·cp.
+        the cp group. With the mask on the CPU (the batch builder's), the ring decides its tile pairs from host copies
+        of every rank's positions/validity (``kernels.host_positions``), without a device sync per hop. Raises
+        ValueError when S is not a multiple of 2·cp.
         """
         t = self.target
         b, s = input_ids_BS.shape
@@ -166,6 +168,12 @@ class CPTarget:
         ids = input_ids_BS.to(t.device)[:, pos]
         call = CPAttentionCall(self.block, pos.expand(b, -1).contiguous(),
                                attention_mask_BS.to(t.device)[:, pos].bool(), s)
+        if attention_mask_BS.device.type == "cpu":  # every rank's positions/validity on the host: the ring's pairs
+            from kernels.host_positions import attach_host_copies
+
+            mine = [zigzag_indices(s, self.cp_size, r) for r in range(self.cp_size)]
+            attach_host_copies(call.position_ids_BS, [m.expand(b, -1).contiguous() for m in mine], self.cp_rank)
+            attach_host_copies(call.key_valid_BS, [attention_mask_BS[:, m].bool() for m in mine], self.cp_rank)
         with attention_implementation(t.model, CP_ATTENTION), \
                 capture_layer_outputs(t.layers, t.aux_layer_ids) as captured:
             out = t.decoder(input_ids=ids, position_ids=call.position_ids_BS, use_cache=False, recipe_cp=call)

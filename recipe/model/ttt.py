@@ -37,7 +37,9 @@ class TTTBatch:
         target_hidden_BLH: [B, L, H_t] float, rows of the target's last hidden state (lm_head input).
         target_row_KS: [K, S] int64, the row of ``target_hidden_BLH`` holding step k's label for local anchor p.
     ``per_position_fields`` maps each field with a sequence axis to that axis (for the zigzag split);
-    ``target_hidden_BLH`` is not among them: it is addressed through ``target_row_KS``.
+    ``target_hidden_BLH`` is not among them: it is addressed through ``target_row_KS``. All fields live on one device;
+    the training batch builder attaches CPU copies of ``position_ids_BS`` and ``key_valid_BS`` (every cp rank's) to
+    them (``kernels.host_positions``) so the attention picks its tile pairs without a device sync.
     """
 
     input_ids_KBS: torch.Tensor
@@ -132,7 +134,8 @@ def teacher_logits(target_hidden_BLH: torch.Tensor, target_row_KS: torch.Tensor,
 
     Args: target_hidden_BLH [B, L, H_t] target last hidden rows; target_row_KS [K, S] int64, step k's label row of
     anchor p (``TTTBatch.target_row_KS``); target_head_VdH [Vd (or the TP shard Vd/tp), H_t] target head rows;
-    target_softcap: the target's final logit soft-cap (``recipe.model.target_head.target_logits``). Returns ``(logits_BUV, index_KS)``: logits_BUV [B, U, Vd] in the head's dtype for the U distinct rows (sorted;
+    target_softcap: the target's final logit soft-cap (``recipe.model.target_head.target_logits``).
+    Returns ``(logits_BUV, index_KS)``: logits_BUV [B, U, Vd] in the head's dtype for the U distinct rows (sorted;
     about S + K of them, since step k reads rows p + 1 + k), and index_KS [K, S] int64 such that step k's target
     logits are ``logits_BUV[:, index_KS[k]]`` — the same rows ``target_hidden[:, target_row_KS[k]] @ head.T``
     gives, K times less head matmul work.
@@ -156,10 +159,12 @@ class TTTModel(nn.Module):
     """The draft unrolled K steps against the frozen target head.
 
     ``target_head_d`` [Vd, H_t] is a non-persistent buffer: the target lm_head rows of the draft ids (a function of the
-    target and the vocab map; refresh it with ``set_target_head`` after changing the map). ``target_softcap``: the
-    target's final logit soft-cap (``target_head.final_logit_softcap``; None: none); the teacher logits are
-    ``target_head.target_logits(last_hidden, target_head_d, target_softcap)``, the target's own output logits on the
-    draft vocabulary. ``loss_fn`` has the signature of ``loss.soft_ce`` (TP swaps in a vocab-parallel one).
+    target and the vocab map; refresh it with ``set_target_head`` after changing the map), kept in the dtype of the
+    draft's lm_head weight (converted at the first forward after a cast, see ``_match_head_dtype``).
+    ``target_softcap``: the target's final logit soft-cap (``target_head.final_logit_softcap``; None: none); the
+    teacher logits are ``target_head.target_logits(last_hidden, target_head_d, target_softcap)``, the target's own
+    output logits on the draft vocabulary. ``loss_fn`` has the signature of ``loss.soft_ce`` (TP swaps in a
+    vocab-parallel one).
 
     Memory switches (plain attributes, changeable after construction; neither changes the numbers beyond float
     summation order):
@@ -214,8 +219,22 @@ class TTTModel(nn.Module):
                              f"{cfg.draft_vocab_size}, target_hidden_size={cfg.target_hidden_size})")
         self.target_head_d = head_d.detach().clone().to(self.draft.d2t.device)
 
+    def _match_head_dtype(self) -> None:
+        """Keep ``target_head_d`` in the dtype of the draft's lm_head: DeepSpeed's bf16 casts parameters, not buffers,
+        so after ``deepspeed.initialize`` the buffer would stay float32 and every teacher-logit matmul would run in
+        float32 on bf16 hidden rows. Converted once, in place of the buffer (tensor attributes such as the TP mark
+        carried over); the target's own lm_head runs in its bf16 the same way, and the soft CE then works in float32
+        (``loss.soft_ce``)."""
+        dtype = self.draft.lm_head.weight.dtype
+        head = self.target_head_d
+        if head.dtype != dtype and head.is_floating_point() and dtype.is_floating_point:
+            converted = head.to(dtype)
+            converted.__dict__.update(head.__dict__)
+            self.target_head_d = converted
+
     def forward(self, batch: TTTBatch) -> TTTOutput:
         """Unroll the draft ``batch.num_steps`` times; sums per step (the loop normalises by global counts)."""
+        self._match_head_dtype()
         hidden_BSH = self.draft.project_aux(batch.aux_hidden_BSA)
         kv_cache = None
         teacher = None

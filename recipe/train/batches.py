@@ -9,6 +9,9 @@ states of its label rows, never the full sequence's. Tensor-parallel ranks read 
 """
 from __future__ import annotations
 
+import dataclasses
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -26,7 +29,33 @@ class MicroBatch:
     ttt: TTTBatch            # this rank's (cp-sharded) TTT batch, on the training device
     samples: int             # samples in the micro-batch (whole, not per cp rank)
     supervised_tokens: int   # loss-mask ones over the whole micro-batch
-    supervised_K: torch.Tensor  # [K] int64 supervised positions per TTT step, whole micro-batch
+    supervised_K: torch.Tensor  # [K] int64 (CPU) supervised positions per TTT step, whole micro-batch
+
+
+@dataclass
+class HostTokens:
+    """The host (CPU) side of one micro-batch, known before any hidden state is read or any target runs.
+
+    ``input_ids_BS`` / ``loss_mask_BS`` / ``attention_BS``: [B, S] int64, right-padded to S (a multiple of the seq
+    divisor) with 0; ``attention_BS`` 1 on tokens. ``argmax_BS``: [B, S] int64 the store's ``target_argmax`` (0 on
+    padding) offline, None online (the target computes it). ``lengths``: the real length of each row.
+    """
+
+    indices: list[int]
+    lengths: list[int]
+    input_ids_BS: torch.Tensor
+    loss_mask_BS: torch.Tensor
+    attention_BS: torch.Tensor
+    argmax_BS: torch.Tensor | None = None
+
+    @property
+    def samples(self) -> int:
+        return len(self.indices)
+
+    @property
+    def seq(self) -> int:
+        """S, the padded length (whole sequence, not per cp rank)."""
+        return self.attention_BS.shape[1]
 
 
 def supervised_per_step(loss_mask_BS: torch.Tensor, ttt_steps: int) -> torch.Tensor:
@@ -52,6 +81,12 @@ class BatchBuilder:
         ttt_steps: K.  seq_divisor: pad the sequence to a multiple of this (2·cp·tp).
         cp_size, cp_rank: context-parallel layout (1, 0 for none).
         device, dtype: where and in which float dtype the draft consumes the batch.
+
+    Host vs device. Offline, everything up to the finished CPU ``TTTBatch`` is host work (``tokens``, ``read``; on a
+    CUDA device the CPU batch is put in pinned memory there) and ``build`` copies it to the device with
+    ``non_blocking=True``; ``StepBatches`` runs the next micro-batch's ``read`` in a background thread. ``build``
+    attaches host copies of the batch's positions and key validity for every cp rank to the device tensors
+    (``kernels.host_positions``), from which the attention decides its tile pairs without a device sync.
     """
 
     def __init__(self, *, examples=None, store=None, target=None, t2d, ttt_steps, seq_divisor,
@@ -71,15 +106,22 @@ class BatchBuilder:
         self.ttt_steps, self.seq_divisor = ttt_steps, seq_divisor
         self.cp_size, self.cp_rank = cp_size, cp_rank
         self.device, self.dtype = device, dtype
+        self.pin_memory = torch.device(device).type == "cuda"  # pinned host buffers only feed a CUDA device
+        self._store_lock = threading.Lock()  # the store's file handles are shared with the prefetch thread
+        self._executor: ThreadPoolExecutor | None = None
 
     def __len__(self) -> int:
         return len(self.examples) if self.examples is not None else len(self.store)
+
+    def _store_get(self, index: int, **kwargs) -> dict[str, torch.Tensor]:
+        with self._store_lock:
+            return self.store.get(index, **kwargs)
 
     def _tokens(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         if self.examples is not None:
             row = self.examples[index]
             return torch.tensor(row["input_ids"]), torch.tensor(row["loss_mask"])
-        sample = self.store.get(index, fields=("input_ids", "loss_mask"))
+        sample = self._store_get(index, fields=("input_ids", "loss_mask"))
         return sample["input_ids"], sample["loss_mask"]
 
     def rows_needed(self, seq: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
@@ -95,33 +137,105 @@ class BatchBuilder:
         return zigzag_indices(seq, self.cp_size, self.cp_rank), label_rows(seq, self.cp_size, self.cp_rank,
                                                                            self.ttt_steps)
 
-    def build(self, indices: list[int]) -> MicroBatch:
-        """The TTT micro-batch of samples ``indices`` for this rank."""
+    def tokens(self, indices: list[int]) -> HostTokens:
+        """The padded CPU tokens of samples ``indices`` (offline also the store's ``target_argmax``); no hidden
+        state is read."""
         tokens = [self._tokens(i) for i in indices]
         tokens = [(ids.long(), mask.long()) for ids, mask in tokens]
-        seq = round_up(max(len(ids) for ids, _ in tokens), self.seq_divisor)
+        lengths = [len(ids) for ids, _ in tokens]
+        seq = round_up(max(lengths), self.seq_divisor)
         b = len(indices)
         input_ids = torch.zeros(b, seq, dtype=torch.long)
         loss_mask = torch.zeros(b, seq, dtype=torch.long)
         attention = torch.zeros(b, seq, dtype=torch.long)
         for row, (ids, mask) in enumerate(tokens):
             input_ids[row, :len(ids)], loss_mask[row, :len(ids)], attention[row, :len(ids)] = ids, mask, 1
-        if self.target is not None and self.cp_size > 1:
-            ttt = self._cp_online(input_ids, loss_mask, attention)
-        else:
-            aux, last, argmax = self._hidden(indices, [len(ids) for ids, _ in tokens], input_ids, attention, seq)
-            in_vocab = target_in_draft_vocab(argmax, self.t2d)
-            ttt = make_ttt_batch(input_ids.to(aux.device), loss_mask.to(aux.device), attention.to(aux.device),
-                                 aux, last, in_vocab, self.ttt_steps)
-            if self.cp_size > 1:
-                from recipe.parallel.cp_shard import shard_ttt_batch
+        argmax = None
+        if self.store is not None:
+            argmax = torch.zeros(b, seq, dtype=torch.int64)
+            for row, (index, n) in enumerate(zip(indices, lengths)):
+                argmax[row, :n] = self._store_get(index, fields=("target_argmax",))["target_argmax"]
+        return HostTokens(list(indices), lengths, input_ids, loss_mask, attention, argmax)
 
-                ttt = shard_ttt_batch(ttt, self.cp_size, self.cp_rank)
-        ttt = ttt.to(self.device)
+    def local_valid(self, host: HostTokens) -> torch.Tensor:
+        """[K] int64 (CPU): this cp rank's valid positions per TTT step of an OFFLINE micro-batch, from its tokens
+        and the store's argmax only: the ``valid_KBS.sum((1, 2))`` of the batch ``build`` makes (the same
+        ``make_ttt_batch`` and zigzag split, with empty hidden states)."""
+        if host.argmax_BS is None:
+            raise ValueError("local_valid needs the store's target_argmax (offline mode)")
+        empty = torch.empty(host.samples, host.seq, 0)
+        ttt = make_ttt_batch(host.input_ids_BS, host.loss_mask_BS, host.attention_BS, empty, empty,
+                             target_in_draft_vocab(host.argmax_BS, self.t2d), self.ttt_steps)
+        valid = ttt.valid_KBS
+        if self.cp_size > 1:
+            from recipe.parallel.cp_shard import zigzag_split
+
+            valid = zigzag_split(valid, self.cp_size, self.cp_rank, 2)
+        return valid.sum(dim=(1, 2))
+
+    def read(self, host: HostTokens) -> TTTBatch:
+        """OFFLINE: this rank's finished TTT batch on the CPU (hidden states in the store dtype), its tensors in
+        pinned memory when the device is CUDA. Host work only (store reads, shifts, zigzag split), safe to run in a
+        background thread."""
+        aux, last = self._hidden(host.indices, host.lengths, host.seq)
+        ttt = make_ttt_batch(host.input_ids_BS, host.loss_mask_BS, host.attention_BS, aux, last,
+                             target_in_draft_vocab(host.argmax_BS, self.t2d), self.ttt_steps)
+        if self.cp_size > 1:
+            from recipe.parallel.cp_shard import shard_ttt_batch
+
+            ttt = shard_ttt_batch(ttt, self.cp_size, self.cp_rank)
+        if self.pin_memory:
+            ttt = dataclasses.replace(ttt, **{f.name: getattr(ttt, f.name).pin_memory()
+                                              for f in dataclasses.fields(ttt)})
+        return ttt
+
+    def build(self, indices: list[int], staged: tuple[HostTokens, TTTBatch] | None = None) -> MicroBatch:
+        """The TTT micro-batch of samples ``indices`` for this rank, on the device. ``staged``: ``(tokens(indices),
+        read(...))`` made beforehand (offline prefetch, ``StepBatches``); None reads now."""
+        host = staged[0] if staged is not None else self.tokens(indices)
+        if staged is not None:
+            ttt = staged[1]
+        elif self.store is not None:
+            ttt = self.read(host)
+        elif self.cp_size > 1:
+            ttt = self._cp_online(host.input_ids_BS, host.loss_mask_BS, host.attention_BS)
+        else:
+            cap = self.target.capture(host.input_ids_BS, host.attention_BS)
+            dev = cap.aux_hidden_BSA.device
+            ttt = make_ttt_batch(host.input_ids_BS.to(dev), host.loss_mask_BS.to(dev), host.attention_BS.to(dev),
+                                 cap.aux_hidden_BSA, cap.last_hidden_BSH,
+                                 target_in_draft_vocab(cap.argmax_BS, self.t2d), self.ttt_steps)
+        ttt = dataclasses.replace(ttt, **{f.name: getattr(ttt, f.name).to(self.device, non_blocking=True)
+                                          for f in dataclasses.fields(ttt)})
         ttt.aux_hidden_BSA = ttt.aux_hidden_BSA.to(self.dtype)
         ttt.target_hidden_BLH = ttt.target_hidden_BLH.to(self.dtype)
-        return MicroBatch(ttt=ttt, samples=b, supervised_tokens=int(loss_mask.sum()),
-                          supervised_K=supervised_per_step(loss_mask, self.ttt_steps))
+        self._attach_host_copies(ttt, host)
+        return MicroBatch(ttt=ttt, samples=host.samples, supervised_tokens=int(host.loss_mask_BS.sum()),
+                          supervised_K=supervised_per_step(host.loss_mask_BS, self.ttt_steps))
+
+    def _attach_host_copies(self, ttt: TTTBatch, host: HostTokens) -> None:
+        """Attach to the batch's positions and key validity their values on every cp rank, on the CPU (positions:
+        the zigzag arithmetic; validity: the padding), for the attention's pair decision."""
+        from kernels.host_positions import attach_host_copies
+        from recipe.parallel.cp_shard import zigzag_split
+
+        b, s = host.attention_BS.shape
+        pos = torch.arange(s, dtype=torch.int64).expand(b, s)
+        valid = host.attention_BS.bool()
+        if self.cp_size == 1:
+            per_pos, per_valid = [pos.clone()], [valid]
+        else:
+            per_pos = [zigzag_split(pos, self.cp_size, r, 1) for r in range(self.cp_size)]
+            per_valid = [zigzag_split(valid, self.cp_size, r, 1) for r in range(self.cp_size)]
+        attach_host_copies(ttt.position_ids_BS, per_pos, self.cp_rank)
+        attach_host_copies(ttt.key_valid_BS, per_valid, self.cp_rank)
+
+    def prefetch(self, host: HostTokens) -> Future:
+        """Start ``read(host)`` in the builder's background thread (one worker: reads run in submission order);
+        the future's result is the ``staged`` argument of ``build`` (with ``host``)."""
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="batch-prefetch")
+        return self._executor.submit(lambda: (host, self.read(host)))
 
     def _cp_online(self, input_ids, loss_mask, attention) -> TTTBatch:
         """This rank's TTT batch from the context-parallel target forward (``CPTarget.capture``): the shifts are
@@ -142,29 +256,76 @@ class BatchBuilder:
         ttt.aux_hidden_BSA, ttt.target_hidden_BLH = cap.aux_hidden_BSA, cap.label_hidden_BUH
         return ttt
 
-    def _hidden(self, indices, lengths, input_ids, attention, seq
-                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """[B, seq, A] aux and [B, seq, H_t] last hidden states (target or store dtype) and the [B, seq] int64
-        target argmax. Online all three are on the target's device; offline on the CPU, and only the hidden-state
-        rows this rank needs are read from the store (``rows_needed``); the others stay zero and are never used by
-        this rank's shard."""
-        if self.target is not None:
-            cap = self.target.capture(input_ids.to(self.target.device), attention.to(self.target.device))
-            return cap.aux_hidden_BSA, cap.last_hidden_BSH, cap.argmax_BS
+    def _hidden(self, indices, lengths, seq) -> tuple[torch.Tensor, torch.Tensor]:
+        """OFFLINE: [B, seq, A] aux and [B, seq, H_t] last hidden states on the CPU in the store dtype; only the
+        hidden-state rows this rank needs are read from the store (``rows_needed``); the others stay zero and are
+        never used by this rank's shard."""
         aux_rows, label_rows = self.rows_needed(seq)
         meta = self.store.meta
         dtype = DTYPES[meta.dtype]
         aux = torch.zeros(len(indices), seq, meta.aux_width, dtype=dtype)
         last = torch.zeros(len(indices), seq, meta.hidden_size, dtype=dtype)
-        argmax = torch.zeros(len(indices), seq, dtype=torch.int64)
         for b, (index, n) in enumerate(zip(indices, lengths)):
             if aux_rows is None:
-                sample = self.store.get(index, fields=("target_argmax", "aux_hidden", "last_hidden"))
+                sample = self._store_get(index, fields=("aux_hidden", "last_hidden"))
                 aux[b, :n], last[b, :n] = sample["aux_hidden"], sample["last_hidden"]
-                argmax[b, :n] = sample["target_argmax"]
                 continue
             rows_a, rows_l = aux_rows[aux_rows < n], label_rows[label_rows < n]
-            aux[b, rows_a] = self.store.get(index, rows=rows_a, fields=("aux_hidden",))["aux_hidden"]
-            last[b, rows_l] = self.store.get(index, rows=rows_l, fields=("last_hidden",))["last_hidden"]
-            argmax[b, :n] = self.store.get(index, fields=("target_argmax",))["target_argmax"]
-        return aux, last, argmax
+            aux[b, rows_a] = self._store_get(index, rows=rows_a, fields=("aux_hidden",))["aux_hidden"]
+            last[b, rows_l] = self._store_get(index, rows=rows_l, fields=("last_hidden",))["last_hidden"]
+        return aux, last
+
+
+class StepBatches:
+    """This rank's micro-batches of one optimizer step (``micro``: the sample indices of each, in order), with the
+    counts the loss normalisation needs before the first backward.
+
+    ``local_valid_K`` [K] int64: this rank's valid positions per TTT step over all micro-batches (this cp rank's
+    shard; summed over dp×cp by the loop). ``supervised_K`` [K] int64 and ``supervised_tokens``: the whole
+    micro-batches' (CPU). ``shape``: (samples, padded tokens) of the largest micro-batch, for an out-of-memory
+    report.
+
+    Offline the counts come from the host tokens and the store's ``target_argmax`` alone (``BatchBuilder.tokens``,
+    ``local_valid``; on the CPU), before any hidden state is read; iterating then yields one device micro-batch at
+    a time, the store reads of micro-batch m+1 running in the builder's background thread while m is used. Online
+    the in-vocabulary flags need the target's argmax, i.e. the target forward of every micro-batch, so all
+    micro-batches are built up front (``local_valid_K`` on the device, like the batches; with one micro-batch per
+    step this is the same as building lazily). Either way the batches are those of ``builder.build`` on each
+    index list, in order.
+    """
+
+    def __init__(self, builder: BatchBuilder, micro: list[list[int]]):
+        self.builder, self.micro = builder, micro
+        self._built: list[MicroBatch] | None = None
+        self._first: Future | None = None
+        if builder.store is not None:
+            self._hosts = [builder.tokens(ix) for ix in micro]
+            self._first = builder.prefetch(self._hosts[0]) if micro else None  # overlaps the counts below
+            self.local_valid_K = torch.stack([builder.local_valid(h) for h in self._hosts]).sum(0)
+            self.shape = (max(h.samples for h in self._hosts), max(h.seq for h in self._hosts))
+            loss_masks = [h.loss_mask_BS for h in self._hosts]
+        else:
+            self._built = [builder.build(ix) for ix in micro]
+            self.local_valid_K = torch.stack([b.ttt.valid_KBS.sum(dim=(1, 2)) for b in self._built]).sum(0)
+            self.shape = (max(b.samples for b in self._built),
+                          max(b.ttt.input_ids_KBS.shape[-1] for b in self._built) * builder.cp_size)
+            loss_masks = None
+        if loss_masks is not None:
+            self.supervised_K = torch.stack([supervised_per_step(m, builder.ttt_steps) for m in loss_masks]).sum(0)
+            self.supervised_tokens = sum(int(m.sum()) for m in loss_masks)
+        else:
+            self.supervised_K = torch.stack([b.supervised_K for b in self._built]).sum(0)
+            self.supervised_tokens = sum(b.supervised_tokens for b in self._built)
+
+    def __len__(self) -> int:
+        return len(self.micro)
+
+    def __iter__(self):
+        if self._built is not None:
+            yield from self._built
+            return
+        pending = self._first
+        for m, ix in enumerate(self.micro):
+            staged = pending.result()
+            pending = self.builder.prefetch(self._hosts[m + 1]) if m + 1 < len(self.micro) else None
+            yield self.builder.build(ix, staged)

@@ -8,7 +8,8 @@ Layout under ``OUTPUT/checkpoints/``::
         vocab_map.safetensors    d2t / t2d, reused on resume (never regenerated)
         run_state.json           step (= data position, see recipe.train.sampler), seed, layout, data fingerprint
         run_config.json          the resolved run configuration (flags, DeepSpeed JSON, layout)
-        rng-rank00000.pt         every rank's RNG states
+        rng-rank00000.safetensors  every rank's RNG states, no pickle (:func:`save_rng_file`)
+        manifest.json            size and sha256 of every other file of the folder, written last (:func:`verify`)
     latest                   name of the newest complete checkpoint
 
 A checkpoint is written into ``.partial/<tag>`` by all ranks, completed (barrier), renamed into place, and only then
@@ -16,13 +17,33 @@ is ``latest`` replaced (write-to-temp + ``os.replace``); older ones beyond ``kee
 leaves ``.partial`` debris and the previous checkpoint untouched. DeepSpeed's ZeRO/bf16 saves also copy its recovery
 scripts (``zero_to_fp32.py``, ``zero_to_torch.py``) into the save folder (``.partial``); they are deleted with the
 emptied ``.partial`` once the checkpoint is in place: ``draft.safetensors`` already is the consolidated fp32 draft.
+
+Write failures. Every write of a save (DeepSpeed's ``engine.save_checkpoint`` included: its checkpoint engine's
+``save`` is guarded for the call, so a rank that fails still passes DeepSpeed's own barriers) is caught per rank and
+agreed over the world; a failure on any rank raises :class:`CheckpointError` (a ``recipe.io_errors.WriteError``) on
+every rank naming each failing rank, the path and the cause, the staged folder is deleted and ``latest`` keeps
+naming the previous checkpoint.
+
+Integrity. After every rank's files are in ``.partial/<tag>`` the ranks hash the folder's files between them
+(sha256 in chunks of :data:`HASH_CHUNK`, rank r the r-th of every world-size files of rank 0's listing) and rank 0
+writes ``manifest.json`` (:data:`MANIFEST`, ``{"format", "version", "tag", "algorithm", "files": {name: {"size",
+"sha256"}}}``) last, before the rename. :func:`resolve` checks it on every rank before anything of the checkpoint is
+read (DeepSpeed unpickles its ``*.pt`` files with ``weights_only=False``, so the check is also what stands between a
+swapped file and ``torch.load``); a damaged checkpoint (a file missing, of another size or hash) is named and the
+newest intact older one is used instead. A folder without a manifest (written before manifests existed) resumes
+unverified, with a line saying so. RNG files are safetensors (byte tensors, numpy's key array) with the rest as JSON
+in its metadata; an old ``rng-rank*.pt`` is read only through ``torch.load(weights_only=True)`` with numpy's array
+reconstruction allowed and nothing else (:func:`load_rng_file`).
 """
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import json
 import os
 import random
 import shutil
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -31,6 +52,8 @@ import torch.distributed as dist
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from recipe.io_errors import WriteError, cause, writing
+
 PARTIAL = ".partial"
 LATEST = "latest"
 RUN_STATE = "run_state.json"
@@ -38,6 +61,10 @@ VOCAB_FILE = "vocab_map.safetensors"
 DRAFT_FILE = "draft.safetensors"  # the full draft (ZeRO-gathered, TP-consolidated), what the export is made from
 DRAFT_CONFIG_FILE = "draft_config.json"  # the export config.json
 RECOVERY_SCRIPTS = ("zero_to_fp32.py", "zero_to_torch.py")  # what DeepSpeed copies into the save folder
+MANIFEST = "manifest.json"  # size and sha256 of every file of the checkpoint folder, written last
+MANIFEST_FORMAT = "eagle3-recipe-checkpoint-manifest"
+HASH_CHUNK = 8 << 20  # bytes read per sha256 update
+RNG_FORMAT = "eagle3-recipe-rng"
 
 
 def tag_for(step: int) -> str:
@@ -59,14 +86,100 @@ def set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
+def rng_file(rank: int) -> str:
+    return f"rng-rank{rank:05d}.safetensors"
+
+
+def legacy_rng_file(rank: int) -> str:
+    return f"rng-rank{rank:05d}.pt"  # the pickled format of checkpoints written before manifests
+
+
+def save_rng_file(state: dict, path: Path) -> None:
+    """Write an :func:`rng_state` dict without pickle: the byte tensors (``torch``, ``cuda.<i>``) and numpy's MT19937
+    key array (``numpy.keys``, int64) as safetensors, python's ``random`` state and numpy's scalars as JSON in its
+    metadata."""
+    name, keys, pos, has_gauss, cached = state["numpy"]
+    version, internal, gauss_next = state["python"]
+    tensors = {"torch": state["torch"].contiguous(), "numpy.keys": torch.from_numpy(np.asarray(keys, np.int64))}
+    for i, t in enumerate(state.get("cuda", [])):
+        tensors[f"cuda.{i}"] = t.contiguous()
+    meta = {"format": RNG_FORMAT, "version": "1",
+            "python": json.dumps([version, list(internal), gauss_next]),
+            "numpy": json.dumps({"name": name, "pos": int(pos), "has_gauss": int(has_gauss),
+                                 "cached_gaussian": float(cached)})}
+    save_file(tensors, str(path), metadata=meta)
+
+
+def _numpy_state(name, keys, pos, has_gauss, cached, file) -> tuple:
+    keys = np.asarray(keys)
+    if name != "MT19937" or keys.shape != (624,) or keys.min() < 0 or keys.max() >= 2 ** 32:
+        raise ValueError(f"--resume: {file}: not a numpy MT19937 state")
+    return name, keys.astype(np.uint32), int(pos), int(has_gauss), float(cached)
+
+
+def load_rng_file(path: Path) -> dict:
+    """The :func:`rng_state` dict of an RNG file; never unpickles arbitrary objects.
+
+    ``*.safetensors`` (:func:`save_rng_file`); an old ``*.pt`` only through ``torch.load(weights_only=True)`` with
+    exactly numpy's array reconstruction allowed (numpy's state holds a uint32 array), its structure then checked.
+    Raises ValueError naming the file when it is unreadable or not an RNG state (e.g. a pickle that would run code).
+    """
+    path = Path(path)
+    if path.suffix == ".pt":
+        try:
+            from numpy._core.multiarray import _reconstruct  # numpy >= 2
+        except ImportError:
+            from numpy.core.multiarray import _reconstruct
+        uint32 = type(np.dtype(np.uint32))
+        # the names numpy 1 and 2 pickle these under
+        allowed = [_reconstruct, (_reconstruct, "numpy.core.multiarray._reconstruct"), np.ndarray, np.dtype, uint32,
+                   (uint32, "numpy.dtypes.UInt32DType")]
+        try:
+            with torch.serialization.safe_globals(allowed):
+                state = torch.load(path, weights_only=True)
+            state = {"python": (int(state["python"][0]), tuple(int(v) for v in state["python"][1]),
+                                state["python"][2]),
+                     "numpy": _numpy_state(*state["numpy"], file=path), "torch": state["torch"],
+                     **({"cuda": list(state["cuda"])} if "cuda" in state else {})}
+        except Exception as exc:  # noqa: BLE001 - an unpickling refusal, a truncated file, another structure
+            raise ValueError(f"--resume: {path}: refusing this old-format (pickled) RNG file: it is not a plain RNG "
+                             f"state that torch.load(weights_only=True) can read ({cause(exc).splitlines()[0]}); "
+                             "nothing in it was run. Resume from a checkpoint written by this version") from None
+        if not isinstance(state["torch"], torch.Tensor) or state["torch"].dtype != torch.uint8:
+            raise ValueError(f"--resume: {path}: not an RNG state (no torch byte tensor)")
+        return state
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            meta, tensors = f.metadata() or {}, {k: f.get_tensor(k) for k in f.keys()}
+        if meta.get("format") != RNG_FORMAT:
+            raise ValueError(f"metadata format {meta.get('format')!r}, expected {RNG_FORMAT!r}")
+        version, internal, gauss_next = json.loads(meta["python"])
+        npy = json.loads(meta["numpy"])
+        state = {"python": (int(version), tuple(int(v) for v in internal), gauss_next),
+                 "numpy": _numpy_state(npy["name"], tensors["numpy.keys"].numpy(), npy["pos"], npy["has_gauss"],
+                                       npy["cached_gaussian"], path),
+                 "torch": tensors["torch"]}
+    except ValueError as exc:
+        if str(exc).startswith("--resume:"):
+            raise
+        raise ValueError(f"--resume: {path}: not an RNG state file ({exc})") from None
+    except Exception as exc:  # noqa: BLE001 - safetensors' own error types (truncated, corrupt header)
+        raise ValueError(f"--resume: {path}: unreadable RNG file ({cause(exc)})") from None
+    cuda = sorted((k for k in tensors if k.startswith("cuda.")), key=lambda k: int(k.split(".")[1]))
+    if cuda:
+        state["cuda"] = [tensors[k] for k in cuda]
+    return state
+
+
 def _write_text_atomic(path: Path, text: str) -> None:
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(text)
     os.replace(tmp, path)
 
 
-class CheckpointError(RuntimeError):
-    """A checkpoint could not be written on some rank; the previous checkpoint (``latest``) is untouched."""
+class CheckpointError(WriteError):
+    """A checkpoint could not be written on some rank; the previous checkpoint (``latest``) is untouched. A
+    ``recipe.io_errors.WriteError``: ``run.py`` exits with ``EXIT_WRITE_FAILED``."""
 
 
 class InjectedFault(RuntimeError):
@@ -96,11 +209,53 @@ def _agree(comm, error: str | None, what: str, latest: str | None) -> None:
 
 
 def _attempt(fn) -> str | None:
+    """None when ``fn()`` returns, else its failure in words (the path and the cause; any exception: a failing rank
+    must still reach the agreement that follows, or the other ranks would wait for it forever)."""
     try:
         fn()
+    except WriteError as exc:
+        return str(exc)
     except OSError as exc:
         return f"{exc.strerror or exc} ({exc.filename})" if exc.filename else str(exc)
+    except Exception as exc:  # noqa: BLE001 - see the docstring
+        return f"{type(exc).__name__}: {exc}"
     return None
+
+
+@contextlib.contextmanager
+def _guard_engine_writes(engine, errors: list[str]):
+    """For the duration of ``engine.save_checkpoint``: the engine's file writes (its checkpoint engine's ``save``,
+    the recovery-script copy) record their failure in ``errors`` instead of raising, and are skipped after one, so a
+    failing rank still passes DeepSpeed's barriers and the failure is agreed afterwards."""
+    targets = [(engine.checkpoint_engine, "save"), (engine, "_copy_recovery_script")]
+    originals = []
+    for obj, name in targets:
+        fn = getattr(obj, name, None)
+        if fn is None:
+            continue
+        originals.append((obj, name, name in vars(obj), vars(obj).get(name)))
+
+        def guarded(*args, _fn=fn, _name=name, **kwargs):
+            if errors:
+                return None
+            path = kwargs.get("path", args[1] if len(args) > 1 else args[0] if args else "?")
+            if _name == "_copy_recovery_script":
+                path = f"{path}/{{{','.join(RECOVERY_SCRIPTS)}}}"
+            try:
+                with writing(path):
+                    return _fn(*args, **kwargs)
+            except WriteError as exc:
+                errors.append(str(exc))
+            return None
+        setattr(obj, name, guarded)
+    try:
+        yield
+    finally:
+        for obj, name, had, value in originals:
+            if had:
+                setattr(obj, name, value)
+            else:
+                delattr(obj, name)
 
 
 def latest_tag(root: Path) -> str | None:
@@ -108,17 +263,77 @@ def latest_tag(root: Path) -> str | None:
     return marker.read_text().strip() if marker.is_file() else None
 
 
+def file_sha256(path: Path) -> str:
+    """sha256 of a file, read in chunks of :data:`HASH_CHUNK` bytes."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(HASH_CHUNK):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _listing(folder: Path) -> list[str]:
+    """Every file under ``folder`` (relative POSIX paths, sorted), the manifest and temporary files excluded."""
+    return sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*")
+                  if p.is_file() and p.name != MANIFEST and not p.name.endswith(".tmp"))
+
+
+def manifest_dict(tag: str, files: dict[str, dict] | None = None, folder: Path | None = None) -> dict:
+    """The ``manifest.json`` content of checkpoint ``tag``: ``files`` (name -> ``{"size", "sha256"}``), or, given
+    ``folder`` instead, every file in it hashed here (one process)."""
+    if files is None:
+        files = {name: {"size": (folder / name).stat().st_size, "sha256": file_sha256(folder / name)}
+                 for name in _listing(folder)}
+    return {"format": MANIFEST_FORMAT, "version": 1, "tag": tag, "algorithm": "sha256",
+            "files": {name: files[name] for name in sorted(files)}}
+
+
+def _write_manifest(comm, folder: Path, tag: str, what: str, previous: str | None) -> None:
+    """Collective: rank 0 lists ``folder``, every rank hashes its share of the files (shared filesystem), rank 0
+    writes ``manifest.json`` (temp + ``os.replace``). CheckpointError on every rank when any of it fails."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    names: list[str] = []
+    error = _attempt(lambda: names.extend(_listing(folder))) if rank == 0 else None
+    _agree(comm, error, what, previous)
+    names = comm.all_gather_object(names if rank == 0 else None)[0]
+    entries: dict[str, dict] = {}
+
+    def hash_share():
+        for name in names[rank::world]:
+            with writing(folder / name):  # a file another rank wrote but this one cannot read (EIO, not shared)
+                entries[name] = {"size": (folder / name).stat().st_size, "sha256": file_sha256(folder / name)}
+
+    error = _attempt(hash_share)
+    gathered = comm.all_gather_object((entries, error))
+    _agree(comm, error, what, previous)
+    if rank != 0:
+        _agree(comm, None, what, previous)
+        return
+    files = {}
+    for part, _ in gathered:
+        files.update(part)
+    manifest = manifest_dict(tag, files)
+
+    def write():
+        with writing(folder / MANIFEST):
+            _write_text_atomic(folder / MANIFEST, json.dumps(manifest, indent=1, sort_keys=True) + "\n")
+    _agree(comm, _attempt(write), what, previous)
+
+
 def save(engine, comm, root: Path, step: int, run_state: dict, draft_state: dict[str, torch.Tensor] | None,
          draft_config: dict, vocab_files: dict[str, torch.Tensor], keep: int,
-         extra_files: dict[str, Path] | None = None) -> Path:
+         extra_files: dict[str, Path] | None = None, pending_error: str | None = None) -> Path:
     """Write checkpoint ``step-{step:08d}`` atomically; collective over the world (through ``comm``, the run's
     ``recipe.parallel.collectives.Collectives``), every rank calls it.
 
     ``draft_state`` (full tensors) is only needed on global rank 0; ``extra_files`` (name -> existing file, e.g. the
     resolved run config) are copied in by rank 0. Order: write into ``.partial/<tag>`` (DeepSpeed's files from every
-    rank, our files from rank 0), agree, rename to ``<tag>``, agree, replace ``latest``, prune beyond ``keep``.
-    Raises CheckpointError on every rank when any rank fails to write (e.g. ENOSPC), naming the rank and file;
-    ``latest`` then still names the previous complete checkpoint.
+    rank, our files from rank 0), agree, hash and write ``manifest.json`` (last), rename to ``<tag>``, agree,
+    replace ``latest``, prune beyond ``keep``. ``pending_error``: a failure of this rank to write the run's logs
+    (``metrics.jsonl``, monitor files) since the last checkpoint; the checkpoint is then not written (it would
+    follow a gap in the logs) and the error is reported like a write failure.
+    Raises CheckpointError on every rank when any rank fails to write (e.g. ENOSPC, EIO, permission), naming the
+    rank, the file and the cause; ``latest`` then still names the previous complete checkpoint.
     """
     root = Path(root)
     tag = tag_for(step)
@@ -129,29 +344,46 @@ def save(engine, comm, root: Path, step: int, run_state: dict, draft_state: dict
 
     def prepare():  # also clears debris of an earlier interrupted save
         shutil.rmtree(partial, ignore_errors=True)
-        (partial / tag).mkdir(parents=True, exist_ok=True)
+        with writing(partial / tag):
+            (partial / tag).mkdir(parents=True, exist_ok=True)
 
-    _agree(comm, _attempt(prepare) if rank == 0 else None, what, previous)
-    engine.save_checkpoint(str(partial), tag=tag, client_state={"run_state": run_state}, save_latest=False)
+    error = pending_error or (_attempt(prepare) if rank == 0 else None)
+    _agree(comm, error, what, previous)
+
+    engine_errors: list[str] = []
+
+    def write_deepspeed():
+        with _guard_engine_writes(engine, engine_errors):
+            engine.save_checkpoint(str(partial), tag=tag, client_state={"run_state": run_state}, save_latest=False)
+        if engine_errors:
+            raise WriteError(engine_errors[0])
 
     def write_ours():
-        torch.save(rng_state(), partial / tag / f"rng-rank{rank:05d}.pt")
+        write_deepspeed()
+        with writing(partial / tag / rng_file(rank)):
+            save_rng_file(rng_state(), partial / tag / rng_file(rank))
         if rank != 0:
             return
-        save_file({k: v.contiguous() for k, v in draft_state.items()}, str(partial / tag / DRAFT_FILE))
-        (partial / tag / DRAFT_CONFIG_FILE).write_text(json.dumps(draft_config, indent=2, sort_keys=True) + "\n")
-        save_file(vocab_files, str(partial / tag / VOCAB_FILE))
+        with writing(partial / tag / DRAFT_FILE):
+            save_file({k: v.contiguous() for k, v in draft_state.items()}, str(partial / tag / DRAFT_FILE))
+        with writing(partial / tag / DRAFT_CONFIG_FILE):
+            (partial / tag / DRAFT_CONFIG_FILE).write_text(json.dumps(draft_config, indent=2, sort_keys=True) + "\n")
+        with writing(partial / tag / VOCAB_FILE):
+            save_file(vocab_files, str(partial / tag / VOCAB_FILE))
         for name, src in (extra_files or {}).items():
             if Path(src).is_file():
-                shutil.copyfile(src, partial / tag / name)
-        (partial / tag / RUN_STATE).write_text(json.dumps(run_state, indent=2, sort_keys=True) + "\n")
+                with writing(partial / tag / name):
+                    shutil.copyfile(src, partial / tag / name)
+        with writing(partial / tag / RUN_STATE):
+            (partial / tag / RUN_STATE).write_text(json.dumps(run_state, indent=2, sort_keys=True) + "\n")
 
     error = _attempt(write_ours)
     try:
         _agree(comm, error, what, previous)
+        _write_manifest(comm, partial / tag, tag, what, previous)
     except CheckpointError:
-        if rank == 0:
-            shutil.rmtree(partial / tag, ignore_errors=True)
+        if rank == 0:  # free the space: the staged folder and DeepSpeed's recovery scripts
+            shutil.rmtree(partial, ignore_errors=True)
         raise
     fault_point("written", step)
 
@@ -169,7 +401,8 @@ def save(engine, comm, root: Path, step: int, run_state: dict, draft_state: dict
     fault_point("renamed", step)
 
     def update_latest():
-        _write_text_atomic(root / LATEST, tag + "\n")
+        with writing(root / LATEST):
+            _write_text_atomic(root / LATEST, tag + "\n")
         prune(root, keep)
         for script in RECOVERY_SCRIPTS:
             (partial / script).unlink(missing_ok=True)
@@ -204,10 +437,63 @@ def prune(root: Path, keep: int) -> None:
             shutil.rmtree(root / tag, ignore_errors=True)
 
 
-def resolve(resume: str, root: Path) -> Path:
-    """The checkpoint folder ``--resume`` names: 'latest' (via ``root/latest``) or an explicit folder.
+def verify(path: Path) -> str | None:
+    """Check checkpoint folder ``path`` against its ``manifest.json``: None when every listed file is there with
+    its size and sha256, else what is wrong, naming the file (``rng-rank00001.safetensors: missing``,
+    ``zero_pp_rank_0_mp_rank_00_optim_states.pt: size 123 != 4567``, ``...: sha256 differs``). Sizes are checked
+    before any file is hashed. Raises FileNotFoundError when the folder has no manifest (see :func:`resolve`)."""
+    path = Path(path)
+    manifest_file = path / MANIFEST
+    if not path.is_dir():
+        return f"{path}: missing"
+    if not manifest_file.is_file():
+        raise FileNotFoundError(f"{manifest_file}: missing")
+    try:
+        manifest = json.loads(manifest_file.read_text())
+        files = manifest["files"]
+        if manifest.get("format") != MANIFEST_FORMAT or manifest.get("algorithm") != "sha256" \
+                or not isinstance(files, dict):
+            return f"{MANIFEST}: not a checkpoint manifest"
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        return f"{MANIFEST}: unreadable ({cause(exc)})"
+    for name, entry in files.items():
+        file = path / name
+        if not file.is_file():
+            return f"{name}: missing"
+        size = file.stat().st_size
+        if size != entry["size"]:
+            return f"{name}: size {size} != {entry['size']}"
+    for name, entry in files.items():
+        try:
+            digest = file_sha256(path / name)
+        except OSError as exc:
+            return f"{name}: unreadable ({cause(exc)})"
+        if digest != entry["sha256"]:
+            return f"{name}: sha256 {digest[:12]}… != {entry['sha256'][:12]}… (same size, other contents)"
+    return None
 
-    Raises FileNotFoundError with the path when there is nothing to resume from.
+
+def _note(text: str) -> None:
+    """A line on stderr from global rank 0 (every rank resolves the same checkpoint; one says so)."""
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        print(text, file=sys.stderr, flush=True)
+
+
+def _older(path: Path) -> list[Path]:
+    """The checkpoint folders next to ``path`` with a lower step, newest first."""
+    return sorted((p for p in path.parent.glob("step-*") if p.is_dir() and p.name < path.name), reverse=True)
+
+
+def resolve(resume: str, root: Path) -> Path:
+    """The checkpoint folder ``--resume`` names: 'latest' (via ``root/latest``), a checkpoints folder (its
+    ``latest``) or an explicit checkpoint folder — verified against its manifest (:func:`verify`) before anything in
+    it is read. Called on every rank; each verifies on its own and all reach the same answer.
+
+    A damaged checkpoint (or a ``latest`` naming a missing folder) falls back to the newest intact older one next to
+    it, with the line ``checkpoint step-… is damaged (…); resuming from step-… instead``; a checkpoint without a
+    manifest (written before manifests existed) is used unverified, with a line saying so.
+    Raises FileNotFoundError with the path when there is nothing to resume from, when an explicit folder is not a
+    checkpoint, and when no candidate is intact (each one's damage named).
     """
     if resume == "latest":
         marker = Path(root) / LATEST
@@ -218,15 +504,86 @@ def resolve(resume: str, root: Path) -> Path:
         path = Path(resume)
         if (path / LATEST).is_file():
             path = path / (path / LATEST).read_text().strip()
-    if not (path / RUN_STATE).is_file():
-        raise FileNotFoundError(f"--resume: {path} is not a complete checkpoint (no {RUN_STATE})")
-    return path
+        elif not path.is_dir():
+            raise FileNotFoundError(f"--resume: {path} does not exist")
+        elif not (path / MANIFEST).is_file() and not (path / RUN_STATE).is_file():
+            raise FileNotFoundError(f"--resume: {path} is not a complete checkpoint (no {RUN_STATE})")
+    damaged = []
+    for candidate in [path] + _older(path):
+        try:
+            problem = verify(candidate)
+        except FileNotFoundError:  # no manifest: written before manifests, or an incomplete folder
+            if not (candidate / RUN_STATE).is_file():
+                damaged.append(f"{candidate.name} is not a complete checkpoint (no {MANIFEST}, no {RUN_STATE})")
+                continue
+            problem = None
+            _note(f"checkpoint {candidate.name} has no {MANIFEST} (written before checkpoint manifests): resuming "
+                  "from it without an integrity check")
+        if problem is None:
+            if candidate != path:
+                _note(f"checkpoint {'; '.join(damaged)}; resuming from {candidate.name} instead")
+            return candidate
+        damaged.append(f"{candidate.name} is damaged ({problem})")
+    raise FileNotFoundError(f"--resume: no intact checkpoint in {path.parent}: " + "; ".join(damaged))
 
 
 COMPAT_KEYS = ("world_size", "tp", "cp", "dp", "global_batch", "zero_stage", "data_fingerprint", "ttt_steps",
-               "draft_vocab_size", "aux_layer_ids", "max_length", "seed", "freeze_lm_head")
+               "draft_vocab_size", "aux_layer_ids", "max_length", "seed", "freeze_lm_head", "target_fingerprint",
+               "draft_config")
 # keys added after checkpoints were first written: the value a checkpoint (or state) without the key means
 COMPAT_DEFAULTS = {"freeze_lm_head": False}
+# keys added later whose value an older checkpoint cannot supply: a checkpoint without one is resumed unchecked for
+# it, with a one-line note (refusing would strand every run started before the key existed; the key still guards
+# every checkpoint written since). ``draft_config`` of such a checkpoint is read from its draft_config.json.
+UNRECORDED_KEYS = ("target_fingerprint", "draft_config")
+
+
+def _saved_draft_config(path: Path) -> dict | None:
+    """The draft geometry (``dataclasses.asdict(Eagle3DraftConfig)``) of a checkpoint without ``draft_config`` in
+    its run state, from its ``draft_config.json``; None when that file is missing or unreadable."""
+    import dataclasses
+
+    from recipe.model.draft_config import Eagle3DraftConfig
+
+    try:
+        config = Eagle3DraftConfig.from_hf_dict(json.loads((Path(path) / DRAFT_CONFIG_FILE).read_text()))
+        return dataclasses.asdict(config)
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def _difference(key: str, saved, current) -> str:
+    if isinstance(saved, dict) and isinstance(current, dict):  # name only the fields that differ
+        fields = sorted(k for k in set(saved) | set(current) if saved.get(k) != current.get(k))
+        saved, current = ({k: d.get(k) for k in fields} for d in (saved, current))
+    return f"{key}: checkpoint {saved!r}, now {current!r}"
+
+
+def check_compatible(saved: dict, current: dict, path: Path, keys: tuple[str, ...] = COMPAT_KEYS) -> str | None:
+    """Refuse to resume when the layout, world size, ZeRO stage, data, target weights, draft geometry or key
+    settings differ.
+
+    A key missing on either side reads as its :data:`COMPAT_DEFAULTS` value (older checkpoints predate it); a key
+    of :data:`UNRECORDED_KEYS` the checkpoint lacks is not compared (``draft_config`` is then taken from the
+    checkpoint's draft_config.json where it can be). ``keys``: the subset to compare (default all of
+    :data:`COMPAT_KEYS`). Raises ValueError listing every differing key (checkpoint value, current value; for a
+    dict, the differing fields). Returns a one-line note naming the keys left unchecked, or None.
+    """
+    saved, current = {**COMPAT_DEFAULTS, **saved}, {**COMPAT_DEFAULTS, **current}
+    if "draft_config" not in saved and "draft_config" in keys:
+        recovered = _saved_draft_config(path)
+        if recovered is not None:
+            saved["draft_config"] = recovered
+    unchecked = [k for k in UNRECORDED_KEYS if k in keys and k not in saved and k in current]
+    diffs = [_difference(k, saved.get(k), current.get(k)) for k in keys
+             if k not in unchecked and saved.get(k) != current.get(k)]
+    if diffs:
+        raise ValueError(f"cannot resume from {path}: the run differs from the checkpoint in\n  " + "\n  ".join(diffs)
+                         + "\n(resharding to another layout is not supported; start a new run or match these)")
+    if unchecked:
+        return (f"note: {path} predates the {' and '.join(unchecked)} check(s) (written by an earlier version); "
+                "resuming without verifying them")
+    return None
 
 
 def read_run_state(path: Path) -> dict:
@@ -236,20 +593,6 @@ def read_run_state(path: Path) -> dict:
         return json.loads(file.read_text())
     except (OSError, json.JSONDecodeError) as exc:
         raise ValueError(f"--resume: cannot read {file} ({exc})") from None
-
-
-def check_compatible(saved: dict, current: dict, path: Path) -> None:
-    """Refuse to resume when the layout, world size, ZeRO stage, data or key settings differ.
-
-    A key missing on either side reads as its :data:`COMPAT_DEFAULTS` value (older checkpoints predate it).
-    Raises ValueError listing every differing key (checkpoint value, current value) of :data:`COMPAT_KEYS`.
-    """
-    saved, current = {**COMPAT_DEFAULTS, **saved}, {**COMPAT_DEFAULTS, **current}
-    diffs = [f"{k}: checkpoint {saved.get(k)!r}, now {current.get(k)!r}" for k in COMPAT_KEYS
-             if saved.get(k) != current.get(k)]
-    if diffs:
-        raise ValueError(f"cannot resume from {path}: the run differs from the checkpoint in\n  " + "\n  ".join(diffs)
-                         + "\n(resharding to another layout is not supported; start a new run or match these)")
 
 
 def check_length(saved: dict, total_steps: int, extend: bool, path: Path) -> bool:
@@ -278,16 +621,22 @@ def check_length(saved: dict, total_steps: int, extend: bool, path: Path) -> boo
 def load(engine, path: Path) -> dict:
     """Load engine state (model, optimizer, scheduler, loss scaler) and this rank's RNG; return the saved run state.
 
-    Call :func:`check_compatible` first: DeepSpeed fails deep inside on a checkpoint of another layout.
-    Raises FileNotFoundError naming the folder when DeepSpeed finds nothing or this rank's RNG file is missing.
+    Call :func:`check_compatible` first: DeepSpeed fails deep inside on a checkpoint of another layout; ``path``
+    comes from :func:`resolve`, which verified it (DeepSpeed unpickles its files). The RNG file is read without
+    pickle (:func:`load_rng_file`). Raises FileNotFoundError naming the folder when DeepSpeed finds nothing or this
+    rank's RNG file is missing, ValueError naming an RNG file that is not a plain RNG state.
     """
     path = Path(path)
     load_path, _ = engine.load_checkpoint(str(path.parent), tag=path.name, load_optimizer_states=True,
                                           load_lr_scheduler_states=True)
     if load_path is None:
         raise FileNotFoundError(f"DeepSpeed could not load the checkpoint in {path}")
-    rng_file = path / f"rng-rank{dist.get_rank():05d}.pt"
-    if not rng_file.is_file():
-        raise FileNotFoundError(f"--resume: {rng_file} is missing (checkpoint written by another world size?)")
-    set_rng_state(torch.load(rng_file, weights_only=False))
+    rank = dist.get_rank()
+    file = path / rng_file(rank)
+    if not file.is_file() and (path / legacy_rng_file(rank)).is_file():
+        file = path / legacy_rng_file(rank)
+    if not file.is_file():
+        raise FileNotFoundError(f"--resume: {path / rng_file(rank)} is missing (checkpoint written by another world "
+                                "size?)")
+    set_rng_state(load_rng_file(file))
     return read_run_state(path)

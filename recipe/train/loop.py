@@ -10,9 +10,16 @@ Reliability. Resume continues exactly: the step counter is the data position (``
 checkpoint holds the engine state, every rank's RNG and the vocabulary map; a checkpoint of another layout or data is
 refused before DeepSpeed touches it, and so is a resume for another run length (with an LR scheduler) unless
 ``--extend`` re-plans the schedule (:meth:`Trainer._replan_schedule`). SIGTERM/SIGINT stop all ranks after the same
-step, save and return ``EXIT_INTERRUPTED`` (``recipe.train.signals``). A NaN/inf loss on any rank (checked before
-backward, agreed over the world) stops with the step and sample indices, or with ``--skip-nonfinite`` skips the step
-(engine untouched) and is counted in metrics.jsonl (``"skipped"``) and at the end.
+step, save and return ``EXIT_INTERRUPTED`` (``recipe.train.signals``). A NaN/inf loss on any rank stops with the
+step and sample indices, or with ``--skip-nonfinite`` skips the step (engine untouched) and is counted in
+metrics.jsonl (``"skipped"``) and at the end. The finite flags of the micro-batches stay on the device and are agreed
+over the world ONCE per optimizer step, after the forward of the last micro-batch and before its backward (so before
+the optimizer step; with ``--skip-nonfinite``, which needs one micro-batch per step, before any backward).
+
+Host syncs. Per optimizer step the loop reads the device once for that agreement and once at the end for the
+metrics (plus the grad norm); the loss sums, correct counts and the global valid counts stay on the device in between.
+Offline, the step's valid counts come from the host tokens before any batch is on the device, and the micro-batches
+are built one at a time, the next one's store reads in a background thread (``recipe.train.batches.StepBatches``).
 """
 from __future__ import annotations
 
@@ -27,6 +34,7 @@ from rich.markup import escape
 
 from recipe.cli import TrainArgs
 from recipe.export import export_tensors, write_export
+from recipe.io_errors import WriteError
 from recipe.model.ttt import ttt_objective
 from recipe.parallel.parallelize import gather_full_state
 from recipe.plot import plot_note
@@ -34,6 +42,7 @@ from recipe.train import checkpoint
 from recipe.train.metrics import MetricsLog, TrainProgress, ttt_metrics
 from recipe.train.monitor import StepMonitor
 from recipe.train.oom import StepOutOfMemory, out_of_memory_message
+from recipe.train.batches import StepBatches
 from recipe.train.sampler import rank_micro_batches
 from recipe.train.setup import RunParts
 from recipe.train.signals import EXIT_INTERRUPTED, StopRequest
@@ -174,17 +183,21 @@ class Trainer:
                 "seed": self.settings.seed, "total_steps": total,
                 "zero_stage": self.engine.zero_optimization_stage(),
                 "aux_layer_ids": list(self.parts.draft_config.aux_layer_ids),
-                "freeze_lm_head": self.settings.freeze_lm_head}
+                "freeze_lm_head": self.settings.freeze_lm_head, **self.parts.run_identity}
 
-    def _nonfinite(self, loss_sum_K: torch.Tensor, micro: int, indices: list[int]) -> str | None:
-        """Collective over the world: None if every rank's loss is finite, else a description naming the step,
-        the ranks and their samples (dataset indices; source rows in online mode)."""
-        flags = torch.zeros(dist.get_world_size(), dtype=torch.int32)
-        flags[dist.get_rank()] = int(not torch.isfinite(loss_sum_K.detach()).all())
-        flags = self.pstate.comm.sum(flags)
-        bad_ranks = flags.nonzero().flatten().tolist()
-        if not bad_ranks:
+    def _nonfinite(self, bad_M: torch.Tensor, indices: list[int]) -> str | None:
+        """Collective over the world, once per step: None if every rank's loss was finite in every micro-batch, else
+        a description naming the step, the first micro-batch with a non-finite loss, its ranks and their samples
+        (dataset indices; source rows in online mode). ``bad_M``: [M] bool, this rank's non-finite flag per
+        micro-batch, on the device; the agreed [world, M] table is read back to the host once."""
+        device = self.pstate.device
+        table = torch.zeros(dist.get_world_size(), bad_M.shape[0], dtype=torch.int32, device=device)
+        table[dist.get_rank()] = bad_M.to(device=device, dtype=torch.int32)
+        table = self.pstate.comm.sum(table).cpu()  # the step's one device->host read for the check
+        if not table.any():
             return None
+        micro = int(table.any(dim=0).nonzero()[0])
+        bad_ranks = table[:, micro].nonzero().flatten().tolist()
         parts, d, p = self.parts, self.config.dims, self.config.plan
         samples = set()
         for r in bad_ranks:
@@ -201,37 +214,40 @@ class Trainer:
         indices = parts.sampler.step_indices(self.step)
         micro = rank_micro_batches(indices, p.micro_batch, p.grad_accum, d.dp, self.pstate.dp_rank)
         self.batch_shape = None  # (samples, padded tokens) of this rank's micro-batch, for an out-of-memory report
-        batches = [parts.builder.build(ix) for ix in micro]
-        self.batch_shape = (max(b.samples for b in batches),  # each cp rank holds 1/cp of the padded sequence
-                            max(b.ttt.input_ids_KBS.shape[-1] for b in batches) * d.cp)
-        local_valid = torch.stack([b.ttt.valid_KBS.sum(dim=(1, 2)) for b in batches]).sum(0).double()
-        comm = self.pstate.comm
-        n_valid = comm.sum(local_valid, self.pstate.dp_cp_group)
+        batches = StepBatches(parts.builder, micro)  # the counts now; the device batches one at a time below
+        self.batch_shape = batches.shape  # each cp rank holds 1/cp of the padded sequence
+        comm, device = self.pstate.comm, self.pstate.device
+        # the global valid counts stay on the device: every micro-batch's objective divides by them
+        n_valid = comm.sum(batches.local_valid_K.to(device, non_blocking=True).double(), self.pstate.dp_cp_group)
         scale = d.dp_cp * p.grad_accum
-        loss_sum = torch.zeros(K, dtype=torch.float64)
-        correct = torch.zeros(K, dtype=torch.float64)
+        loss_sum = torch.zeros(K, dtype=torch.float64, device=device)
+        correct = torch.zeros(K, dtype=torch.float64, device=device)
+        bad = []  # per micro-batch: 0-d bool on the device, this rank's loss was non-finite
         own_norm = self.engine.zero_optimization_stage() == 0 and not self.engine.bfloat16_enabled()
         grad_norm = None
         for m, b in enumerate(batches):
             out = self.engine(b.ttt)
-            problem = self._nonfinite(out.loss_sum_K, m, indices)
-            if problem is not None:
-                if not self.settings.skip_nonfinite:
-                    raise NonFiniteLossError(f"{problem}; stopped before the optimizer step (pass --skip-nonfinite "
-                                             "to skip such steps)")
-                # grad_accum == 1 (checked at start): nothing was back-propagated, the engine is untouched
-                return {"skipped": problem, "samples": len(indices)}
+            bad.append(~torch.isfinite(out.loss_sum_K.detach()).all())
+            if m == len(micro) - 1:  # after the last forward, before its backward and the optimizer step
+                problem = self._nonfinite(torch.stack(bad), indices)
+                if problem is not None:
+                    if not self.settings.skip_nonfinite:
+                        raise NonFiniteLossError(f"{problem}; stopped before the optimizer step (pass "
+                                                 "--skip-nonfinite to skip such steps)")
+                    # grad_accum == 1 (checked at start): nothing was back-propagated, the engine is untouched
+                    return {"skipped": problem, "samples": len(indices)}
             loss = ttt_objective(out, n_valid.to(out.loss_sum_K.device)) * scale
             self.engine.backward(loss)
             if own_norm and self.engine.is_gradient_accumulation_boundary():
                 grad_norm = zero0_grad_norm(self.engine, comm, self.pstate.tp_group)
             self.engine.step()
-            loss_sum += out.loss_sum_K.detach().double().cpu()
-            correct += out.correct_K.detach().double().cpu()
+            loss_sum += out.loss_sum_K.detach().double().to(device)
+            correct += out.correct_K.detach().double().to(device)
         # one sum per group: loss and correct over dp×cp (cp ranks hold parts of a sample), token counts over dp
-        loss_sum, correct = comm.sum(torch.stack([loss_sum, correct]), self.pstate.dp_cp_group)
-        local_counts = torch.cat([torch.stack([b.supervised_K for b in batches]).sum(0).double(),
-                                  torch.tensor([sum(b.supervised_tokens for b in batches)], dtype=torch.float64)])
+        loss_sum, correct, n_valid = torch.cat([comm.sum(torch.stack([loss_sum, correct]), self.pstate.dp_cp_group),
+                                                n_valid[None]]).cpu()  # the metrics' one device->host read
+        local_counts = torch.cat([batches.supervised_K.double(),
+                                  torch.tensor([batches.supervised_tokens], dtype=torch.float64)])
         counts = comm.sum(local_counts, self.pstate.dp_group)
         if grad_norm is None:
             grad_norm = self.engine.get_global_grad_norm()
@@ -254,19 +270,34 @@ class Trainer:
     def lr(self) -> float:
         return float(self.engine.get_lr()[0])
 
-    def save(self) -> dict[str, torch.Tensor]:
-        """Checkpoint the current step (collective); return the full draft state it gathered."""
+    def save(self, attempts: int = 1) -> dict[str, torch.Tensor]:
+        """Checkpoint the current step (collective); return the full draft state it gathered. A log write that
+        failed since the last checkpoint (``metrics.jsonl``, monitor files) is retried first and, still failing,
+        fails the save (the checkpoint would follow a gap in the logs). ``attempts`` > 1 (the end of the run):
+        a failed save is tried again, with a line saying so. Raises CheckpointError after the last attempt."""
         state = gather_full_state(self.engine, self.pstate)
         vocab = {"d2t": self.parts.vocab.d2t, "t2d": self.parts.vocab.t2d}
-        checkpoint.save(self.engine, self.pstate.comm, self.settings.output / "checkpoints", self.step,
-                        self.run_state(self.step), state if self.rank0 else None,
-                        self.parts.draft_config.to_hf_dict(), vocab, keep=self.settings.keep_checkpoints,
-                        extra_files={"run_config.json": self.settings.output / "run_config.json"})
+        for attempt in range(1, attempts + 1):
+            logs = "; ".join(e for e in (self.metrics.flush(), self.monitor.error) if e) if self.rank0 else ""
+            try:
+                checkpoint.save(self.engine, self.pstate.comm, self.settings.output / "checkpoints", self.step,
+                                self.run_state(self.step), state if self.rank0 else None,
+                                self.parts.draft_config.to_hf_dict(), vocab, keep=self.settings.keep_checkpoints,
+                                extra_files={"run_config.json": self.settings.output / "run_config.json"},
+                                pending_error=logs or None)
+                return state
+            except checkpoint.CheckpointError as exc:
+                if attempt == attempts:
+                    raise
+                if self.rank0:
+                    self.console.print(f"[yellow]warning[/yellow]: {escape(str(exc))}; trying once more")
         return state
 
     def train(self) -> int:
         """Train to the last step, save and export; return 0. On SIGTERM/SIGINT (any rank) every rank stops after
-        the same step and saves a checkpoint; return :data:`recipe.train.signals.EXIT_INTERRUPTED`."""
+        the same step and saves a checkpoint; return :data:`recipe.train.signals.EXIT_INTERRUPTED`. The final save
+        and the export are each retried once; failing again they raise ``recipe.io_errors.WriteError``
+        (``run.py``: ``EXIT_WRITE_FAILED``), ``latest`` naming the last complete checkpoint."""
         parts, settings, total = self.parts, self.settings, self.config.total_steps
         progress = TrainProgress(total, self.step, self.rank0, self.console, log_every=settings.log_every)
         epoch = parts.sampler.epoch_of(self.step)
@@ -308,7 +339,7 @@ class Trainer:
             finally:
                 progress.close()
                 self.monitor.close()
-            final_state = self.save()
+            final_state = self.save(attempts=2)  # the end of the run: a failed save is retried once
         if self.rank0 and self.skipped_steps:
             self.console.print(f"skipped {len(self.skipped_steps)} step(s) with a non-finite loss: "
                                f"{self.skipped_steps}")
@@ -324,12 +355,36 @@ class Trainer:
         return 0
 
     def export(self, state: dict[str, torch.Tensor]) -> None:
-        """Write OUTPUT/export from the full draft state (rank 0), then barrier."""
+        """Write OUTPUT/export from the full draft state (rank 0; a write failure is retried once), then agree
+        (collective): every rank raises ``recipe.io_errors.WriteError`` when the export could not be written (the
+        final checkpoint is saved: ``python -m recipe.export`` makes the export from it), ValueError when the
+        tensors make a broken export."""
+        failure = None
         if self.rank0:
-            out = write_export(export_tensors(state), self.parts.draft_config.to_hf_dict(),
-                               self.settings.output / "export")
-            self.console.print(f"export written to {out}")
-        self.pstate.comm.barrier()
+            for attempt in (1, 2):
+                try:
+                    out = write_export(export_tensors(state), self.parts.draft_config.to_hf_dict(),
+                                       self.settings.output / "export")
+                    self.console.print(f"export written to {out}")
+                    failure = None
+                    break
+                except WriteError as exc:
+                    failure = ("write", str(exc))
+                    if attempt == 1:
+                        self.console.print(f"[yellow]warning[/yellow]: writing the export failed ({escape(str(exc))})"
+                                           "; trying once more")
+                except ValueError as exc:
+                    failure = ("value", str(exc))
+                    break
+        failure = self.pstate.comm.all_gather_object(failure)[0]
+        if failure is not None:
+            kind, message = failure
+            if kind == "value":
+                raise ValueError(message)
+            ckpt = self.settings.output / "checkpoints" / checkpoint.tag_for(self.step)
+            raise WriteError(f"writing the export failed twice ({message}); the run is not complete, but its final "
+                             f"checkpoint {ckpt} is saved: `python -m recipe.export {ckpt} "
+                             f"{self.settings.output / 'export'}` writes the export once there is room")
 
 
 def plan_summary(parts: RunParts) -> str:

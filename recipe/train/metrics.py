@@ -6,6 +6,7 @@ different parallel layouts compare line by line.
 from __future__ import annotations
 
 import json
+import os
 import time
 from pathlib import Path
 
@@ -13,6 +14,8 @@ import torch
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
+
+from recipe.io_errors import WriteError, writing
 
 
 def ttt_metrics(loss_sum_K: torch.Tensor, correct_K: torch.Tensor, valid_K: torch.Tensor,
@@ -33,14 +36,20 @@ def ttt_metrics(loss_sum_K: torch.Tensor, correct_K: torch.Tensor, valid_K: torc
 class MetricsLog:
     """Appends one JSON object per optimizer step to ``path``; with ``enabled=False`` (ranks > 0) does nothing.
 
-    On resume the file is truncated to the steps before the resume point, so it never holds a step twice.
+    On resume the file is truncated to the steps before the resume point, so it never holds a step twice. A write
+    that fails (disk full, I/O error, permission) loses nothing and raises nothing: the file is cut back to its last
+    complete line, the records are kept in memory and written before the next one; :meth:`flush` retries and returns
+    the failure still unresolved (``"PATH: cause (...)"``, ``recipe.io_errors``), which the loop reports at the next
+    checkpoint (collective, so every rank stops together).
     """
 
     def __init__(self, path: Path, enabled: bool, resume_step: int = 0):
         self.path, self.enabled = Path(path), enabled
+        self.error: str | None = None
+        self._pending: list[tuple[int, str]] = []  # (step, line) not yet in the file
+        self._rewrite: str | None = None  # the truncated file's text, not yet written
         if not enabled:
             return
-        self.path.parent.mkdir(parents=True, exist_ok=True)
         kept = []
         if resume_step and self.path.is_file():
             for line in self.path.read_text().splitlines():
@@ -49,12 +58,48 @@ class MetricsLog:
                         kept.append(line)
                 except (json.JSONDecodeError, KeyError):
                     continue
-        self.path.write_text("".join(line + "\n" for line in kept))
+        self._rewrite = "".join(line + "\n" for line in kept)
+        self._flush()
+
+    def _flush(self) -> None:
+        try:
+            with writing(self.path):
+                if self._rewrite is not None:
+                    self.path.parent.mkdir(parents=True, exist_ok=True)
+                    self.path.write_text(self._rewrite)
+                    self._rewrite = None
+                if self._pending:
+                    self._append("".join(line for _, line in self._pending).encode())
+                    self._pending = []
+            self.error = None
+        except WriteError as exc:
+            first = f" (the records from step {self._pending[0][0]} on are kept in memory)" if self._pending else ""
+            self.error = f"{exc}{first}"
+
+    def _append(self, data: bytes) -> None:
+        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            start = os.fstat(fd).st_size
+            try:
+                view = memoryview(data)
+                while view:
+                    view = view[os.write(fd, view):]
+            except OSError:
+                os.ftruncate(fd, start)  # no half line: the retry appends the whole records again
+                raise
+        finally:
+            os.close(fd)
 
     def write(self, record: dict) -> None:
         if self.enabled:
-            with self.path.open("a") as f:
-                f.write(json.dumps(record) + "\n")
+            self._pending.append((record.get("step", -1), json.dumps(record) + "\n"))
+            self._flush()
+
+    def flush(self) -> str | None:
+        """Write what is still in memory; return the failure that remains (None: every record is in the file)."""
+        if self.enabled:
+            self._flush()
+        return self.error
 
 
 class TrainProgress:

@@ -24,12 +24,18 @@ default, the working directory) means the run folder ``--output``. On resume the
 to the checkpoint (as ``metrics.jsonl``), so no step appears twice, and the new TensorBoard event file starts with
 the restart marker ``SummaryWriter(purge_step=...)`` writes (``SessionLog.START`` at the first resumed step), so
 TensorBoard's readers drop the older file's events from that step on (steps run after the checkpoint before a crash).
+
+A monitor that cannot write (disk full, permission) raises nothing: the first failure is kept in
+``StepMonitor.error`` (the folder and the cause), the monitors write nothing more, and the loop reports it at the
+next checkpoint, which is then not written (``recipe.train.checkpoint.save``'s ``pending_error``).
 """
 from __future__ import annotations
 
 import copy
 import csv
 from pathlib import Path
+
+from recipe.io_errors import WriteError, writing
 
 PREFIX = "Train/Steps/"
 PATH_SECTIONS = ("tensorboard", "csv_monitor")  # the sections with an output_path
@@ -97,8 +103,19 @@ class StepMonitor:
 
         self.config = get_monitor_config(resolve_paths(sections, Path(output)))
         self.master = None
+        self.error: str | None = None  # the first write failure ("PATH: cause ..."); later events are not written
         if not (self.config.enabled and rank0):
             return
+        folders = [Path(c.output_path) / c.job_name for c in (self.config.tensorboard, self.config.csv_monitor)
+                   if c.enabled]
+        self.where = ", ".join(str(f) for f in folders) or "DeepSpeed monitor"
+        try:
+            with writing(self.where):
+                self._start(resume_step)
+        except WriteError as exc:
+            self.master, self.error = None, f"{exc} (monitor files)"
+
+    def _start(self, resume_step: int) -> None:
         kept = []
         if self.config.csv_monitor.enabled:
             c = self.config.csv_monitor
@@ -121,14 +138,23 @@ class StepMonitor:
         return self.master is not None
 
     def write(self, record: dict) -> None:
-        """Write one metrics.jsonl record's events (:func:`step_events`)."""
-        if self.master is not None:
+        """Write one metrics.jsonl record's events (:func:`step_events`). A failure is kept in :attr:`error` (the
+        loop reports it at the next checkpoint) and the monitors write nothing more."""
+        if self.master is not None and self.error is None:
             events = step_events(record)
             if events:
-                self.master.write_events(events)
+                try:
+                    with writing(self.where):
+                        self.master.write_events(events)
+                except WriteError as exc:
+                    self.error = f"{exc} (monitor events from step {record['step']} on are not written)"
 
     def close(self) -> None:
         """Flush and close the TensorBoard event file (the CSV monitor writes through on every event)."""
         tb = self.master.tb_monitor if self.master is not None else None
         if tb is not None and tb.summary_writer is not None:
-            tb.summary_writer.close()
+            try:
+                with writing(self.where):
+                    tb.summary_writer.close()
+            except WriteError as exc:
+                self.error = self.error or f"{exc} (closing the TensorBoard event file)"

@@ -5,8 +5,10 @@ them, so every (tp, cp, dp) layout and ZeRO stage starts from the same weights.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
-from dataclasses import dataclass
+import shutil
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import deepspeed
@@ -19,6 +21,7 @@ from recipe.cli import TrainArgs
 from recipe.data.vocab import VocabMap, build_vocab_map, vocab_coverage_report
 from recipe.model.draft import Eagle3Draft
 from recipe.model.draft_config import Eagle3DraftConfig, load_draft_config_overrides
+from recipe.model.target import target_fingerprint
 from recipe.model.target_head import final_logit_softcap, load_embedding_and_head
 from recipe.model.ttt import TTTModel
 from recipe.parallel.parallelize import parallelize
@@ -45,17 +48,116 @@ class RunParts:
     data_fingerprint: str
     resume_from: Path | None
     validator: object | None = None  # recipe.train.validation.Validator of the held-out split (None: no validation)
+    # what the run is made of beyond its flags, recorded in every checkpoint's run state and compared on resume
+    # (recipe.train.checkpoint.COMPAT_KEYS): the target's weight fingerprint and the draft geometry
+    run_identity: dict = field(default_factory=dict)
 
 
 def rank0_first(fn, comm):
     """Run ``fn`` on global rank 0, then on the others (so caches written by rank 0 are hits elsewhere); the
-    barriers go through ``comm`` (the run's ``recipe.parallel.collectives.Collectives``)."""
+    agreement goes through ``comm`` (the run's ``recipe.parallel.collectives.Collectives``). When ``fn`` raises on
+    rank 0, the other ranks raise a ValueError with its message instead of running ``fn`` (rather than waiting for
+    rank 0 forever)."""
     if dist.get_rank() == 0:
-        out = fn()
-        comm.barrier()
+        try:
+            out = fn()
+        except Exception as exc:
+            comm.all_gather_object(exc.args[0] if isinstance(exc, KeyError) and exc.args else str(exc))
+            raise
+        comm.all_gather_object(None)
         return out
-    comm.barrier()
+    failure = comm.all_gather_object(None)[0]
+    if failure is not None:
+        raise ValueError(failure)
     return fn()
+
+
+# What a run writes into --output that a new run (without --resume) would overwrite, and --overwrite deletes; the
+# tokenised-data cache (OUTPUT/cache) is content-addressed and kept.
+RUN_ARTEFACTS = ("checkpoints", "metrics.jsonl", "run_config.json", "export", "curves.png")
+
+
+def existing_run(output: Path) -> list[str]:
+    """What of a previous run ``output`` holds: a non-empty metrics.jsonl, ``checkpoints/step-*`` folders and the
+    ``checkpoints/latest`` marker (an empty metrics.jsonl, left by a run that stopped before its first step, is no
+    run). Reads only."""
+    found = []
+    metrics = output / "metrics.jsonl"
+    try:
+        if metrics.is_file() and metrics.stat().st_size:
+            with metrics.open("rb") as f:
+                if f.read(4096).strip():
+                    found.append("metrics.jsonl")
+    except OSError:
+        found.append("metrics.jsonl")
+    root = output / "checkpoints"
+    steps = sorted(p.name for p in root.glob("step-*") if p.is_dir()) if root.is_dir() else []
+    if steps:
+        found.append(f"checkpoints/{steps[0]}" + (f" .. {steps[-1]} ({len(steps)} folders)" if len(steps) > 1 else ""))
+    if (root / checkpoint.LATEST).is_file():
+        found.append(f"checkpoints/{checkpoint.LATEST} -> {checkpoint.latest_tag(root)}")
+    return found
+
+
+def _refusal(args: TrainArgs) -> str | None:
+    """Rank 0's decision for ``--output``: None when the run may write there, else the message naming the folder,
+    what it holds and the choices."""
+    if args.resume is not None or args.overwrite:
+        return None
+    found = existing_run(args.output)
+    if not found:
+        return None
+    latest = checkpoint.latest_tag(args.output / "checkpoints") if (args.output / "checkpoints").is_dir() else None
+    resume = (f"continue it with --resume (from {latest})" if latest else
+              "--resume is not possible (no complete checkpoint)")
+    return (f"--output {args.output} already holds a run ({', '.join(found)}); without --resume this run would "
+            f"overwrite it. Choose: {resume}; write to a new --output folder; or pass --overwrite to delete the old "
+            "run's checkpoints and metrics first")
+
+
+def _probe_writable(output: Path) -> str | None:
+    """None when ``output`` can be created and written (a temporary probe file, deleted), else why not."""
+    import tempfile
+
+    try:
+        output.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=output, prefix=".write-probe-"):
+            pass
+    except OSError as exc:
+        return f"--output {output}: not a writable folder ({exc.strerror or exc})"
+    return None
+
+
+def check_output(args: TrainArgs, comm) -> None:
+    """Collective over the world (through ``comm``), before the run writes anything into ``--output``: refuse a run
+    without ``--resume`` into a folder that holds a previous run (:func:`existing_run`; rank 0 decides, every rank
+    raises its message) unless ``--overwrite`` is given, and a folder some rank cannot write (each rank probes its
+    own view). Raises ValueError naming the folder and the choices (``--resume``, a new ``--output``,
+    ``--overwrite``). The old run is deleted only once the run is built (:func:`write_resolved_config`)."""
+    rank = dist.get_rank()
+    refusal = _refusal(args) if rank == 0 else None
+    reports = comm.all_gather_object((refusal, _probe_writable(args.output)))
+    if reports[0][0] is not None:
+        raise ValueError(reports[0][0])
+    failed = [(r, probe) for r, (_, probe) in enumerate(reports) if probe is not None]
+    if failed:
+        r, probe = failed[0]
+        raise ValueError(probe + (f" on rank {r}" if len(reports) > 1 else ""))
+
+
+def clear_previous_run(output: Path) -> list[str]:
+    """Delete the :data:`RUN_ARTEFACTS` of a previous run in ``output`` (``--overwrite``); return what was there."""
+    removed = []
+    for name in RUN_ARTEFACTS:
+        path = output / name
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path)
+        elif path.exists() or path.is_symlink():
+            path.unlink()
+        else:
+            continue
+        removed.append(name)
+    return removed
 
 
 def _data(args: TrainArgs, console: Console, comm):
@@ -105,16 +207,32 @@ def build_run(args: TrainArgs, device: torch.device, console: Console) -> RunPar
     config = config.for_device(device)
     dims, memory = config.dims, config.memory
     pstate = ParallelState(dims, device)
+    check_output(args, pstate.comm)  # before anything is written into --output
 
     examples, store, fingerprint = _data(args, console, pstate.comm)
     examples, store, eval_examples, eval_store, eval_tag = held_out_data(args, examples, store, console, pstate.comm)
     fingerprint += f":{eval_tag}:{len(examples) if examples is not None else len(store)}" if eval_tag else ""
     embed_VH, lm_head_VH, hf_config = load_embedding_and_head(args.target)
+    notes = []
     if store is not None:
-        store.check_compatible(args.target, args.aux_layer_ids)
+        notes.append(store.check_compatible(args.target, args.aux_layer_ids))
 
     resume_from = checkpoint.resolve(args.resume, args.output / "checkpoints") if args.resume else None
     draft_vocab = min(args.draft_vocab_size, hf_config.vocab_size)
+    overrides = load_draft_config_overrides(args.draft_config) if args.draft_config else {}
+    if args.aux_layer_ids:
+        overrides["aux_layer_ids"] = list(args.aux_layer_ids)
+    elif store is not None:
+        overrides.setdefault("aux_layer_ids", list(store.aux_layer_ids))
+    draft_config = Eagle3DraftConfig.from_target_config(hf_config, draft_vocab, overrides)
+    identity = {"target_fingerprint": target_fingerprint(args.target),
+                "draft_config": json.loads(json.dumps(dataclasses.asdict(draft_config)))}  # as run_state.json holds it
+    if resume_from is not None:  # before the checkpoint's vocabulary map, the draft or DeepSpeed touch anything
+        notes.append(checkpoint.check_compatible(checkpoint.read_run_state(resume_from), identity, resume_from,
+                                                 keys=tuple(identity)))
+    if dist.get_rank() == 0:
+        for note in filter(None, notes):
+            console.print(note)
     if resume_from is not None:
         vocab = VocabMap.load(resume_from / checkpoint.VOCAB_FILE)
     else:
@@ -125,12 +243,6 @@ def build_run(args: TrainArgs, device: torch.device, console: Console) -> RunPar
         if dist.get_rank() == 0:
             console.print(vocab_coverage_report(rows, vocab, store))
 
-    overrides = load_draft_config_overrides(args.draft_config) if args.draft_config else {}
-    if args.aux_layer_ids:
-        overrides["aux_layer_ids"] = list(args.aux_layer_ids)
-    elif store is not None:
-        overrides.setdefault("aux_layer_ids", list(store.aux_layer_ids))
-    draft_config = Eagle3DraftConfig.from_target_config(hf_config, draft_vocab, overrides)
     draft = Eagle3Draft(draft_config, seed=args.seed)
     draft.load_target_embeddings(embed_VH)
     draft.set_vocab_map(vocab.d2t, vocab.t2d)
@@ -171,15 +283,20 @@ def build_run(args: TrainArgs, device: torch.device, console: Console) -> RunPar
                                            mpu=pstate.mpu())
     return RunParts(config=config, pstate=pstate, draft_config=draft_config, vocab=vocab, builder=builder,
                     sampler=sampler, engine=engine, data_fingerprint=fingerprint, resume_from=resume_from,
-                    validator=validator)
+                    validator=validator, run_identity=identity)
 
 
-def write_resolved_config(args: TrainArgs, parts: RunParts) -> None:
+def write_resolved_config(args: TrainArgs, parts: RunParts, console: Console | None = None) -> None:
     """OUTPUT/run_config.json (rank 0): ``args`` (the flags), the resolved settings (``RunConfig.record``:
     ``deepspeed``, ``parallelism``, ``batch``, ``memory``, ``dtype``, ``total_steps``, ``monitor``, ``target``) and
-    ``draft_config``."""
+    ``draft_config``. Call it once every check has passed (after the ``Trainer`` is built: a refused resume leaves
+    the folder as it was). With ``--overwrite`` it first deletes the previous run's :data:`RUN_ARTEFACTS`."""
     if dist.get_rank() != 0:
         return
+    if getattr(args, "overwrite", False):
+        removed = clear_previous_run(args.output)
+        if removed and console is not None:
+            console.print(f"--overwrite: deleted the previous run's {', '.join(removed)} in {args.output}")
     record = {"args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
               **parts.config.record(), "draft_config": parts.draft_config.to_hf_dict()}
     args.output.mkdir(parents=True, exist_ok=True)

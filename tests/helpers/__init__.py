@@ -8,5 +8,7 @@
 - ``parity``: the whole-draft TP / CP parity harness (single-process reference vs a (tp, cp) layout).
 - ``training``: DeepSpeed configs derived from the shipped ones, ``run.py`` argv, a ``run.main`` rank worker, curve
   comparison.
-- ``faults``: a ``run.main`` rank worker with injected faults (SIGTERM, NaN inputs, ENOSPC, environment).
+- ``faults``: a ``run.main`` rank worker with injected faults (SIGTERM, NaN inputs, ENOSPC, write failures of
+  DeepSpeed's ``torch.save`` / safetensors / metrics.jsonl (``WriteFault``), environment, a function run before
+  a job).
 """

@@ -1,8 +1,10 @@
 """A ``run_ranks`` worker that runs several ``run.main`` jobs in one process group, each optionally with a fault: a
-SIGTERM to rank 0 after a given step, NaN hidden states for one sample, ENOSPC on rank 0's checkpoint write, a CUDA
-out-of-memory error from the engine's forward at a given step, or environment variables (e.g.
-``RECIPE_CHECKPOINT_FAULT``). Returns per job: exit code (or the exception's class name), the captured stderr and,
-on rank 0, the metrics.jsonl records."""
+SIGTERM to rank 0 after a given step, NaN hidden states for one sample, ENOSPC on rank 0's checkpoint write, write
+failures of a given kind, path and count on a given rank (:class:`WriteFault`: DeepSpeed's ``torch.save`` failing like
+on a full disk, safetensors' ``save_file`` of the checkpoint or the export), a CUDA out-of-memory error from the
+engine's forward at a given step, environment variables (e.g. ``RECIPE_CHECKPOINT_FAULT``), or a function run on
+rank 0 before the job (e.g. damaging a checkpoint). Returns per job: exit code (or the exception's class name), the
+captured stderr and, on rank 0, the metrics.jsonl records."""
 from __future__ import annotations
 
 import contextlib
@@ -17,6 +19,23 @@ from pathlib import Path
 from helpers.training import ROOT
 
 
+TORCH_FULL_DISK = "[enforce fail at inline_container.cc:672] . unexpected pos 576 vs 534"  # torch.save, disk full
+SAFETENSORS_FULL_DISK = "Error while serializing: I/O error: No space left on device (os error 28)"
+
+
+@dataclass(frozen=True)
+class WriteFault:
+    """Writes of ``where`` whose path contains ``match`` fail on ``rank``: the first ``times`` of them (None: all).
+    ``where``: ``"deepspeed"`` (``torch.save``, which DeepSpeed's checkpoint engine calls: a few bytes are written,
+    then torch's full-disk RuntimeError), ``"checkpoint"`` (safetensors' ``save_file`` of our checkpoint files),
+    ``"export"`` (``save_file`` of the export); both safetensors ones raise its full-disk SafetensorError;
+    ``"metrics"`` (``MetricsLog``'s append to metrics.jsonl: ENOSPC)."""
+    where: str
+    match: str = ""
+    times: int | None = None
+    rank: int = 0
+
+
 @dataclass
 class Job:
     argv: list[str]
@@ -25,6 +44,8 @@ class Job:
     enospc: bool = False                # rank 0's checkpoint writes fail with ENOSPC
     oom_at_step: int | None = None      # the engine's forward raises torch.OutOfMemoryError at this (1-based) call
     env: dict = field(default_factory=dict)
+    write_faults: list[WriteFault] = field(default_factory=list)
+    before: tuple | None = None         # (module-level function, *args): run on rank 0 before the job, then barrier
 
 
 @dataclass
@@ -46,7 +67,7 @@ def _faults(job: Job, rank: int):
     saved = {}
 
     def patch(obj, name, value):
-        saved[(obj, name)] = getattr(obj, name)
+        saved.setdefault((obj, name), getattr(obj, name))  # the original, even when patched twice
         setattr(obj, name, value)
 
     if job.sigterm_after is not None:
@@ -61,8 +82,8 @@ def _faults(job: Job, rank: int):
     if job.nan_sample is not None:
         build = batches.BatchBuilder.build
 
-        def build_nan(self, indices):
-            micro = build(self, indices)
+        def build_nan(self, indices, *args, **kwargs):
+            micro = build(self, indices, *args, **kwargs)
             if job.nan_sample in indices:
                 micro.ttt.aux_hidden_BSA[indices.index(job.nan_sample)] = float("nan")
             return micro
@@ -71,6 +92,44 @@ def _faults(job: Job, rank: int):
         def full_disk(tensors, filename, *args, **kwargs):
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), filename)
         patch(checkpoint, "save_file", full_disk)
+    for fault in job.write_faults:
+        if fault.rank != rank:
+            continue
+        count = [0]
+
+        def hit(path, fault=fault, count=count) -> bool:
+            if fault.match not in str(path) or (fault.times is not None and count[0] >= fault.times):
+                return False
+            count[0] += 1
+            return True
+        if fault.where == "metrics":
+            from recipe.train import metrics
+
+            def append(self, data, _append=metrics.MetricsLog._append, _hit=hit):
+                if _hit(self.path):
+                    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))  # as write() raises it: no file name
+                return _append(self, data)
+            patch(metrics.MetricsLog, "_append", append)
+        elif fault.where == "deepspeed":
+            import torch
+
+            def torch_save(obj, f, *args, _save=torch.save, _hit=hit, **kwargs):
+                if isinstance(f, (str, os.PathLike)) and _hit(f):
+                    Path(f).write_bytes(b"PK\x03\x04partial")  # a short file, as a full disk leaves it
+                    raise RuntimeError(TORCH_FULL_DISK)
+                return _save(obj, f, *args, **kwargs)
+            patch(torch, "save", torch_save)
+        else:
+            from safetensors import SafetensorError
+
+            import recipe.export as export_module
+            module = checkpoint if fault.where == "checkpoint" else export_module
+
+            def st_save(tensors, filename, *args, _save=getattr(module, "save_file"), _hit=hit, **kwargs):
+                if _hit(filename):
+                    raise SafetensorError(SAFETENSORS_FULL_DISK)
+                return _save(tensors, filename, *args, **kwargs)
+            patch(module, "save_file", st_save)
     if job.oom_at_step is not None:
         import torch
         from deepspeed.runtime.engine import DeepSpeedEngine
@@ -108,6 +167,12 @@ def run_jobs(rank: int, world_size: int, jobs: list[Job]) -> list[Outcome]:
 
     out = []
     for job in jobs:
+        if job.before is not None:
+            import torch.distributed as dist
+
+            if rank == 0:
+                job.before[0](*job.before[1:])
+            dist.barrier()
         err = io.StringIO()
         with _faults(job, rank), contextlib.redirect_stderr(err):
             try:

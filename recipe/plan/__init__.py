@@ -1,0 +1,263 @@
+"""``recipe.plan``: per-rank GPU memory plan of a training run, before it runs (``python -m recipe.plan``).
+
+Per rank, by component (bytes; GiB in the table):
+- ``draft_activations``: the training step's transient peak from a fake-tensor trace of the real rank-local step
+  (``recipe.plan.trace``), minus the gradients (counted under ZeRO): traced directly up to a cheap length
+  (:func:`trace_limit`), else extrapolated from two traced lengths (linear ``a + b·S``; dense attention three
+  lengths, quadratic).
+- ``weights`` / ``grads`` / ``optimizer`` / ``zero_buffers``: the draft's ZeRO states (``recipe.plan.states``).
+- ``batch``: the micro-batch's aux and last hidden states on the rank; ``target_weights`` / ``target_forward``: the
+  online target (none offline).
+- ``cuda_context`` / ``nccl`` / ``allocator_slack``: stated constants until a GPU calibrates them.
+``total = overheads + weights + grads + optimizer + zero_buffers + target_weights + batch + max(draft_activations,
+target_forward)`` (the target's forward ends before the draft's step begins); a layout fits when total ≤ the GPU.
+
+Public API: :func:`predict_step` (one ``recipe.bench.measure.BenchSpec`` row: the step bytes ``time_step`` would
+measure), :class:`PlanInputs` / :func:`load_inputs` (from a ds_config and a target), :func:`plan_rows` (the table
+of one layout) and :func:`longest_fit`.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+from recipe.bench.measure import DTYPES, BenchSpec
+from recipe.plan import states
+from recipe.plan.states import GIB, gpu_bytes
+from recipe.plan.trace import ActivationFit, fit_activation, is_dense, trace_lengths, trace_step, traced_backend
+
+__all__ = [
+    "GIB",
+    "PlanError",
+    "PlanInputs",
+    "gpu_bytes",
+    "layout_fit",
+    "load_inputs",
+    "longest_fit",
+    "plan_length",
+    "plan_rows",
+    "predict_step",
+    "trace_limit",
+]
+
+COMPONENTS = ("draft_activations", "weights", "grads", "optimizer", "zero_buffers", "batch", "target_weights",
+              "target_forward", "cuda_context", "nccl", "allocator_slack")
+
+
+class PlanError(ValueError):
+    """Bad planner input; the message names the input (the CLI prints it on one line and exits 2)."""
+
+
+def trace_limit(spec: BenchSpec) -> int:
+    """The longest whole-sequence length traced directly (tokens): 32768·cp for flex (the trace costs O(S)), 8
+    attention tiles per cp chunk for the tile loops (O((S/T)²) pairs), 16384 for dense attention; with the chunked
+    loss at most 16 loss chunks per rank (each a checkpointed region the trace walks twice)."""
+    if traced_backend(spec) == "flex":
+        limit = 32768 * spec.cp
+    elif is_dense(spec):
+        limit = 16384
+    else:
+        limit = 8 * spec.attention_tile * (2 * spec.cp if spec.cp > 1 else 1)
+    if "chunked" in spec.layout:
+        limit = min(limit, 16 * spec.loss_chunk_size * spec.cp)
+    return limit
+
+
+def layout_fit(spec: BenchSpec, upto: int | None = None) -> ActivationFit:
+    """The activation fit of ``spec``'s layout, traced at the longest cheap lengths (``trace_limit``, at most
+    ``upto``): two lengths L/2 and L (three for dense attention), multiples of ``trace.trace_lengths``'s unit."""
+    key = (dataclasses.replace(spec, seq_len=2 * spec.cp * spec.tp), upto)
+    if key not in _FITS:
+        _FITS[key] = _layout_fit(spec, upto)
+    return _FITS[key]
+
+
+_FITS: dict = {}  # (spec without its length, upto) -> ActivationFit: one fit per layout per process
+
+
+def _layout_fit(spec: BenchSpec, upto: int | None) -> ActivationFit:
+    base = trace_lengths(spec)
+    unit = base[0] // 2
+    top = min(trace_limit(spec), upto or trace_limit(spec))
+    top = max(base[-1], top // unit * unit)
+    if len(base) == 3:
+        lengths = [max(unit, top // 3 // unit * unit) * m for m in (1, 2, 3)]
+    else:
+        lengths = [max(unit, top // 2 // unit * unit), 0]
+        lengths[1] = max(top, 2 * lengths[0])
+    return fit_activation(spec, lengths)
+
+
+def predict_step(spec: BenchSpec, fit: ActivationFit | None = None) -> dict:
+    """The planner's prediction of one ``recipe.bench.measure`` row (``scripts/gpu_check.py``, ``python -m
+    recipe.bench memory``): ``{"step_bytes"`` (what ``time_step`` reports as ``step_bytes``: gradients +
+    activations of one forward + backward on rank 0, bytes), ``"peak_bytes"`` (+ the model and batch live before the
+    step: ``time_step``'s ``peak_bytes`` without the device's fixed overheads), ``"method"`` ("trace" or the fit's
+    kind), ``"params"`` (rank-local ``trainable`` / ``frozen`` counts)``}``. Traced directly when ``spec.seq_len`` ≤
+    ``trace_limit(spec)`` and no ``fit`` is given, else ``fit`` (default ``layout_fit(spec)``) at ``spec.seq_len``.
+    Raises ValueError for a spec BenchSpec or the trace rejects."""
+    if fit is None and spec.seq_len <= trace_limit(spec):
+        t = trace_step(spec)
+        return {"step_bytes": int(t.step_bytes), "peak_bytes": int(t.step_bytes + t.base_bytes), "method": "trace",
+                "params": t.params}
+    fit = fit or layout_fit(spec)
+    step = int(fit(spec.seq_len))
+    return {"step_bytes": step, "peak_bytes": int(step + fit.base(spec.seq_len)), "method": fit.kind,
+            "params": fit.traces[-1].params}
+
+
+@dataclass(frozen=True)
+class PlanInputs:
+    """Everything a plan reads: ``spec`` (draft geometry, layout, tp, cp, dtype, backend; its seq_len is replaced
+    per length), ``dp``, ``zero_stage``, ``reduce_bucket`` (elements), ``params`` (``states.DraftParams``),
+    ``target`` (``states.TargetShape``), ``offline``, ``partitioned_target``, ``gpu`` (name) and ``gpu_bytes``."""
+
+    spec: BenchSpec
+    dp: int
+    zero_stage: int
+    reduce_bucket: int
+    params: states.DraftParams
+    target: states.TargetShape
+    offline: bool
+    partitioned_target: bool
+    gpu: str
+    gpu_bytes: int
+
+    @property
+    def world(self) -> int:
+        return self.spec.tp * self.spec.cp * self.dp
+
+
+def _read_target_config(target: Path):
+    """The target's transformers config from a folder holding config.json or a config.json file."""
+    from transformers import AutoConfig
+
+    path = Path(target)
+    file = path / "config.json" if path.is_dir() else path
+    if not file.is_file():
+        raise PlanError(f"--target {target}: no such folder with a config.json, nor a config.json file")
+    try:
+        data = json.loads(file.read_text())
+        return AutoConfig.for_model(data.pop("model_type"), **data)
+    except (json.JSONDecodeError, KeyError, ValueError) as exc:
+        raise PlanError(f"--target {file}: not a transformers config.json ({exc})") from None
+
+
+def load_inputs(ds_config: Path, target: Path, gpu: str = "h200", world_size: int | None = None,
+                tp: int | None = None, cp: int | None = None, ttt_steps: int = 7, draft_vocab_size: int = 32000,
+                offline: bool = False, freeze_lm_head: bool = False) -> PlanInputs:
+    """Resolve a ds_config (``recipe.config.load_run_config``: parallelism, memory, target sections, batch, bf16,
+    ZeRO stage) and a target config into :class:`PlanInputs`, the draft geometry derived as run.py derives it
+    (``Eagle3DraftConfig.from_target_config``, draft vocab capped at V). ``tp`` / ``cp`` override the JSON's
+    parallelism; ``world_size`` defaults to tp·cp (dp = 1). The attention backend is resolved for CUDA ("auto" →
+    flex). Raises PlanError naming the input for a missing/bad file, layout or GPU name."""
+    from recipe.config import ConfigError, load_run_config, read_ds_config
+    from recipe.model.draft_config import Eagle3DraftConfig
+
+    try:
+        size = gpu_bytes(gpu)
+    except ValueError as exc:
+        raise PlanError(str(exc)) from None
+    if not Path(ds_config).is_file():
+        raise PlanError(f"--ds_config {ds_config}: no such file")
+    try:
+        _, section = read_ds_config(Path(ds_config))
+        tp = tp or int(section.get("tp_size") or 1)
+        cp = cp or int(section.get("cp_size") or 1)
+        world = world_size or tp * cp
+        config = load_run_config(Path(ds_config), world, {"tp_size": tp, "cp_size": cp}).for_device("cuda")
+    except (ConfigError, ValueError, TypeError) as exc:
+        raise PlanError(f"--ds_config {ds_config}: {exc}") from None
+    hf = _read_target_config(target)
+    try:
+        draft = Eagle3DraftConfig.from_target_config(hf, min(draft_vocab_size, int(hf.vocab_size)))
+    except (ValueError, TypeError) as exc:
+        raise PlanError(f"--target {target}: {exc}") from None
+    mem = config.memory
+    layout = {(False, False): "full", (True, False): "chunked", (False, True): "ckpt",
+              (True, True): "chunked+ckpt"}[(mem.loss_chunk_size is not None, mem.checkpoint_ttt_steps)]
+    dims = config.dims
+    try:
+        spec = BenchSpec(seq_len=2 * dims.cp * dims.tp, layout=layout, hidden=draft.hidden_size,
+                         heads=draft.num_attention_heads, kv_heads=draft.num_key_value_heads, head_dim=draft.head_dim,
+                         intermediate=draft.intermediate_size, draft_vocab=draft.draft_vocab_size,
+                         vocab=draft.vocab_size, target_hidden=draft.target_hidden_size, ttt_steps=ttt_steps,
+                         batch=config.plan.micro_batch, tp=dims.tp, cp=dims.cp,
+                         dtype="bf16" if config.bf16 else "fp32", loss_chunk_size=mem.loss_chunk_size or 1024,
+                         attention_tile=mem.attention_tile_size, attention_backend=mem.attention_backend)
+    except ValueError as exc:
+        raise PlanError(f"--ds_config {ds_config} with --target {target}: {exc}") from None
+    zero = config.deepspeed.get("zero_optimization") or {}
+    return PlanInputs(spec=spec, dp=dims.dp, zero_stage=int(zero.get("stage", 0)),
+                      reduce_bucket=int(zero.get("reduce_bucket_size", states.DEFAULT_REDUCE_BUCKET)),
+                      params=states.count_draft_params(draft, dims.tp, freeze_lm_head),
+                      target=states.target_shape(hf), offline=offline,
+                      partitioned_target=config.target.partitioned, gpu=str(gpu), gpu_bytes=size)
+
+
+def _check_length(inputs: PlanInputs, seq_len: int) -> None:
+    from recipe.parallel.dims import seq_divisor
+
+    div = seq_divisor(inputs.spec.cp, inputs.spec.tp)
+    if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 1 or seq_len % div:
+        raise PlanError(f"--length {seq_len!r}: must be a positive multiple of {div} (2·cp·tp with "
+                        f"cp={inputs.spec.cp}, tp={inputs.spec.tp})")
+
+
+def plan_length(inputs: PlanInputs, seq_len: int, fit: ActivationFit | None = None) -> dict:
+    """The plan at ``seq_len`` tokens: every ``COMPONENTS`` entry (bytes), ``total``, ``fits`` (total ≤ the GPU),
+    ``method`` of the activation figure. ``fit`` (default: a direct trace when cheap, else ``layout_fit``) as in
+    :func:`predict_step`. Raises PlanError for a length the layout cannot split."""
+    _check_length(inputs, seq_len)
+    spec = dataclasses.replace(inputs.spec, seq_len=seq_len)
+    step = predict_step(spec, fit)
+    w = DTYPES[spec.dtype].itemsize
+    tokens = spec.batch * seq_len // spec.cp
+    out = {"draft_activations": max(0, step["step_bytes"] - inputs.params.trainable * w)}
+    out.update(states.zero_states(inputs.params, inputs.zero_stage, spec.cp * inputs.dp, spec.dtype == "bf16",
+                                  inputs.reduce_bucket))
+    out["batch"] = states.batch_bytes(inputs.target, tokens, w, spec.ttt_steps)
+    out.update(states.target_bytes(inputs.target, tokens, inputs.world, inputs.partitioned_target, inputs.offline))
+    tensors = (sum(out[k] for k in ("weights", "grads", "optimizer", "zero_buffers", "batch", "target_weights"))
+               + max(out["draft_activations"], out["target_forward"]))
+    out.update(states.overheads(spec.tp, spec.cp, inputs.dp, tensors))
+    total = tensors + out["cuda_context"] + out["nccl"] + out["allocator_slack"]
+    return {"length": seq_len, **{k: int(out[k]) for k in COMPONENTS}, "total": int(total),
+            "fits": total <= inputs.gpu_bytes, "method": step["method"]}
+
+
+def longest_fit(inputs: PlanInputs, fit: ActivationFit | None = None, granularity: int = 1024,
+                limit: int = 1 << 24) -> int | None:
+    """The longest length (a multiple of lcm(``granularity``, 2·cp·tp), at most ``limit``) whose planned total
+    fits the GPU, from the layout's fit (``layout_fit``; totals are monotone in S, so a bisection); None when not
+    even the shortest fits."""
+    from recipe.parallel.dims import seq_divisor
+
+    fit = fit or layout_fit(inputs.spec)
+    step = math.lcm(granularity, seq_divisor(inputs.spec.cp, inputs.spec.tp))
+    lo, hi = 0, limit // step
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if plan_length(inputs, mid * step, fit)["fits"]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo * step if lo else None
+
+
+def plan_rows(inputs: PlanInputs, lengths: list[int]) -> dict:
+    """One layout's table: ``{"tp", "cp", "dp", "world", "layout", "backend", "fit": {a, b, c, kind,
+    trace_lengths}, "rows": [plan_length per length], "longest_fit"}``."""
+    for n in lengths:
+        _check_length(inputs, n)
+    spec = inputs.spec
+    fit = layout_fit(spec)
+    rows = [plan_length(inputs, n, None if n <= trace_limit(spec) else fit) for n in lengths]
+    return {"tp": spec.tp, "cp": spec.cp, "dp": inputs.dp, "world": inputs.world, "layout": spec.layout,
+            "backend": spec.attention_backend,
+            "fit": {"a": fit.a, "b": fit.b, "c": fit.c, "kind": fit.kind,
+                    "trace_lengths": [t.seq_len for t in fit.traces]},
+            "rows": rows, "longest_fit": longest_fit(inputs, fit)}

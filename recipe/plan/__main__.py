@@ -1,0 +1,131 @@
+"""``python -m recipe.plan --ds_config F --target DIR|config.json --length N[,N...] [--gpu h100|h200|a100-80g|<GiB>]
+[--world-size W] [--tp 1,2] [--cp 1,2,4] [--ttt-steps K] [--draft-vocab-size Vd] [--offline] [--freeze-lm-head]
+[--json OUT]``: the per-rank memory plan (``recipe.plan``) by component, whether it fits the GPU, and the longest
+length that fits each layout. ``--tp`` / ``--cp`` lists override the JSON's parallelism section, one table per
+(tp, cp). Bad input: one line naming it, exit status 2.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import sys
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+from recipe.plan import GIB, PlanError, load_inputs, plan_rows, states
+
+SHOWN = (("activations", ("draft_activations",)), ("ZeRO states", ("weights", "grads", "optimizer")),
+         ("ZeRO buffers", ("zero_buffers",)), ("batch", ("batch",)), ("target w", ("target_weights",)),
+         ("target fwd", ("target_forward",)), ("fixed", ("cuda_context", "nccl", "allocator_slack")))
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line, exit 2
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def _ints(text: str) -> list[int]:
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"bad list {text!r}: expected integers like 1,2") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"bad list {text!r}: expected positive integers like 1,2")
+    return values
+
+
+def _lengths(text: str) -> list[int]:
+    from recipe.bench.memory import length_list
+
+    return length_list(text)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="python -m recipe.plan", description=__doc__.split("\n\n")[0])
+    p.add_argument("--ds_config", "--ds-config", dest="ds_config", type=Path, required=True,
+                   help="the run's DeepSpeed JSON")
+    p.add_argument("--target", type=Path, required=True, help="target folder with config.json, or a config.json")
+    p.add_argument("--length", type=_lengths, required=True, help="tokens per sequence, e.g. 32k or 4k,8k,128k")
+    p.add_argument("--gpu", default="h200", help=f"one of {sorted(states.GPUS_MIB)} or a size in GiB")
+    p.add_argument("--world-size", type=int, help="ranks (default tp·cp, i.e. dp = 1)")
+    p.add_argument("--tp", type=_ints, help="tensor-parallel degree(s), overriding the JSON, e.g. 1,2")
+    p.add_argument("--cp", type=_ints, help="context-parallel degree(s), overriding the JSON, e.g. 1,2,4")
+    p.add_argument("--ttt-steps", type=int, default=7, help="TTT steps K (run.py's default 7)")
+    p.add_argument("--draft-vocab-size", type=int, default=32000, help="draft vocabulary (run.py's default 32000)")
+    p.add_argument("--offline", action="store_true", help="hidden states from a store: no target on the GPU")
+    p.add_argument("--freeze-lm-head", action="store_true", help="run.py's flag: lm_head is not trained")
+    p.add_argument("--json", type=Path, help="write the plan as JSON here")
+    return p
+
+
+def make_plan(args, argv: list[str]) -> dict:
+    """The JSON-ready plan of the parsed ``args`` (one table per (tp, cp)); PlanError for bad input."""
+    layouts = []
+    for tp in args.tp or [None]:
+        for cp in args.cp or [None]:
+            inputs = load_inputs(args.ds_config, args.target, args.gpu, args.world_size, tp, cp, args.ttt_steps,
+                                 args.draft_vocab_size, args.offline, args.freeze_lm_head)
+            layouts.append(plan_rows(inputs, args.length))
+    spec = inputs.spec
+    return {"command": "python -m recipe.plan " + " ".join(shlex.quote(a) for a in argv),
+            "gpu": {"name": args.gpu, "bytes": inputs.gpu_bytes, "gib": inputs.gpu_bytes / GIB},
+            "draft": {"hidden": spec.hidden, "heads": spec.heads, "kv_heads": spec.kv_heads,
+                      "intermediate": spec.intermediate, "draft_vocab": spec.draft_vocab, "vocab": spec.vocab,
+                      "ttt_steps": spec.ttt_steps, "dtype": spec.dtype, "micro_batch": spec.batch,
+                      "loss_chunk_size": spec.loss_chunk_size if "chunked" in spec.layout else None,
+                      "attention_tile_size": spec.attention_tile, "trainable_params": inputs.params.trainable,
+                      "frozen_params": inputs.params.frozen},
+            "zero_stage": inputs.zero_stage, "target_params": inputs.target.params, "offline": args.offline,
+            "partitioned_target": inputs.partitioned_target,
+            "constants": {"cuda_context_bytes": states.CUDA_CONTEXT_BYTES,
+                          "nccl_bytes_per_communicator": states.NCCL_BYTES_PER_COMMUNICATOR,
+                          "allocator_slack": states.ALLOCATOR_SLACK, "gpus_mib": states.GPUS_MIB,
+                          "note": "fixed overheads are stated constants until a GPU calibrates them"},
+            "layouts": layouts,
+            "longest_fit": {f"tp{t['tp']}_cp{t['cp']}": t["longest_fit"] for t in layouts}}
+
+
+def print_plan(plan: dict, console: Console) -> None:
+    for lay in plan["layouts"]:
+        table = Table(title=f"per-rank GiB, tp={lay['tp']} cp={lay['cp']} dp={lay['dp']}, {lay['layout']}, "
+                            f"{lay['backend']} attention, {plan['gpu']['name']} ({plan['gpu']['gib']:.1f} GiB)")
+        for col in ("length", *(name for name, _ in SHOWN), "total", "fits"):
+            table.add_column(col, justify="right", no_wrap=True)
+        for row in lay["rows"]:
+            cells = [f"{sum(row[k] for k in keys) / GIB:.2f}" for _, keys in SHOWN]
+            table.add_row(f"{row['length'] // 1024}k" if row["length"] % 1024 == 0 else str(row["length"]), *cells,
+                          f"{row['total'] / GIB:.2f}", "fits" if row["fits"] else "does not fit")
+        console.print(table)
+        best = lay["longest_fit"]
+        console.print(f"longest length that fits: {best if best else 'none'} tokens "
+                      f"(activation fit {lay['fit']['kind']}, traced at {lay['fit']['trace_lengths']})")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """CLI entry; returns 0, or 2 (with a one-line message) on bad input."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = build_parser().parse_args(argv)
+    if args.ttt_steps < 1 or args.draft_vocab_size < 1 or (args.world_size is not None and args.world_size < 1):
+        print("python -m recipe.plan: error: --ttt-steps, --draft-vocab-size and --world-size must be >= 1",
+              file=sys.stderr)
+        return 2
+    try:
+        plan = make_plan(args, argv)
+    except PlanError as exc:
+        print(f"python -m recipe.plan: error: {exc}", file=sys.stderr)
+        return 2
+    print_plan(plan, Console(width=None if sys.stdout.isatty() else 150))
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(plan, indent=1) + "\n")
+        print(f"wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    sys.exit(main())

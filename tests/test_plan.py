@@ -1,0 +1,158 @@
+"""recipe.plan: ZeRO arithmetic, parameter counts of the real draft, the CLI's errors, fits / longest length, the
+fake-process-group traces of tp2 and cp2, and (slow) the traced step against the CPU measurement of the same step."""
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from recipe.bench.measure import BenchSpec, build_model, run_measurement
+from recipe.model.draft_config import Eagle3DraftConfig
+from recipe.plan import GIB, PlanInputs, longest_fit, plan_length, predict_step, states
+from recipe.plan import __main__ as cli
+from recipe.plan.trace import trace_step
+
+ROOT = Path(__file__).resolve().parent.parent
+LLAMA_8B = ROOT / "tests" / "data" / "llama-3.1-8b-instruct"
+SMALL = {"hidden": 64, "heads": 4, "kv_heads": 2, "head_dim": 16, "intermediate": 128, "draft_vocab": 512,
+         "vocab": 640, "target_hidden": 64, "ttt_steps": 2, "loss_chunk_size": 64, "attention_tile": 32}
+
+
+def test_zero_states_per_stage_exact_bytes():
+    p = states.DraftParams(trainable=1000, frozen=600, head_buffer=50)
+    bf16 = {s: states.zero_states(p, s, dp_cp=4, bf16=True, reduce_bucket=300) for s in range(4)}
+    assert bf16[0] == {"weights": 1600 * 2 + 100, "grads": 2000, "optimizer": 12000, "zero_buffers": 0}
+    assert bf16[1] == {"weights": 3300, "grads": 2000, "optimizer": 3000, "zero_buffers": 0}
+    assert bf16[2] == {"weights": 3300, "grads": 500, "optimizer": 3000, "zero_buffers": 600}
+    # stage 3: weights / 4 (+ the head buffer, never partitioned); the step gathers the other 3/4 back
+    assert bf16[3] == {"weights": 800 + 100, "grads": 500, "optimizer": 3000, "zero_buffers": 2400 + 600}
+    fp32 = states.zero_states(p, 3, dp_cp=2, bf16=False, reduce_bucket=10 ** 9)
+    assert fp32 == {"weights": 3200 + 200, "grads": 2000, "optimizer": 4000, "zero_buffers": 3200 + 4000}
+    assert states.zero_states(p, 3, dp_cp=1, bf16=True)["zero_buffers"] == 2000  # nothing to gather, one bucket
+    with pytest.raises(ValueError, match="stage must be"):
+        states.zero_states(p, 4, 1, True)
+
+
+def test_draft_parameters_are_the_real_drafts_and_respect_tp_and_frozen_lm_head():
+    spec = BenchSpec(seq_len=64, **SMALL)
+    model = build_model(spec, torch.device("cpu"))
+    config = model.draft.config
+    counted = states.count_draft_params(config)
+    assert counted.trainable == sum(p.numel() for p in model.parameters() if p.requires_grad)
+    assert counted.frozen == 640 * 64 and counted.head_buffer == 512 * 64
+    frozen_head = states.count_draft_params(config, freeze_lm_head=True)
+    assert frozen_head.trainable == counted.trainable - 512 * 64 and frozen_head.frozen == counted.frozen + 512 * 64
+    tp2 = states.count_draft_params(config, tp=2)
+    split = sum(p.numel() for n, p in model.draft.named_parameters() if n.startswith(("midlayer.self_attn.",
+                                                                                       "midlayer.mlp.", "lm_head.")))
+    assert tp2.trainable == counted.trainable - split // 2 and tp2.head_buffer == 256 * 64
+
+
+def test_gpu_sizes_and_bad_names():
+    assert states.gpu_bytes("H200") == 143771 * 2 ** 20 and states.gpu_bytes("80") == 80 * GIB
+    for bad in ("h300", "-1", "0"):
+        with pytest.raises(ValueError, match="--gpu"):
+            states.gpu_bytes(bad)
+
+
+def _run_cli(argv, capsys):
+    code = cli.main(argv)
+    captured = capsys.readouterr()
+    return code, captured.err.strip()
+
+
+def test_cli_bad_inputs_exit_2_with_one_line(tmp_path, capsys):
+    ds = str(ROOT / "ds_configs" / "zero3_bf16.json")
+    cases = [(["--ds_config", str(tmp_path / "nope.json"), "--target", str(LLAMA_8B), "--length", "4k"], "nope.json"),
+             (["--ds_config", ds, "--target", str(tmp_path / "none"), "--length", "4k"], "--target"),
+             (["--ds_config", ds, "--target", str(LLAMA_8B), "--length", "4k", "--gpu", "h300"], "h300"),
+             (["--ds_config", ds, "--target", str(LLAMA_8B), "--length", "101", "--cp", "2"], "--length 101")]
+    for argv, named in cases:
+        code, err = _run_cli(argv, capsys)
+        assert code == 2 and named in err and len(err.splitlines()) == 1, err
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["--ds_config", ds, "--target", str(LLAMA_8B), "--length", "4q"])
+    err = capsys.readouterr().err.strip()
+    assert exc.value.code == 2 and "bad length '4q'" in err and len(err.splitlines()) == 1
+
+
+def _small_inputs(gpu_gib: float, **spec_changes) -> PlanInputs:
+    spec = BenchSpec(seq_len=64, layout="chunked+ckpt", dtype="bf16", attention_backend="flex",
+                     **{**SMALL, "loss_chunk_size": 128, **spec_changes})
+    config = Eagle3DraftConfig(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+                               head_dim=16, vocab_size=640, draft_vocab_size=512, target_hidden_size=64,
+                               aux_layer_ids=[1, 2, 3])
+    target = states.TargetShape(hidden=64, layers=4, heads=4, kv_heads=2, head_dim=16, intermediate=128, vocab=640,
+                                params=200_000, layer_params=40_000, embed_params=40_960)
+    return PlanInputs(spec=spec, dp=1, zero_stage=3, reduce_bucket=states.DEFAULT_REDUCE_BUCKET,
+                      params=states.count_draft_params(config, spec.tp), target=target, offline=False,
+                      partitioned_target=False, gpu="test", gpu_bytes=int(gpu_gib * GIB))
+
+
+def test_fits_and_longest_length(monkeypatch):
+    monkeypatch.setattr(states, "CUDA_CONTEXT_BYTES", 0)  # the tiny draft must not drown in the fixed overheads
+    inputs = _small_inputs(0.05)
+    row = plan_length(inputs, 4096)
+    parts = sum(row[k] for k in ("weights", "grads", "optimizer", "zero_buffers", "batch", "target_weights"))
+    assert row["total"] == parts + max(row["draft_activations"], row["target_forward"]) + row["allocator_slack"]
+    best = longest_fit(inputs)
+    assert best is not None and best % 1024 == 0
+    assert plan_length(inputs, best)["fits"] is True
+    from recipe.plan import layout_fit
+
+    fit = layout_fit(inputs.spec)
+    assert plan_length(inputs, best, fit)["fits"] and not plan_length(inputs, best + 1024, fit)["fits"]
+    assert longest_fit(dataclasses.replace(inputs, gpu_bytes=1)) is None
+    assert not plan_length(dataclasses.replace(inputs, gpu_bytes=1), 1024)["fits"]
+
+
+def test_tp2_and_cp2_traces_hold_less_per_rank_than_one_rank():
+    """Flex (the stand-in kernel; per-position memory dominates) and the tiled ring, on the fake process group."""
+    base = BenchSpec(seq_len=4096, layout="chunked+ckpt", attention_backend="flex", **{**SMALL, "loss_chunk_size": 512})
+    one = trace_step(base)
+    tp2 = trace_step(dataclasses.replace(base, tp=2))
+    cp2 = trace_step(dataclasses.replace(base, cp=2))
+    assert tp2.step_bytes < 0.75 * one.step_bytes and cp2.step_bytes < 0.75 * one.step_bytes, (one, tp2, cp2)
+    assert tp2.params["trainable"] < one.params["trainable"] == cp2.params["trainable"]
+    tiled = dataclasses.replace(base, seq_len=1024, attention_backend="tiled", attention_tile=256)
+    assert trace_step(dataclasses.replace(tiled, cp=2)).step_bytes < trace_step(tiled).step_bytes
+    import torch.distributed as dist
+
+    assert not dist.is_initialized()  # the fake process group is gone again
+
+
+def test_cli_writes_the_json_of_a_small_target(tmp_path, capsys):
+    target = tmp_path / "t" / "config.json"
+    target.parent.mkdir()
+    target.write_text(json.dumps({"model_type": "llama", "hidden_size": 64, "intermediate_size": 128,
+                                  "num_hidden_layers": 8, "num_attention_heads": 4, "num_key_value_heads": 2,
+                                  "vocab_size": 640, "max_position_embeddings": 4096}))
+    out = tmp_path / "plan.json"
+    code = cli.main(["--ds_config", str(ROOT / "ds_configs" / "zero3_bf16.json"), "--target", str(target.parent),
+                     "--length", "1k,8k", "--gpu", "1", "--draft-vocab-size", "512", "--ttt-steps", "2",
+                     "--json", str(out)])
+    assert code == 0, capsys.readouterr().err
+    plan = json.loads(out.read_text())
+    (lay,) = plan["layouts"]
+    assert [r["length"] for r in lay["rows"]] == [1024, 8192] and lay["backend"] == "flex"
+    assert plan["command"].startswith("python -m recipe.plan --ds_config") and plan["zero_stage"] == 3
+    assert all(r["total"] < 1 * GIB for r in lay["rows"]) and lay["longest_fit"] > 8192
+
+
+@pytest.mark.slow
+def test_traced_step_matches_the_cpu_measurement_within_10_percent():
+    """``python -m recipe.bench memory``'s step Δ (VmHWM peak − RSS before the step, fresh processes) against the
+    planner's step bytes of the same BenchSpec, fp32, one process: three lengths, chunked+ckpt and full."""
+    pairs = []
+    for layout in ("chunked+ckpt", "full"):
+        for n in (1024, 2048, 3072):
+            spec = BenchSpec(seq_len=n, layout=layout, ttt_steps=2, loss_chunk_size=1024, attention_tile=1024)
+            measured = run_measurement(spec)
+            assert measured["status"] == "ok", measured["detail"]
+            pairs.append((layout, n, predict_step(spec)["step_bytes"], measured["ranks"][0]["step_bytes"]))
+    for layout, n, predicted, measured in pairs:
+        print(f"{layout} {n}: predicted {predicted / 2 ** 20:.1f} MiB, measured {measured / 2 ** 20:.1f} MiB")
+        assert abs(predicted / measured - 1) < 0.10, pairs
