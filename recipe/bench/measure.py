@@ -128,17 +128,23 @@ class CudaPeak:
 
 
 # ---- one step ----------------------------------------------------------------------------------------------------
-def build_model(spec: BenchSpec, device: torch.device, pstate=None):
-    """A random-weight TTTModel for ``spec`` (TP/CP applied when ``pstate`` has them)."""
-    from recipe.model.draft import Eagle3Draft, Eagle3DraftConfig
-    from recipe.model.ttt import TTTModel
+def draft_config_for(spec: BenchSpec):
+    """The ``Eagle3DraftConfig`` of ``spec``'s draft geometry (aux layers [1, 2, 3], RoPE table covering the length)."""
+    from recipe.model.draft_config import Eagle3DraftConfig
 
-    config = Eagle3DraftConfig(
+    return Eagle3DraftConfig(
         hidden_size=spec.hidden, intermediate_size=spec.intermediate, num_attention_heads=spec.heads,
         num_key_value_heads=spec.kv_heads, head_dim=spec.head_dim, vocab_size=spec.vocab,
         draft_vocab_size=spec.draft_vocab, target_hidden_size=spec.target_hidden, aux_layer_ids=[1, 2, 3],
         max_position_embeddings=max(2048, spec.seq_len + spec.ttt_steps))
-    draft = Eagle3Draft(config, seed=spec.seed)
+
+
+def build_model(spec: BenchSpec, device: torch.device, pstate=None):
+    """A random-weight TTTModel for ``spec`` (TP/CP applied when ``pstate`` has them)."""
+    from recipe.model.draft import Eagle3Draft
+    from recipe.model.ttt import TTTModel
+
+    draft = Eagle3Draft(draft_config_for(spec), seed=spec.seed)
     head = torch.randn(spec.draft_vocab, spec.target_hidden, generator=torch.Generator().manual_seed(spec.seed + 1))
     chunked, ckpt = LAYOUTS[spec.layout]
     model = TTTModel(draft, head, loss_chunk_size=spec.loss_chunk_size if chunked else None, checkpoint_steps=ckpt)

@@ -171,17 +171,13 @@ def cast_module(module: nn.Module, dtype: torch.dtype) -> nn.Module:
 def build_traced_model(spec: BenchSpec, pstate, backend: str):
     """``recipe.bench.measure.build_model`` under the active fake mode (same construction; ``cast_module`` instead
     of ``.to``); ``backend`` "flex" builds the CUDA flex path (device "cuda" is only named, never touched)."""
+    from recipe.bench.measure import draft_config_for
     from recipe.config import MemoryOptions
-    from recipe.model.draft import Eagle3Draft, Eagle3DraftConfig
+    from recipe.model.draft import Eagle3Draft
     from recipe.model.ttt import TTTModel
     from recipe.parallel.parallelize import parallelize
 
-    config = Eagle3DraftConfig(
-        hidden_size=spec.hidden, intermediate_size=spec.intermediate, num_attention_heads=spec.heads,
-        num_key_value_heads=spec.kv_heads, head_dim=spec.head_dim, vocab_size=spec.vocab,
-        draft_vocab_size=spec.draft_vocab, target_hidden_size=spec.target_hidden, aux_layer_ids=[1, 2, 3],
-        max_position_embeddings=max(2048, spec.seq_len + spec.ttt_steps))
-    draft = Eagle3Draft(config, seed=spec.seed)
+    draft = Eagle3Draft(draft_config_for(spec), seed=spec.seed)
     head = torch.empty(spec.draft_vocab, spec.target_hidden)
     chunked, ckpt = LAYOUTS[spec.layout]
     model = TTTModel(draft, head, loss_chunk_size=spec.loss_chunk_size if chunked else None, checkpoint_steps=ckpt)

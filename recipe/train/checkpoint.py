@@ -25,7 +25,7 @@ every rank naming each failing rank, the path and the cause, the staged folder i
 naming the previous checkpoint.
 
 Integrity. After every rank's files are in ``.partial/<tag>`` the ranks hash the folder's files between them
-(sha256 in chunks of :data:`HASH_CHUNK`, rank r the r-th of every world-size files of rank 0's listing) and rank 0
+(sha256 streamed by ``hashlib.file_digest``, rank r the r-th of every world-size files of rank 0's listing) and rank 0
 writes ``manifest.json`` (:data:`MANIFEST`, ``{"format", "version", "tag", "algorithm", "files": {name: {"size",
 "sha256"}}}``) last, before the rename. :func:`resolve` checks it on every rank before anything of the checkpoint is
 read (DeepSpeed unpickles its ``*.pt`` files with ``weights_only=False``, so the check is also what stands between a
@@ -38,21 +38,22 @@ reconstruction allowed and nothing else (:func:`load_rng_file`).
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import os
-import random
 import shutil
 import sys
 from pathlib import Path
 
-import numpy as np
 import torch
 import torch.distributed as dist
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from recipe.io_errors import WriteError, cause, writing
+from recipe.io_errors import WriteError, writing
+from recipe.train.manifest import (MANIFEST, MANIFEST_FORMAT, _listing, file_sha256,  # noqa: F401
+                                   manifest_dict, verify)
+from recipe.train.rng_state import (RNG_FORMAT, legacy_rng_file, load_rng_file, rng_file,  # noqa: F401
+                                    rng_state, save_rng_file, set_rng_state)
 
 PARTIAL = ".partial"
 LATEST = "latest"
@@ -61,114 +62,10 @@ VOCAB_FILE = "vocab_map.safetensors"
 DRAFT_FILE = "draft.safetensors"  # the full draft (ZeRO-gathered, TP-consolidated), what the export is made from
 DRAFT_CONFIG_FILE = "draft_config.json"  # the export config.json
 RECOVERY_SCRIPTS = ("zero_to_fp32.py", "zero_to_torch.py")  # what DeepSpeed copies into the save folder
-MANIFEST = "manifest.json"  # size and sha256 of every file of the checkpoint folder, written last
-MANIFEST_FORMAT = "eagle3-recipe-checkpoint-manifest"
-HASH_CHUNK = 8 << 20  # bytes read per sha256 update
-RNG_FORMAT = "eagle3-recipe-rng"
 
 
 def tag_for(step: int) -> str:
     return f"step-{step:08d}"
-
-
-def rng_state() -> dict:
-    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def set_rng_state(state: dict) -> None:
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
-    torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
-
-
-def rng_file(rank: int) -> str:
-    return f"rng-rank{rank:05d}.safetensors"
-
-
-def legacy_rng_file(rank: int) -> str:
-    return f"rng-rank{rank:05d}.pt"  # the pickled format of checkpoints written before manifests
-
-
-def save_rng_file(state: dict, path: Path) -> None:
-    """Write an :func:`rng_state` dict without pickle: the byte tensors (``torch``, ``cuda.<i>``) and numpy's MT19937
-    key array (``numpy.keys``, int64) as safetensors, python's ``random`` state and numpy's scalars as JSON in its
-    metadata."""
-    name, keys, pos, has_gauss, cached = state["numpy"]
-    version, internal, gauss_next = state["python"]
-    tensors = {"torch": state["torch"].contiguous(), "numpy.keys": torch.from_numpy(np.asarray(keys, np.int64))}
-    for i, t in enumerate(state.get("cuda", [])):
-        tensors[f"cuda.{i}"] = t.contiguous()
-    meta = {"format": RNG_FORMAT, "version": "1",
-            "python": json.dumps([version, list(internal), gauss_next]),
-            "numpy": json.dumps({"name": name, "pos": int(pos), "has_gauss": int(has_gauss),
-                                 "cached_gaussian": float(cached)})}
-    save_file(tensors, str(path), metadata=meta)
-
-
-def _numpy_state(name, keys, pos, has_gauss, cached, file) -> tuple:
-    keys = np.asarray(keys)
-    if name != "MT19937" or keys.shape != (624,) or keys.min() < 0 or keys.max() >= 2 ** 32:
-        raise ValueError(f"--resume: {file}: not a numpy MT19937 state")
-    return name, keys.astype(np.uint32), int(pos), int(has_gauss), float(cached)
-
-
-def load_rng_file(path: Path) -> dict:
-    """The :func:`rng_state` dict of an RNG file; never unpickles arbitrary objects.
-
-    ``*.safetensors`` (:func:`save_rng_file`); an old ``*.pt`` only through ``torch.load(weights_only=True)`` with
-    exactly numpy's array reconstruction allowed (numpy's state holds a uint32 array), its structure then checked.
-    Raises ValueError naming the file when it is unreadable or not an RNG state (e.g. a pickle that would run code).
-    """
-    path = Path(path)
-    if path.suffix == ".pt":
-        try:
-            from numpy._core.multiarray import _reconstruct  # numpy >= 2
-        except ImportError:
-            from numpy.core.multiarray import _reconstruct
-        uint32 = type(np.dtype(np.uint32))
-        # the names numpy 1 and 2 pickle these under
-        allowed = [_reconstruct, (_reconstruct, "numpy.core.multiarray._reconstruct"), np.ndarray, np.dtype, uint32,
-                   (uint32, "numpy.dtypes.UInt32DType")]
-        try:
-            with torch.serialization.safe_globals(allowed):
-                state = torch.load(path, weights_only=True)
-            state = {"python": (int(state["python"][0]), tuple(int(v) for v in state["python"][1]),
-                                state["python"][2]),
-                     "numpy": _numpy_state(*state["numpy"], file=path), "torch": state["torch"],
-                     **({"cuda": list(state["cuda"])} if "cuda" in state else {})}
-        except Exception as exc:  # noqa: BLE001 - an unpickling refusal, a truncated file, another structure
-            raise ValueError(f"--resume: {path}: refusing this old-format (pickled) RNG file: it is not a plain RNG "
-                             f"state that torch.load(weights_only=True) can read ({cause(exc).splitlines()[0]}); "
-                             "nothing in it was run. Resume from a checkpoint written by this version") from None
-        if not isinstance(state["torch"], torch.Tensor) or state["torch"].dtype != torch.uint8:
-            raise ValueError(f"--resume: {path}: not an RNG state (no torch byte tensor)")
-        return state
-    try:
-        with safe_open(str(path), framework="pt") as f:
-            meta, tensors = f.metadata() or {}, {k: f.get_tensor(k) for k in f.keys()}
-        if meta.get("format") != RNG_FORMAT:
-            raise ValueError(f"metadata format {meta.get('format')!r}, expected {RNG_FORMAT!r}")
-        version, internal, gauss_next = json.loads(meta["python"])
-        npy = json.loads(meta["numpy"])
-        state = {"python": (int(version), tuple(int(v) for v in internal), gauss_next),
-                 "numpy": _numpy_state(npy["name"], tensors["numpy.keys"].numpy(), npy["pos"], npy["has_gauss"],
-                                       npy["cached_gaussian"], path),
-                 "torch": tensors["torch"]}
-    except ValueError as exc:
-        if str(exc).startswith("--resume:"):
-            raise
-        raise ValueError(f"--resume: {path}: not an RNG state file ({exc})") from None
-    except Exception as exc:  # noqa: BLE001 - safetensors' own error types (truncated, corrupt header)
-        raise ValueError(f"--resume: {path}: unreadable RNG file ({cause(exc)})") from None
-    cuda = sorted((k for k in tensors if k.startswith("cuda.")), key=lambda k: int(k.split(".")[1]))
-    if cuda:
-        state["cuda"] = [tensors[k] for k in cuda]
-    return state
 
 
 def _write_text_atomic(path: Path, text: str) -> None:
@@ -261,31 +158,6 @@ def _guard_engine_writes(engine, errors: list[str]):
 def latest_tag(root: Path) -> str | None:
     marker = Path(root) / LATEST
     return marker.read_text().strip() if marker.is_file() else None
-
-
-def file_sha256(path: Path) -> str:
-    """sha256 of a file, read in chunks of :data:`HASH_CHUNK` bytes."""
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(HASH_CHUNK):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
-def _listing(folder: Path) -> list[str]:
-    """Every file under ``folder`` (relative POSIX paths, sorted), the manifest and temporary files excluded."""
-    return sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*")
-                  if p.is_file() and p.name != MANIFEST and not p.name.endswith(".tmp"))
-
-
-def manifest_dict(tag: str, files: dict[str, dict] | None = None, folder: Path | None = None) -> dict:
-    """The ``manifest.json`` content of checkpoint ``tag``: ``files`` (name -> ``{"size", "sha256"}``), or, given
-    ``folder`` instead, every file in it hashed here (one process)."""
-    if files is None:
-        files = {name: {"size": (folder / name).stat().st_size, "sha256": file_sha256(folder / name)}
-                 for name in _listing(folder)}
-    return {"format": MANIFEST_FORMAT, "version": 1, "tag": tag, "algorithm": "sha256",
-            "files": {name: files[name] for name in sorted(files)}}
 
 
 def _write_manifest(comm, folder: Path, tag: str, what: str, previous: str | None) -> None:
@@ -435,42 +307,6 @@ def prune(root: Path, keep: int) -> None:
     for tag in tags[:-keep] if keep > 0 else []:
         if tag != latest:
             shutil.rmtree(root / tag, ignore_errors=True)
-
-
-def verify(path: Path) -> str | None:
-    """Check checkpoint folder ``path`` against its ``manifest.json``: None when every listed file is there with
-    its size and sha256, else what is wrong, naming the file (``rng-rank00001.safetensors: missing``,
-    ``zero_pp_rank_0_mp_rank_00_optim_states.pt: size 123 != 4567``, ``...: sha256 differs``). Sizes are checked
-    before any file is hashed. Raises FileNotFoundError when the folder has no manifest (see :func:`resolve`)."""
-    path = Path(path)
-    manifest_file = path / MANIFEST
-    if not path.is_dir():
-        return f"{path}: missing"
-    if not manifest_file.is_file():
-        raise FileNotFoundError(f"{manifest_file}: missing")
-    try:
-        manifest = json.loads(manifest_file.read_text())
-        files = manifest["files"]
-        if manifest.get("format") != MANIFEST_FORMAT or manifest.get("algorithm") != "sha256" \
-                or not isinstance(files, dict):
-            return f"{MANIFEST}: not a checkpoint manifest"
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        return f"{MANIFEST}: unreadable ({cause(exc)})"
-    for name, entry in files.items():
-        file = path / name
-        if not file.is_file():
-            return f"{name}: missing"
-        size = file.stat().st_size
-        if size != entry["size"]:
-            return f"{name}: size {size} != {entry['size']}"
-    for name, entry in files.items():
-        try:
-            digest = file_sha256(path / name)
-        except OSError as exc:
-            return f"{name}: unreadable ({cause(exc)})"
-        if digest != entry["sha256"]:
-            return f"{name}: sha256 {digest[:12]}… != {entry['sha256'][:12]}… (same size, other contents)"
-    return None
 
 
 def _note(text: str) -> None:
