@@ -78,8 +78,8 @@ class CompiledFlex:
     (default ``FLEX_DYNAMIC``); recompile_limit the compiles allowed (default ``FLEX_RECOMPILE_LIMIT``); backend the
     Dynamo backend that compiles each graph ("inductor"; the CPU tests use "eager" to check the policy).
     Attributes: ``compiles`` (graphs compiled so far), ``calls``, ``last_shapes`` (the shapes of the latest
-    compile's tensor inputs). Calling it raises :class:`FlexCompileError` when Dynamo hits the recompile limit or
-    the compile fails (the original exception chained).
+    compile's tensor inputs). Calling it raises :class:`FlexCompileError` when Dynamo hits the recompile limit, breaks
+    the graph (``fullgraph``) or the backend fails (the original exception chained).
     """
 
     def __init__(self, fn=None, *, dynamic: bool = FLEX_DYNAMIC, recompile_limit: int = FLEX_RECOMPILE_LIMIT,
@@ -106,7 +106,7 @@ class CompiledFlex:
                                            fullgraph=True)
         self.calls += 1
         from torch._dynamo import config as dynamo_config
-        from torch._dynamo.exc import FailOnRecompileLimitHit
+        from torch._dynamo.exc import BackendCompilerFailed, FailOnRecompileLimitHit, Unsupported
 
         try:
             with dynamo_config.patch(recompile_limit=self.recompile_limit, fail_on_recompile_limit_hit=True,
@@ -118,6 +118,11 @@ class CompiledFlex:
                 f"{self.dynamic}; latest input shapes {self.last_shapes}); running it uncompiled would materialise "
                 "the full attention scores, so the run stops here. Set TORCH_LOGS=recompiles to see why it "
                 "recompiled, or raise kernels.flex_attention.FLEX_RECOMPILE_LIMIT") from exc
+        except (Unsupported, BackendCompilerFailed) as exc:  # a graph break under fullgraph, an Inductor failure
+            raise FlexCompileError(
+                f"flex attention could not be compiled ({type(exc).__name__}: {str(exc).splitlines()[0][:300]}; "
+                f"input shapes {self.last_shapes}); running it uncompiled would materialise the full attention "
+                "scores, so the run stops here") from exc
 
     def stats(self) -> dict:
         """``{"compiles", "calls", "dynamic", "recompile_limit", "last_shapes"}`` (JSON-able)."""

@@ -109,3 +109,15 @@ def test_one_block_mask_per_micro_batch_across_ttt_steps():
 def test_flex_kernel_has_its_own_mask_cache():
     a, b = make_flex_kernel(), make_flex_kernel()
     assert a.forward.masks is not b.forward.masks
+
+
+def test_a_graph_break_is_a_hard_error_not_a_partly_eager_flex():
+    """``fullgraph``: a break would run the pieces around it (flex included) eagerly; here it raises."""
+    def broken(q, k, v, block_mask):
+        torch._dynamo.graph_break()
+        return flex_attention(q, k, v, block_mask=block_mask, enable_gqa=True)
+
+    compiled = CompiledFlex(broken, backend="eager")
+    q, k, v, pos, valid = _inputs(128)
+    with pytest.raises(FlexCompileError, match="could not be compiled"):
+        compiled(q, k, v, flex_block_mask(pos, pos, valid))

@@ -32,6 +32,12 @@ def test_zero_states_per_stage_exact_bytes():
     fp32 = states.zero_states(p, 3, dp_cp=2, bf16=False, reduce_bucket=10 ** 9)
     assert fp32 == {"weights": 3200 + 200, "grads": 2000, "optimizer": 4000, "zero_buffers": 3200 + 4000}
     assert states.zero_states(p, 3, dp_cp=1, bf16=True)["zero_buffers"] == 2000  # nothing to gather, one bucket
+    # the shipped bf16 configs: fp32 accumulation (stage 1: BF16_Optimizer keeps fp32 grads beside the bf16 ones,
+    # stages 2-3: fp32 partitions) and fp32 reduction (a 4-byte bucket)
+    fp32_grads = {s: states.zero_states(p, s, 4, True, 300, fp32_grad_accum=True, fp32_comm=True) for s in range(4)}
+    assert fp32_grads[0] == bf16[0] and fp32_grads[1]["grads"] == 6000 and fp32_grads[1]["zero_buffers"] == 0
+    assert fp32_grads[2]["grads"] == 1000 and fp32_grads[2]["zero_buffers"] == 1200
+    assert fp32_grads[3]["grads"] == 1000 and fp32_grads[3]["zero_buffers"] == 2400 + 1200
     with pytest.raises(ValueError, match="stage must be"):
         states.zero_states(p, 4, 1, True)
 

@@ -113,7 +113,8 @@ def predict_step(spec: BenchSpec, fit: ActivationFit | None = None) -> dict:
 class PlanInputs:
     """Everything a plan reads: ``spec`` (draft geometry, layout, tp, cp, dtype, backend; its seq_len is replaced
     per length), ``dp``, ``zero_stage``, ``reduce_bucket`` (elements), ``params`` (``states.DraftParams``),
-    ``target`` (``states.TargetShape``), ``offline``, ``partitioned_target``, ``gpu`` (name) and ``gpu_bytes``."""
+    ``target`` (``states.TargetShape``), ``offline``, ``partitioned_target``, ``gpu`` (name), ``gpu_bytes``, and
+    whether the bf16 run accumulates gradients (``fp32_grad_accum``) and reduces them (``fp32_comm``) in fp32."""
 
     spec: BenchSpec
     dp: int
@@ -125,6 +126,8 @@ class PlanInputs:
     partitioned_target: bool
     gpu: str
     gpu_bytes: int
+    fp32_grad_accum: bool = False
+    fp32_comm: bool = False
 
     @property
     def world(self) -> int:
@@ -195,7 +198,9 @@ def load_inputs(ds_config: Path, target: Path, gpu: str = "h200", world_size: in
                       reduce_bucket=int(zero.get("reduce_bucket_size", states.DEFAULT_REDUCE_BUCKET)),
                       params=states.count_draft_params(draft, dims.tp, freeze_lm_head),
                       target=states.target_shape(hf), offline=offline,
-                      partitioned_target=config.target.partitioned, gpu=str(gpu), gpu_bytes=size)
+                      partitioned_target=config.target.partitioned, gpu=str(gpu), gpu_bytes=size,
+                      fp32_grad_accum=(config.deepspeed.get("data_types") or {}).get("grad_accum_dtype") == "fp32",
+                      fp32_comm=config.deepspeed.get("communication_data_type") == "fp32")
 
 
 def _check_length(inputs: PlanInputs, seq_len: int) -> None:
@@ -218,7 +223,7 @@ def plan_length(inputs: PlanInputs, seq_len: int, fit: ActivationFit | None = No
     tokens = spec.batch * seq_len // spec.cp
     out = {"draft_activations": max(0, step["step_bytes"] - inputs.params.trainable * w)}
     out.update(states.zero_states(inputs.params, inputs.zero_stage, spec.cp * inputs.dp, spec.dtype == "bf16",
-                                  inputs.reduce_bucket))
+                                  inputs.reduce_bucket, inputs.fp32_grad_accum, inputs.fp32_comm))
     out["batch"] = states.batch_bytes(inputs.target, tokens, w, spec.ttt_steps)
     out.update(states.target_bytes(inputs.target, tokens, inputs.world, inputs.partitioned_target, inputs.offline))
     tensors = (sum(out[k] for k in ("weights", "grads", "optimizer", "zero_buffers", "batch", "target_weights"))

@@ -5,7 +5,10 @@ ZeRO (the draft's DeepSpeed engine; ``recipe.parallel.topology``: ZeRO partition
 TP-split parameters are already 1/tp on the rank):
 - bf16: 16-bit weights (2 B/param, every parameter incl. the frozen embedding), 16-bit grads (2 B per trainable
   param), fp32 master + Adam m + v (12 B per trainable param). fp32: the weights are the master (4 B), grads 4 B,
-  Adam m + v 8 B.
+  Adam m + v 8 B. bf16 with ``data_types.grad_accum_dtype`` fp32 (the shipped bf16 configs at ZeRO 1-3): stage 1
+  runs DeepSpeed's BF16_Optimizer, which keeps fp32 gradients beside the bf16 ones on every rank (6 B, not
+  partitioned); stages 2-3 accumulate the gradient partitions in fp32 (4 B). The reduce bucket has the width of
+  ``communication_data_type`` (fp32: 4 B).
 - stage 0: nothing partitioned; 1: optimizer states / D; 2: + grads / D; 3: + weights / D (and, during the step,
   the gathered draft weights: all of them, the draft is one layer). Stage ≥ 2 adds the gradient reduce bucket
   (``zero_optimization.reduce_bucket_size`` elements, DeepSpeed's default 5e8, at most the trainable count).
@@ -100,11 +103,13 @@ def count_draft_params(draft_config, tp: int = 1, freeze_lm_head: bool = False) 
 
 
 def zero_states(params: DraftParams, stage: int, dp_cp: int, bf16: bool,
-                reduce_bucket: int = DEFAULT_REDUCE_BUCKET) -> dict[str, int]:
+                reduce_bucket: int = DEFAULT_REDUCE_BUCKET, fp32_grad_accum: bool = False,
+                fp32_comm: bool = False) -> dict[str, int]:
     """Bytes per rank of the draft's persistent states under ZeRO ``stage`` (0–3) over ``dp_cp`` ranks (module
     docstring): ``weights`` (16-bit or fp32 weights + the head buffer), ``grads``, ``optimizer``, and the step's
-    transient ``zero_buffers`` (stage 3 gathered weights, stage ≥ 2 reduce bucket). Raises ValueError on a stage
-    outside 0–3 or dp_cp < 1."""
+    transient ``zero_buffers`` (stage 3 gathered weights, stage ≥ 2 reduce bucket). ``fp32_grad_accum`` /
+    ``fp32_comm``: bf16 with ``data_types.grad_accum_dtype`` / ``communication_data_type`` fp32 (module
+    docstring). Raises ValueError on a stage outside 0–3 or dp_cp < 1."""
     if stage not in (0, 1, 2, 3):
         raise ValueError(f"zero_optimization.stage must be 0, 1, 2 or 3, got {stage!r}")
     if dp_cp < 1:
@@ -115,14 +120,17 @@ def zero_states(params: DraftParams, stage: int, dp_cp: int, bf16: bool,
 
     def part(nbytes: int, partitioned: bool) -> int:
         return -(-nbytes // d) if partitioned else nbytes
+    g = w
+    if bf16 and fp32_grad_accum and stage >= 1:
+        g = 2 + 4 if stage == 1 else 4  # stage 1: BF16_Optimizer's fp32 grads beside the bf16 ones
     out = {"weights": part(params.weights * w, stage >= 3) + params.head_buffer * w,
-           "grads": part(params.trainable * w, stage >= 2),
+           "grads": part(params.trainable * g, stage >= 2),
            "optimizer": part(params.trainable * opt, stage >= 1)}
     buffers = 0
     if stage >= 3 and d > 1:
         buffers += params.weights * w - part(params.weights * w, True)
     if stage >= 2:
-        buffers += min(reduce_bucket, params.trainable) * w
+        buffers += min(reduce_bucket, params.trainable) * (4 if fp32_comm or not bf16 else 2)
     out["zero_buffers"] = buffers
     return out
 
