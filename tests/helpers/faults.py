@@ -91,7 +91,10 @@ def _faults(job: Job, rank: int):
     if job.enospc and rank == 0:
         def full_disk(tensors, filename, *args, **kwargs):
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), filename)
+        from recipe.train import rng_state
+
         patch(checkpoint, "save_file", full_disk)
+        patch(rng_state, "save_file", full_disk)  # the RNG files are written by recipe.train.rng_state
     for fault in job.write_faults:
         if fault.rank != rank:
             continue
@@ -123,13 +126,15 @@ def _faults(job: Job, rank: int):
             from safetensors import SafetensorError
 
             import recipe.export as export_module
-            module = checkpoint if fault.where == "checkpoint" else export_module
+            from recipe.train import rng_state
+            modules = (checkpoint, rng_state) if fault.where == "checkpoint" else (export_module,)
 
-            def st_save(tensors, filename, *args, _save=getattr(module, "save_file"), _hit=hit, **kwargs):
+            def st_save(tensors, filename, *args, _save=getattr(modules[0], "save_file"), _hit=hit, **kwargs):
                 if _hit(filename):
                     raise SafetensorError(SAFETENSORS_FULL_DISK)
                 return _save(tensors, filename, *args, **kwargs)
-            patch(module, "save_file", st_save)
+            for module in modules:
+                patch(module, "save_file", st_save)
     if job.oom_at_step is not None:
         import torch
         from deepspeed.runtime.engine import DeepSpeedEngine
