@@ -62,7 +62,13 @@ def main(argv: list[str] | None = None) -> int:
     from recipe.train.signals import EXIT_INTERRUPTED, StopRequest, clear_interrupted
 
     console = Console(stderr=True)
-    device, owns_group = init_distributed()
+    try:
+        device, owns_group = init_distributed()
+    except ValueError as exc:  # the launcher's variables do not describe a world (recipe.train.distributed)
+        if os.environ.get("RECIPE_DEBUG"):
+            raise
+        console.print(f"[bold red]error[/bold red]: {escape(str(exc))}")
+        return 2
     # one stop request for the whole run (the loop's shares it): signals during set-up count, the launcher's death
     # counts (watch_launcher), a forced exit still unlinks the /dev/shm buffer, and signals while closing are ignored
     stop = StopRequest(watch_launcher=True, on_abort=release_shm_buffer).__enter__()

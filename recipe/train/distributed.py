@@ -1,15 +1,47 @@
-"""Process start-up for every launcher: `deepspeed`, `torchrun`, or plain `python` (one process).
+"""Process start-up under every launcher: this process's rank, the world and the rendezvous for torch.distributed.
 
-The launchers export RANK/WORLD_SIZE/LOCAL_RANK/MASTER_ADDR/MASTER_PORT; a plain `python run.py` has none, so
-``init_distributed`` fills a one-process rendezvous on a free local port. DeepSpeed then picks the backend
-(nccl on CUDA, gloo on CPU).
+torch's ``env://`` rendezvous reads RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT; ``launcher_environment``
+maps the launcher's variables onto them. The first row whose rank variable is set wins (under a Slurm allocation
+`mpirun`/`mpiexec` ranks also inherit SLURM_PROCID, their node's, so the MPI rows come first):
+
+    launcher    rank / world size / local rank                                      MASTER_ADDR/PORT set by
+    deepspeed   RANK / WORLD_SIZE / LOCAL_RANK (local, pdsh, --no_ssh; --launcher   the launcher
+                mpich through its launcher_helper, --launcher impi)
+    torchrun    the same, with TORCHELASTIC_RUN_ID                                  torchrun
+    openmpi     OMPI_COMM_WORLD_RANK / OMPI_COMM_WORLD_SIZE / ..._LOCAL_RANK         nobody (*)
+    mvapich     MV2_COMM_WORLD_RANK / MV2_COMM_WORLD_SIZE / ..._LOCAL_RANK           nobody (*)
+    mpich/impi  PMI_RANK / PMI_SIZE / MPI_LOCALRANKID or PALS_LOCAL_RANKID (Hydra)   nobody (*)
+    slurm       SLURM_PROCID / SLURM_STEP_NUM_TASKS or SLURM_NTASKS / SLURM_LOCALID  nobody (*)
+    pmix        PMIX_RANK / PMI_SIZE / MPI_LOCALRANKID or PALS_LOCAL_RANKID          nobody (*)
+    python      none of the above: one process                                      127.0.0.1, a free port
+
+(*) DeepSpeed's openmpi/mvapich/slurm runners export neither (its mpich/impi runners pass ``-genv MASTER_ADDR``)
+but pass on the lines of ``.deepspeed_env``: put ``MASTER_ADDR=<rank 0's host>`` there, or export it yourself.
+A missing MASTER_PORT is 29500 (DeepSpeed's default); a world of one (`srun -n1`) without MASTER_ADDR gets the
+local free-port rendezvous. Several MPI processes without MASTER_ADDR are left to DeepSpeed's discovery in
+``deepspeed.init_distributed`` (mpi4py, or Azure ML's Open MPI variables) where it can run, else an error.
+DeepSpeed then picks the backend (nccl on CUDA, gloo on CPU).
 """
 from __future__ import annotations
 
+import importlib.util
 import os
 import socket
+import sys
+from collections.abc import Mapping
 
 import torch
+
+DEFAULT_PORT = 29500  # deepspeed.constants.TORCH_DISTRIBUTED_DEFAULT_PORT: the runner's --master_port, mpi_discovery's
+_LOCAL = ("MPI_LOCALRANKID", "PALS_LOCAL_RANKID")
+_LAUNCHERS = (  # name, rank variable, world-size variables, local-rank variables (the first one set is used)
+    ("openmpi", "OMPI_COMM_WORLD_RANK", ("OMPI_COMM_WORLD_SIZE",), ("OMPI_COMM_WORLD_LOCAL_RANK",)),
+    ("mvapich", "MV2_COMM_WORLD_RANK", ("MV2_COMM_WORLD_SIZE",), ("MV2_COMM_WORLD_LOCAL_RANK",)),
+    ("mpich/impi", "PMI_RANK", ("PMI_SIZE",), _LOCAL),
+    ("slurm", "SLURM_PROCID", ("SLURM_STEP_NUM_TASKS", "SLURM_NTASKS"), ("SLURM_LOCALID",)),
+    ("pmix", "PMIX_RANK", ("PMI_SIZE",), _LOCAL),
+)
+_MPI = {"openmpi", "mvapich", "mpich/impi", "pmix"}  # worlds that DeepSpeed's mpi_discovery (mpi4py) can see
 
 
 def free_port() -> int:
@@ -19,23 +51,88 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def _integer(environ: Mapping[str, str], name: str, launcher: str) -> int:
+    try:
+        return int(environ[name])
+    except ValueError:
+        raise ValueError(f"{launcher} launcher: {name}={environ[name]!r} is not an integer") from None
+
+
+def launcher_environment(environ: Mapping[str, str], mpi4py: bool = False) -> tuple[str, dict[str, str]]:
+    """(the launcher that started this process, the variables to set: RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR,
+    MASTER_PORT) by the module docstring's table; ``environ`` is only read. No MASTER_* where the rendezvous is left
+    to DeepSpeed: several MPI processes without MASTER_ADDR and ``mpi4py`` (importable here), or Azure ML's Open MPI.
+
+    Raises ValueError: a rank variable without its world size, or (several processes) without a local rank; a value
+    that is not an integer; a world size below 1 or a rank or local rank outside [0, world size); several processes
+    without MASTER_ADDR that DeepSpeed cannot discover (the message says how to export it).
+    """
+    if "RANK" in environ:
+        name = "torchrun" if "TORCHELASTIC_RUN_ID" in environ else "deepspeed"
+        row = (name, "RANK", ("WORLD_SIZE",), ("LOCAL_RANK",))
+    else:
+        row = next((r for r in _LAUNCHERS if r[1] in environ), ("python", None, (), ()))
+    name, rank_var, size_vars, local_vars = row
+    rank, size, local = 0, 1, 0
+    if rank_var is not None:
+        size_var = next((v for v in size_vars if v in environ), None)
+        if size_var is None:
+            raise ValueError(f"{name} launcher: {rank_var} is set but {' or '.join(size_vars)} is not: the world "
+                             f"size is unknown (unset {rank_var} if no launcher started this process)")
+        rank, size = _integer(environ, rank_var, name), _integer(environ, size_var, name)
+        local_var = next((v for v in local_vars if v in environ), None)
+        if local_var is not None:
+            local = _integer(environ, local_var, name)
+        elif size > 1:
+            raise ValueError(f"{name} launcher: {rank_var} is set but {' or '.join(local_vars)} is not: this "
+                             f"process's local rank (its device) is unknown")
+        if size < 1 or not 0 <= rank < size or not 0 <= local < size:
+            raise ValueError(f"{name} launcher: inconsistent {rank_var}={rank}, {size_var}={size}, "
+                             f"{local_var or 'local rank'}={local}: the ranks must lie in [0, world size)")
+    found = {"RANK": str(rank), "WORLD_SIZE": str(size), "LOCAL_RANK": str(local)}
+    addr, port = environ.get("MASTER_ADDR"), environ.get("MASTER_PORT")
+    if addr:
+        found.update(MASTER_ADDR=addr, MASTER_PORT=port or str(DEFAULT_PORT))
+    elif size == 1:
+        found.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port or str(free_port()))
+    elif not ((mpi4py and name in _MPI)
+              or (name == "openmpi" and "AZUREML_EXPERIMENT_ID" in environ and "DLTS_JOB_ID" not in environ)):
+        raise ValueError(
+            f"{name} launcher: {size} processes but MASTER_ADDR is not set: every process needs rank 0's host "
+            f"address (and MASTER_PORT, else {DEFAULT_PORT}). Export it to every process: a 'MASTER_ADDR=<host>' "
+            "line in ./.deepspeed_env (`deepspeed --launcher openmpi|mvapich|slurm` passes it on), `mpirun -x "
+            "MASTER_ADDR=<host>`, or `export MASTER_ADDR=<host>` before `srun`; or start through `deepspeed` "
+            "(pdsh, --no_ssh, --launcher mpich|impi) or torchrun, which set it"
+            + (", or install mpi4py for DeepSpeed's MPI discovery" if name in _MPI else ""))
+    return name, found
+
+
 def init_distributed() -> tuple[torch.device, bool]:
     """Initialise torch.distributed through DeepSpeed; return (this rank's device, whether this call created the
     default process group — the caller that created it destroys it at exit; an embedding program keeps its own).
 
-    Sets ``OMP_NUM_THREADS=1`` when the launcher left it unset and several ranks share the machine (the DeepSpeed
-    launcher does not set it; oversubscribed CPU threads make multi-rank runs crawl).
+    The rank comes from whichever launcher started the process (``launcher_environment``; rank 0 prints which), an
+    initialised group is used as it is. Sets ``OMP_NUM_THREADS=1`` when the launcher left it unset and several ranks
+    share the machine (the DeepSpeed launcher does not; oversubscribed CPU threads make multi-rank runs crawl).
+
+    Raises ValueError from ``launcher_environment``, or when the group DeepSpeed's discovery formed is not the world
+    the launcher described, e.g. mpi4py built for another MPI (every process alone); the group is then destroyed.
     """
-    if "RANK" not in os.environ:
-        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
-                          MASTER_PORT=str(free_port()))
+    import torch.distributed as dist
+
+    created = not dist.is_initialized()
+    if created:
+        name, found = launcher_environment(os.environ, mpi4py=importlib.util.find_spec("mpi4py") is not None)
+        os.environ.update(found)
+        if found["RANK"] == "0":
+            rendezvous = f"{found['MASTER_ADDR']}:{found['MASTER_PORT']}" if "MASTER_ADDR" in found else "discovery"
+            print(f"init_distributed: launcher {name}, {found['WORLD_SIZE']} process(es), rendezvous {rendezvous}",
+                  file=sys.stderr, flush=True)
     if int(os.environ.get("WORLD_SIZE", "1")) > 1 and "OMP_NUM_THREADS" not in os.environ:
         os.environ["OMP_NUM_THREADS"] = "1"
         torch.set_num_threads(1)
     import deepspeed
-    import torch.distributed as dist
 
-    created = not dist.is_initialized()
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if torch.cuda.is_available():
         torch.cuda.set_device(local_rank)
@@ -43,6 +140,11 @@ def init_distributed() -> tuple[torch.device, bool]:
     else:
         device = torch.device("cpu")
     deepspeed.init_distributed()
+    formed = (dist.get_rank(), dist.get_world_size())
+    if created and formed != (int(found["RANK"]), int(found["WORLD_SIZE"])):
+        dist.destroy_process_group()
+        raise ValueError(f"{name} launcher described rank {found['RANK']} of {found['WORLD_SIZE']}, but the process "
+                         f"group is rank {formed[0]} of {formed[1]}: set MASTER_ADDR (and MASTER_PORT) yourself")
     return device, created
 
 
