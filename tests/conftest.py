@@ -50,3 +50,31 @@ def tiny_target_and_store(tiny_target, tmp_path_factory) -> tuple[Path, Path]:
     from helpers.tiny_target import dump_random_chats
 
     return tiny_target, dump_random_chats(tiny_target, tmp_path_factory.mktemp("tiny_store") / "store")
+
+
+@pytest.fixture(scope="session")
+def real_store(assets, tmp_path_factory):
+    """(folder, flags) for offline runs on the real SmolLM2 target: an fp32 store of the first 24 ShareGPT
+    conversations at max length 128 (``folder/store``, its tokenisation cache ``folder/cache``) and the ``run.py``
+    flags every such run shares: the target, the store, a draft of 6 / 2 heads of 96 (SmolLM2's 9 / 3 heads do not
+    split over tp = 2), draft vocabulary 2048, 3 TTT steps, seed 0, 2 epochs."""
+    import json
+
+    import torch
+
+    from recipe.data.examples import build_examples
+    from recipe.dump import dump_hidden_states
+    from recipe.model.target import TargetModel
+
+    tmp = tmp_path_factory.mktemp("real_store")
+    target = TargetModel(assets.target, dtype=torch.float32, device="cpu")
+    examples, _ = build_examples(assets.conversations, target.load_tokenizer(), 128, limit=24,
+                                 cache_dir=str(tmp / "cache"))
+    dump_hidden_states(target, examples, tmp / "store", max_length=128, dtype="fp32", batch_size=8)
+    del target
+    heads = tmp / "heads.json"
+    heads.write_text(json.dumps({"num_attention_heads": 6, "num_key_value_heads": 2, "head_dim": 96}))
+    flags = ["--target", str(assets.target), "--draft-config", str(heads), "--hidden-states", str(tmp / "store"),
+             "--draft-vocab-size", "2048", "--ttt-steps", "3", "--seed", "0", "--epochs", "2",
+             "--cache-dir", str(tmp / "cache")]
+    return tmp, flags

@@ -17,7 +17,6 @@ from helpers.ranks import run_ranks
 from helpers.training import ROOT, run_training
 
 STEPS = 6
-MAX_LENGTH = 128
 
 
 def test_long_run_configs_have_the_memory_switches():
@@ -138,30 +137,16 @@ def _config(path: Path, bf16: bool) -> Path:
 
 
 @pytest.fixture(scope="module")
-def runs(assets, tmp_path_factory):
-    """fp32 and bf16 ZeRO-3 runs (2 ranks, same seed, data and global batch) on an fp32 store of 24 ShareGPT
-    conversations dumped from the real target: fp32 dp2, and bf16 at dp2, tp2 and cp2. Returns ({name: metrics},
-    the bf16 dp2 run folder)."""
-    from recipe.data.examples import build_examples
-    from recipe.dump import dump_hidden_states
-    from recipe.model.target import TargetModel
-
+def runs(real_store, tmp_path_factory):
+    """fp32 and bf16 ZeRO-3 runs (2 ranks, same seed, data and global batch) on the fp32 store of 24 ShareGPT
+    conversations dumped from the real target (``real_store``): fp32 dp2, and bf16 at dp2, tp2 and cp2. Returns
+    ({name: metrics}, the bf16 dp2 run folder)."""
     tmp = tmp_path_factory.mktemp("bf16")
-    target = TargetModel(assets.target, dtype=torch.float32, device="cpu")
-    examples, _ = build_examples(assets.conversations, target.load_tokenizer(), MAX_LENGTH, limit=24,
-                                 cache_dir=str(tmp / "cache"))
-    dump_hidden_states(target, examples, tmp / "store", max_length=MAX_LENGTH, dtype="fp32", batch_size=8)
-    del target
-
-    heads = tmp / "heads.json"  # SmolLM2's 9 / 3 heads do not split over tp = 2; the same draft for every run
-    heads.write_text(json.dumps({"num_attention_heads": 6, "num_key_value_heads": 2, "head_dim": 96}))
+    _, flags = real_store
 
     def argv(name, bf16, *layout):
-        return ["--ds_config", str(_config(tmp / f"{name}.json", bf16)), "--target", str(assets.target),
-                "--draft-config", str(heads),
-                "--hidden-states", str(tmp / "store"), "--output", str(tmp / name), "--draft-vocab-size", "2048",
-                "--ttt-steps", "3", "--seed", "0", "--epochs", "2", "--max-steps", str(STEPS),
-                "--cache-dir", str(tmp / "cache"), *layout]
+        return ["--ds_config", str(_config(tmp / f"{name}.json", bf16)), "--output", str(tmp / name), *flags,
+                "--max-steps", str(STEPS), *layout]
 
     plan = {"fp32": argv("fp32", False), "bf16": argv("bf16", True),
             "bf16_tp2": argv("bf16_tp2", True, "--tp-size", "2"), "bf16_cp2": argv("bf16_cp2", True, "--cp-size", "2")}

@@ -270,7 +270,8 @@ def _draft_config(**changes):
 
 
 def test_resume_check_of_older_checkpoints(tmp_path):
-    from recipe.train.checkpoint import DRAFT_CONFIG_FILE, check_compatible
+    from recipe.train.checkpoint import DRAFT_CONFIG_FILE
+    from recipe.train.resume_checks import check_compatible
 
     geometry = dataclasses.asdict(_draft_config())
     current = {"seed": 0, "target_fingerprint": "w1:abc", "draft_config": geometry}

@@ -1,7 +1,8 @@
 """Exact resume on 2 CPU ranks, fp32: 20 steps straight == 10 steps + SIGTERM (checkpoint) + resume for 10, with
 ZeRO-3 dp=2 and with tp=2, bit for bit in metrics.jsonl; a crash injected mid-save (before the rename, and after
 the rename but before ``latest``) leaves the previous checkpoint loadable and the resumed run again matches; a run
-of another layout or data is refused with a message naming what differs."""
+of another global batch or data is refused with a message naming what differs (another layout is resharded:
+tests/test_reshard.py)."""
 from __future__ import annotations
 
 import json
@@ -11,7 +12,8 @@ import pytest
 from helpers.faults import Job, run_jobs, same_curve
 from helpers.ranks import run_ranks
 from helpers.training import train_argv, write_ds_config
-from recipe.train.checkpoint import FAULT_ENV, LATEST, PARTIAL, check_compatible, verify
+from recipe.train.checkpoint import FAULT_ENV, LATEST, PARTIAL, verify
+from recipe.train.resume_checks import check_compatible
 from recipe.train.signals import EXIT_INTERRUPTED
 
 STEPS, STOP = 20, 10
@@ -42,12 +44,13 @@ def test_interrupt_resume_and_crash_mid_save_are_exact(tiny_target_and_store, tm
         Job(argv(z3, "crash", *every4), env={FAULT_ENV: "written@8"}),
         Job(argv(z3, "crash", *every4, "--resume"), env={FAULT_ENV: "renamed@12"}),
         Job(argv(z3, "crash", *every4, "--resume")),
-        # refused: other layout (tp=2 over the dp=2 checkpoint) and other data (--limit)
-        Job(argv(z3, "z3_cut", "--resume", "--tp-size", "2")),
+        # refused: other global batch and other data (--limit)
+        Job(argv(write_ds_config(tmp_path / "z3_b8.json", base="zero3.json", train_batch_size=8), "z3_cut",
+                 "--resume")),
         Job(argv(z3, "z3_cut", "--resume", "--limit", "20")),
     ]
     out = run_ranks(2, run_jobs, jobs)[0]
-    (z3_ref, z3_cut, z3_res, tp_ref, tp_cut, tp_res, crash8, crash12, crash_res, bad_layout, bad_data) = out
+    (z3_ref, z3_cut, z3_res, tp_ref, tp_cut, tp_res, crash8, crash12, crash_res, bad_batch, bad_data) = out
 
     assert [o.rc for o in (z3_ref, z3_res, tp_ref, tp_res, crash_res)] == [0] * 5
     assert len(z3_ref.metrics) == STEPS and z3_ref.metrics[-1]["loss"] < z3_ref.metrics[0]["loss"]
@@ -80,18 +83,39 @@ def test_interrupt_resume_and_crash_mid_save_are_exact(tiny_target_and_store, tm
     assert sorted(p.name for p in ckpt.glob("step-*")) == ["step-00000016", "step-00000020"]
     assert not (ckpt / PARTIAL / "step-00000008").exists()  # debris of the first crash cleared by the next save
 
-    for bad in (bad_layout, bad_data):
+    for bad in (bad_batch, bad_data):
         assert bad.rc == 2 and "error (rank 0): cannot resume from" in bad.stderr
-    assert "tp: checkpoint 1, now 2" in bad_layout.stderr and "dp: checkpoint 2, now 1" in bad_layout.stderr
-    assert "data_fingerprint: checkpoint" in bad_data.stderr and "tp:" not in bad_data.stderr
+    assert "global_batch: checkpoint 4, now 8" in bad_batch.stderr and "data_fingerprint" not in bad_batch.stderr
+    assert "data_fingerprint: checkpoint" in bad_data.stderr and "global_batch" not in bad_data.stderr
 
 
-def test_check_compatible_lists_every_difference(tmp_path):
-    saved = {"world_size": 4, "tp": 2, "cp": 1, "dp": 2, "global_batch": 8, "zero_stage": 3, "seed": 0}
+def test_check_compatible_lists_every_difference_and_lets_the_layout_change(tmp_path):
+    saved = {"world_size": 4, "tp": 2, "cp": 1, "dp": 2, "global_batch": 8, "zero_stage": 3, "seed": 0,
+             "max_length": 64}
     check_compatible(saved, dict(saved), tmp_path)
+    check_compatible(saved, {**saved, "world_size": 2, "tp": 1, "dp": 2, "zero_stage": 1}, tmp_path)  # resharded
     with pytest.raises(ValueError) as err:
-        check_compatible(saved, {**saved, "world_size": 2, "dp": 1, "zero_stage": 2}, tmp_path)
+        check_compatible(saved, {**saved, "global_batch": 4, "seed": 1, "world_size": 2}, tmp_path)
     message = str(err.value)
     assert str(tmp_path) in message
-    assert "world_size: checkpoint 4, now 2" in message and "dp: checkpoint 2, now 1" in message
-    assert "zero_stage: checkpoint 3, now 2" in message and "tp:" not in message
+    assert "global_batch: checkpoint 8, now 4" in message and "seed: checkpoint 0, now 1" in message
+    assert "world_size" not in message and "max_length" not in message
+
+
+def test_describe_change_names_both_layouts_and_reads_older_checkpoints_as_unchanged_in_dtype():
+    from recipe.train.resume_checks import describe_change
+
+    now = {"world_size": 4, "tp": 2, "cp": 1, "dp": 2, "zero_stage": 3, "dtype": "bfloat16", "grad_accum_dtype": "fp32"}
+    assert describe_change(dict(now), now) is None
+    assert describe_change({**now, "seed": 1, "global_batch": 8}, now) is None  # not layout keys
+    older = {k: v for k, v in now.items() if k not in ("dtype", "grad_accum_dtype")}  # written before they were kept
+    assert describe_change(older, now) is None
+    assert describe_change({**older, "zero_stage": 2}, now) == (
+        "resuming a tp2 cp1 dp2 ZeRO-2 (4 ranks) checkpoint on tp2 cp1 dp2 ZeRO-3 bfloat16/fp32-accum (4 ranks): "
+        "resharding")
+    # the same layout in another dtype, or another gradient accumulation dtype (another optimizer wrapper), reshards
+    assert describe_change({**now, "dtype": "float32", "grad_accum_dtype": None}, now).startswith(
+        "resuming a tp2 cp1 dp2 ZeRO-3 float32 (4 ranks) checkpoint on")
+    assert describe_change({**now, "grad_accum_dtype": None}, now) is not None
+    assert describe_change({**now, "tp": 1, "dp": 1, "world_size": 1, "zero_stage": 0},
+                           now).startswith("resuming a tp1 cp1 dp1 ZeRO-0 bfloat16/fp32-accum (1 rank) checkpoint")

@@ -7,6 +7,8 @@ Layout under ``OUTPUT/checkpoints/``::
         draft_config.json        the export config.json
         vocab_map.safetensors    d2t / t2d, reused on resume (never regenerated)
         run_state.json           step (= data position, see recipe.train.sampler), seed, layout, data fingerprint
+        train_state.safetensors  fp32 masters, Adam moments and step, LR schedule in one process's layout: what a
+                                 resume on another layout reads (recipe.train.reshard)
         run_config.json          the resolved run configuration (flags, DeepSpeed JSON, layout)
         rng-rank00000.safetensors  every rank's RNG states, no pickle (:func:`save_rng_file`)
         manifest.json            size and sha256 of every other file of the folder, written last (:func:`verify`)
@@ -50,6 +52,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from recipe.io_errors import WriteError, writing
+from recipe.train import reshard
 from recipe.train.manifest import (MANIFEST, MANIFEST_FORMAT, _listing, file_sha256,  # noqa: F401
                                    manifest_dict, verify)
 from recipe.train.rng_state import (RNG_FORMAT, legacy_rng_file, load_rng_file, rng_file,  # noqa: F401
@@ -194,11 +197,13 @@ def _write_manifest(comm, folder: Path, tag: str, what: str, previous: str | Non
 
 def save(engine, comm, root: Path, step: int, run_state: dict, draft_state: dict[str, torch.Tensor] | None,
          draft_config: dict, vocab_files: dict[str, torch.Tensor], keep: int,
-         extra_files: dict[str, Path] | None = None, pending_error: str | None = None) -> Path:
+         extra_files: dict[str, Path] | None = None, pending_error: str | None = None,
+         train_state: tuple[dict[str, torch.Tensor], dict] | None = None) -> Path:
     """Write checkpoint ``step-{step:08d}`` atomically; collective over the world (through ``comm``, the run's
     ``recipe.parallel.collectives.Collectives``), every rank calls it.
 
-    ``draft_state`` (full tensors) is only needed on global rank 0; ``extra_files`` (name -> existing file, e.g. the
+    ``draft_state`` (full tensors) and ``train_state`` (``recipe.train.reshard.gather``: the layout-free training
+    state, written when given) are only needed on global rank 0; ``extra_files`` (name -> existing file, e.g. the
     resolved run config) are copied in by rank 0. Order: write into ``.partial/<tag>`` (DeepSpeed's files from every
     rank, our files from rank 0), agree, hash and write ``manifest.json`` (last), rename to ``<tag>``, agree,
     replace ``latest``, prune beyond ``keep``. ``pending_error``: a failure of this rank to write the run's logs
@@ -242,6 +247,9 @@ def save(engine, comm, root: Path, step: int, run_state: dict, draft_state: dict
             (partial / tag / DRAFT_CONFIG_FILE).write_text(json.dumps(draft_config, indent=2, sort_keys=True) + "\n")
         with writing(partial / tag / VOCAB_FILE):
             save_file(vocab_files, str(partial / tag / VOCAB_FILE))
+        if train_state is not None:
+            with writing(partial / tag / reshard.TRAIN_STATE_FILE):
+                reshard.save(partial / tag / reshard.TRAIN_STATE_FILE, *train_state)
         for name, src in (extra_files or {}).items():
             if Path(src).is_file():
                 with writing(partial / tag / name):
@@ -363,65 +371,6 @@ def resolve(resume: str, root: Path) -> Path:
     raise FileNotFoundError(f"--resume: no intact checkpoint in {path.parent}: " + "; ".join(damaged))
 
 
-COMPAT_KEYS = ("world_size", "tp", "cp", "dp", "global_batch", "zero_stage", "data_fingerprint", "ttt_steps",
-               "draft_vocab_size", "aux_layer_ids", "max_length", "seed", "freeze_lm_head", "target_fingerprint",
-               "draft_config")
-# keys added after checkpoints were first written: the value a checkpoint (or state) without the key means
-COMPAT_DEFAULTS = {"freeze_lm_head": False}
-# keys added later whose value an older checkpoint cannot supply: a checkpoint without one is resumed unchecked for
-# it, with a one-line note (refusing would strand every run started before the key existed; the key still guards
-# every checkpoint written since). ``draft_config`` of such a checkpoint is read from its draft_config.json.
-UNRECORDED_KEYS = ("target_fingerprint", "draft_config")
-
-
-def _saved_draft_config(path: Path) -> dict | None:
-    """The draft geometry (``dataclasses.asdict(Eagle3DraftConfig)``) of a checkpoint without ``draft_config`` in
-    its run state, from its ``draft_config.json``; None when that file is missing or unreadable."""
-    import dataclasses
-
-    from recipe.model.draft_config import Eagle3DraftConfig
-
-    try:
-        config = Eagle3DraftConfig.from_hf_dict(json.loads((Path(path) / DRAFT_CONFIG_FILE).read_text()))
-        return dataclasses.asdict(config)
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
-
-
-def _difference(key: str, saved, current) -> str:
-    if isinstance(saved, dict) and isinstance(current, dict):  # name only the fields that differ
-        fields = sorted(k for k in set(saved) | set(current) if saved.get(k) != current.get(k))
-        saved, current = ({k: d.get(k) for k in fields} for d in (saved, current))
-    return f"{key}: checkpoint {saved!r}, now {current!r}"
-
-
-def check_compatible(saved: dict, current: dict, path: Path, keys: tuple[str, ...] = COMPAT_KEYS) -> str | None:
-    """Refuse to resume when the layout, world size, ZeRO stage, data, target weights, draft geometry or key
-    settings differ.
-
-    A key missing on either side reads as its :data:`COMPAT_DEFAULTS` value (older checkpoints predate it); a key
-    of :data:`UNRECORDED_KEYS` the checkpoint lacks is not compared (``draft_config`` is then taken from the
-    checkpoint's draft_config.json where it can be). ``keys``: the subset to compare (default all of
-    :data:`COMPAT_KEYS`). Raises ValueError listing every differing key (checkpoint value, current value; for a
-    dict, the differing fields). Returns a one-line note naming the keys left unchecked, or None.
-    """
-    saved, current = {**COMPAT_DEFAULTS, **saved}, {**COMPAT_DEFAULTS, **current}
-    if "draft_config" not in saved and "draft_config" in keys:
-        recovered = _saved_draft_config(path)
-        if recovered is not None:
-            saved["draft_config"] = recovered
-    unchecked = [k for k in UNRECORDED_KEYS if k in keys and k not in saved and k in current]
-    diffs = [_difference(k, saved.get(k), current.get(k)) for k in keys
-             if k not in unchecked and saved.get(k) != current.get(k)]
-    if diffs:
-        raise ValueError(f"cannot resume from {path}: the run differs from the checkpoint in\n  " + "\n  ".join(diffs)
-                         + "\n(resharding to another layout is not supported; start a new run or match these)")
-    if unchecked:
-        return (f"note: {path} predates the {' and '.join(unchecked)} check(s) (written by an earlier version); "
-                "resuming without verifying them")
-    return None
-
-
 def read_run_state(path: Path) -> dict:
     """The ``run_state.json`` of checkpoint folder ``path``; ValueError naming the file when it is unreadable."""
     file = Path(path) / RUN_STATE
@@ -431,48 +380,34 @@ def read_run_state(path: Path) -> dict:
         raise ValueError(f"--resume: cannot read {file} ({exc})") from None
 
 
-def check_length(saved: dict, total_steps: int, extend: bool, path: Path) -> bool:
-    """Whether resuming the checkpoint ``path`` (its run state ``saved``) in a run of ``total_steps`` optimizer
-    steps re-plans the LR schedule (``--extend``, ``recipe.train.loop.Trainer._replan_schedule``).
-
-    False when the planned length is unchanged. Raises ValueError naming the planned and requested lengths when it
-    differs without ``extend`` (the schedule would change under a resumed run), and with ``extend`` when the new
-    length leaves no step to run after the saved one.
-    """
-    planned, step = saved.get("total_steps"), saved.get("step", 0)
-    if planned == total_steps:
-        return False
-    was = f"planned for {planned} optimizer steps" if planned is not None else "of a run of unrecorded length"
-    if not extend:
-        raise ValueError(f"cannot resume from {path}: the checkpoint (step {step}) is {was}, this run asks for "
-                         f"{total_steps} (--max-steps/--epochs); resuming would mix two learning-rate schedules. Pass "
-                         f"--extend to re-plan the schedule for {total_steps} steps from step {step} (README, "
-                         "'Extending a run'), or resume with the original --max-steps/--epochs")
-    if total_steps <= step:
-        raise ValueError(f"cannot extend the run in {path}: it is at step {step} and --max-steps/--epochs ask for "
-                         f"{total_steps} steps in all; give a length above {step}")
-    return True
-
-
-def load(engine, path: Path) -> dict:
+def load(engine, path: Path, tp_group=None, resharding: bool = False) -> dict:
     """Load engine state (model, optimizer, scheduler, loss scaler) and this rank's RNG; return the saved run state.
 
-    Call :func:`check_compatible` first: DeepSpeed fails deep inside on a checkpoint of another layout; ``path``
-    comes from :func:`resolve`, which verified it (DeepSpeed unpickles its files). The RNG file is read without
-    pickle (:func:`load_rng_file`). Raises FileNotFoundError naming the folder when DeepSpeed finds nothing or this
-    rank's RNG file is missing, ValueError naming an RNG file that is not a plain RNG state.
+    Call :func:`check_compatible` first; ``path`` comes from :func:`resolve`, which verified it (DeepSpeed unpickles
+    its files). The RNG file is read without pickle (:func:`load_rng_file`). ``resharding`` (the checkpoint is of
+    another layout, ``recipe.train.resume_checks.describe_change``): DeepSpeed's files are not read; the optimizer,
+    scheduler and counters come from the layout-free training state (``recipe.train.reshard.restore``, the master
+    weights were loaded into the model before it was built) and every rank takes rank 0's CPU RNG states.
+    Raises FileNotFoundError naming the folder when DeepSpeed finds nothing or this rank's RNG file is missing,
+    ValueError naming an RNG or training-state file that is not one.
     """
     path = Path(path)
-    load_path, _ = engine.load_checkpoint(str(path.parent), tag=path.name, load_optimizer_states=True,
-                                          load_lr_scheduler_states=True)
-    if load_path is None:
-        raise FileNotFoundError(f"DeepSpeed could not load the checkpoint in {path}")
     rank = dist.get_rank()
+    if resharding:
+        reshard.restore(engine, tp_group, path)
+        rank = 0
+    else:
+        load_path, _ = engine.load_checkpoint(str(path.parent), tag=path.name, load_optimizer_states=True,
+                                              load_lr_scheduler_states=True)
+        if load_path is None:
+            raise FileNotFoundError(f"DeepSpeed could not load the checkpoint in {path}")
     file = path / rng_file(rank)
     if not file.is_file() and (path / legacy_rng_file(rank)).is_file():
         file = path / legacy_rng_file(rank)
     if not file.is_file():
-        raise FileNotFoundError(f"--resume: {path / rng_file(rank)} is missing (checkpoint written by another world "
-                                "size?)")
-    set_rng_state(load_rng_file(file))
+        raise FileNotFoundError(f"--resume: {path / rng_file(rank)} is missing")
+    state = load_rng_file(file)
+    if resharding:
+        state.pop("cuda", None)  # device RNG states belong to the writing rank's devices
+    set_rng_state(state)
     return read_run_state(path)

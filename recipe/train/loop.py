@@ -7,14 +7,16 @@ micro-batch's loss by the accumulation steps, so each rank back-propagates its l
 ``dp·cp·grad_accum / N_k``; the result is the global objective's gradient whatever the layout.
 
 Reliability. Resume continues exactly: the step counter is the data position (``recipe.train.sampler``), and the
-checkpoint holds the engine state, every rank's RNG and the vocabulary map; a checkpoint of another layout or data is
-refused before DeepSpeed touches it, and so is a resume for another run length (with an LR scheduler) unless
-``--extend`` re-plans the schedule (:meth:`Trainer._replan_schedule`). SIGTERM/SIGINT stop all ranks after the same
-step, save and return ``EXIT_INTERRUPTED`` (``recipe.train.signals``). A NaN/inf loss on any rank stops with the
-step and sample indices, or with ``--skip-nonfinite`` skips the step (engine untouched) and is counted in
-metrics.jsonl (``"skipped"``) and at the end. The finite flags of the micro-batches stay on the device and are agreed
-over the world ONCE per optimizer step, after the forward of the last micro-batch and before its backward (so before
-the optimizer step; with ``--skip-nonfinite``, which needs one micro-batch per step, before any backward).
+checkpoint holds the engine state, every rank's RNG, the vocabulary map and the layout-free training state; a
+checkpoint of another layout (world size, dp, tp, cp, ZeRO stage, dtype) is resharded (``recipe.train.reshard``), one
+of other data or global batch is refused before DeepSpeed touches it (``recipe.train.resume_checks``), and so is a
+resume for another run length (with an LR scheduler) unless ``--extend`` re-plans the schedule
+(:meth:`Trainer._replan_schedule`). SIGTERM/SIGINT stop all ranks after the same step, save and return
+``EXIT_INTERRUPTED`` (``recipe.train.signals``). A NaN/inf loss on any rank stops with the step and sample indices,
+or with ``--skip-nonfinite`` skips the step (engine untouched) and is counted in metrics.jsonl (``"skipped"``) and at
+the end. The finite flags of the micro-batches stay on the device and are agreed over the world ONCE per optimizer
+step, after the forward of the last micro-batch and before its backward (so before the optimizer step; with
+``--skip-nonfinite``, which needs one micro-batch per step, before any backward).
 
 Host syncs. Per optimizer step the loop reads the device once for that agreement and once at the end for the
 metrics (plus the grad norm); the loss sums, correct counts and the global valid counts stay on the device in between.
@@ -38,13 +40,13 @@ from recipe.io_errors import WriteError
 from recipe.model.ttt import ttt_objective
 from recipe.parallel.parallelize import gather_full_state
 from recipe.plot import plot_note
-from recipe.train import checkpoint
+from recipe.train import checkpoint, reshard, resume_checks
 from recipe.train.metrics import MetricsLog, TrainProgress, ttt_metrics
 from recipe.train.monitor import StepMonitor
 from recipe.train.oom import StepOutOfMemory, out_of_memory_message
 from recipe.train.batches import StepBatches
 from recipe.train.sampler import rank_micro_batches
-from recipe.train.setup import RunParts
+from recipe.train.setup import RunParts, layout_state
 from recipe.train.signals import EXIT_INTERRUPTED, StopRequest
 
 
@@ -98,7 +100,8 @@ class TrainSettings:
 
 class Trainer:
     """Runs the optimizer steps of a built run (``recipe.train.setup.build_run``) with ``settings``; see
-    :meth:`train`. Resumes from ``parts.resume_from`` (refusing a checkpoint of another layout or data)."""
+    :meth:`train`. Resumes from ``parts.resume_from`` (resharding one of another layout, refusing one of other data
+    or global batch)."""
 
     def __init__(self, settings: TrainSettings, parts: RunParts, console: Console):
         self.settings, self.parts, self.console = settings, parts, console
@@ -111,13 +114,14 @@ class Trainer:
         self.batch_shape: tuple[int, int] | None = None
         self._check_settings()
         if parts.resume_from is not None:
-            # compare first: DeepSpeed fails deep inside on a checkpoint of another layout
+            # compare first: nothing of the checkpoint is loaded into a run that differs in data or settings
             saved = checkpoint.read_run_state(parts.resume_from)
-            checkpoint.check_compatible(saved, self.run_state(0), parts.resume_from)
+            resume_checks.check_compatible(saved, self.run_state(0), parts.resume_from)
             # without an LR scheduler (constant lr) the run length may change freely: no schedule to mix
-            replan = self.engine.lr_scheduler is not None and checkpoint.check_length(
+            replan = self.engine.lr_scheduler is not None and resume_checks.check_length(
                 saved, self.config.total_steps, settings.extend, parts.resume_from)
-            saved = checkpoint.load(self.engine, parts.resume_from)
+            saved = checkpoint.load(self.engine, parts.resume_from, self.pstate.tp_group,
+                                    resharding=parts.resharding is not None)
             self.step = saved["step"]
             if self.rank0:
                 console.print(f"resumed from {parts.resume_from} at step {self.step}")
@@ -175,13 +179,12 @@ class Trainer:
                              "back-propagated")
 
     def run_state(self, step: int) -> dict:
-        d, p, total = self.config.dims, self.config.plan, self.config.total_steps
+        p, total = self.config.plan, self.config.total_steps
         return {"step": step, "epoch": self.parts.sampler.epoch_of(step) if step < total else None,
-                "world_size": d.world_size, "tp": d.tp, "cp": d.cp, "dp": d.dp, "global_batch": p.global_batch,
+                **layout_state(self.config), "global_batch": p.global_batch,
                 "data_fingerprint": self.parts.data_fingerprint, "ttt_steps": self.settings.ttt_steps,
                 "draft_vocab_size": self.parts.draft_config.draft_vocab_size, "max_length": self.settings.max_length,
                 "seed": self.settings.seed, "total_steps": total,
-                "zero_stage": self.engine.zero_optimization_stage(),
                 "aux_layer_ids": list(self.parts.draft_config.aux_layer_ids),
                 "freeze_lm_head": self.settings.freeze_lm_head, **self.parts.run_identity}
 
@@ -276,6 +279,7 @@ class Trainer:
         fails the save (the checkpoint would follow a gap in the logs). ``attempts`` > 1 (the end of the run):
         a failed save is tried again, with a line saying so. Raises CheckpointError after the last attempt."""
         state = gather_full_state(self.engine, self.pstate)
+        train_state = reshard.gather(self.engine, self.pstate.tp_group)
         vocab = {"d2t": self.parts.vocab.d2t, "t2d": self.parts.vocab.t2d}
         for attempt in range(1, attempts + 1):
             logs = "; ".join(e for e in (self.metrics.flush(), self.monitor.error) if e) if self.rank0 else ""
@@ -284,7 +288,7 @@ class Trainer:
                                 self.run_state(self.step), state if self.rank0 else None,
                                 self.parts.draft_config.to_hf_dict(), vocab, keep=self.settings.keep_checkpoints,
                                 extra_files={"run_config.json": self.settings.output / "run_config.json"},
-                                pending_error=logs or None)
+                                pending_error=logs or None, train_state=train_state if self.rank0 else None)
                 return state
             except checkpoint.CheckpointError as exc:
                 if attempt == attempts:
@@ -396,4 +400,4 @@ def plan_summary(parts: RunParts) -> str:
             f"accum {p.grad_accum} × dp {p.dp}; {config.total_steps} steps over {len(parts.builder)} samples; "
             f"dtype {str(config.dtype).removeprefix('torch.')}; attention {config.memory.attention_backend} "
             f"(tile {config.memory.attention_tile_size}); batch {asdict(p)}; collectives {dist.get_backend()} on "
-            f"{parts.pstate.device}")
+            f"{parts.pstate.device}" + (f"; {parts.resharding}" if parts.resharding else ""))

@@ -8,6 +8,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import shutil
+import socket
+import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -26,7 +28,7 @@ from recipe.model.target_head import final_logit_softcap, load_embedding_and_hea
 from recipe.model.ttt import TTTModel
 from recipe.parallel.parallelize import parallelize
 from recipe.parallel.topology import ParallelState
-from recipe.train import checkpoint
+from recipe.train import checkpoint, reshard, resume_checks
 from recipe.train.batches import BatchBuilder
 from recipe.train.sampler import StepSampler
 from recipe.train.validation import Validator, held_out_data
@@ -49,8 +51,10 @@ class RunParts:
     resume_from: Path | None
     validator: object | None = None  # recipe.train.validation.Validator of the held-out split (None: no validation)
     # what the run is made of beyond its flags, recorded in every checkpoint's run state and compared on resume
-    # (recipe.train.checkpoint.COMPAT_KEYS): the target's weight fingerprint and the draft geometry
+    # (recipe.train.resume_checks.COMPAT_KEYS): the target's weight fingerprint and the draft geometry
     run_identity: dict = field(default_factory=dict)
+    # the run-plan line when the checkpoint resumed from is of another layout (recipe.train.reshard), else None
+    resharding: str | None = None
 
 
 def rank0_first(fn, comm):
@@ -133,7 +137,8 @@ def check_output(args: TrainArgs, comm) -> None:
     without ``--resume`` into a folder that holds a previous run (:func:`existing_run`; rank 0 decides, every rank
     raises its message) unless ``--overwrite`` is given, and a folder some rank cannot write (each rank probes its
     own view). Raises ValueError naming the folder and the choices (``--resume``, a new ``--output``,
-    ``--overwrite``). The old run is deleted only once the run is built (:func:`write_resolved_config`)."""
+    ``--overwrite``), or naming the ranks that cannot write it or do not share it with rank 0 (:func:`check_shared`).
+    The old run is deleted only once the run is built (:func:`write_resolved_config`)."""
     rank = dist.get_rank()
     refusal = _refusal(args) if rank == 0 else None
     reports = comm.all_gather_object((refusal, _probe_writable(args.output)))
@@ -143,6 +148,41 @@ def check_output(args: TrainArgs, comm) -> None:
     if failed:
         r, probe = failed[0]
         raise ValueError(probe + (f" on rank {r}" if len(reports) > 1 else ""))
+    check_shared(args.output, comm)
+
+
+def check_shared(output: Path, comm) -> None:
+    """Collective over the world: every rank must see the files rank 0 writes into ``output``, i.e. ``--output`` is
+    one folder on a filesystem every node mounts at the same path. Checkpoints need it: each rank writes its own
+    DeepSpeed and RNG files into ``OUTPUT/checkpoints/.partial/<tag>``, the ranks hash the files rank 0 lists, rank 0
+    renames the folder and moves ``latest``, and ``--resume`` reads every rank's files on every rank. Rank 0 writes
+    a probe file (a random name, removed again), every rank looks for it. Raises ValueError naming the folder, the
+    ranks and hosts that do not see it, and rank 0's host."""
+    if dist.get_world_size() == 1:
+        return
+    probe, failure = None, None
+    if dist.get_rank() == 0:
+        probe = output / f".shared-probe-{uuid.uuid4().hex}"
+        try:
+            probe.write_text(socket.gethostname() + "\n")
+        except OSError as exc:
+            failure = f"--output {output}: rank 0 could not write {probe.name} ({exc.strerror or exc})"
+    try:
+        name, failure = comm.all_gather_object((None if probe is None else probe.name, failure))[0]
+        if failure is not None:
+            raise ValueError(failure)
+        views = comm.all_gather_object(((output / name).is_file(), socket.gethostname()))
+    finally:
+        if probe is not None:
+            probe.unlink(missing_ok=True)
+    blind = [(r, host) for r, (seen, host) in enumerate(views) if not seen]
+    if blind:
+        hosts = sorted({host for _, host in blind})
+        raise ValueError(
+            f"--output {output} is not one folder shared by every rank: rank(s) {', '.join(str(r) for r, _ in blind)} "
+            f"(host {', '.join(hosts)}) do not see the file rank 0 (host {views[0][1]}) wrote there. Checkpoints are "
+            "written by every rank and completed by rank 0, so --output must be on a filesystem every node mounts at "
+            "the same path (NFS, Lustre, GPFS, ...); README.md, 'On a cluster'")
 
 
 def clear_previous_run(output: Path) -> list[str]:
@@ -227,9 +267,15 @@ def build_run(args: TrainArgs, device: torch.device, console: Console) -> RunPar
     draft_config = Eagle3DraftConfig.from_target_config(hf_config, draft_vocab, overrides)
     identity = {"target_fingerprint": target_fingerprint(args.target),
                 "draft_config": json.loads(json.dumps(dataclasses.asdict(draft_config)))}  # as run_state.json holds it
+    resharding = None
     if resume_from is not None:  # before the checkpoint's vocabulary map, the draft or DeepSpeed touch anything
-        notes.append(checkpoint.check_compatible(checkpoint.read_run_state(resume_from), identity, resume_from,
-                                                 keys=tuple(identity)))
+        saved = checkpoint.read_run_state(resume_from)
+        notes.append(resume_checks.check_compatible(saved, identity, resume_from, keys=tuple(identity)))
+        resharding = resume_checks.describe_change(saved, layout_state(config))
+        if resharding is not None and not (resume_from / reshard.TRAIN_STATE_FILE).is_file():
+            raise ValueError(f"cannot resume from {resume_from} on another layout: it has no "
+                             f"{reshard.TRAIN_STATE_FILE} (written by an earlier version); resume it on its own "
+                             f"layout, {resume_checks.layout_name(saved)}, or start a new run")
     if dist.get_rank() == 0:
         for note in filter(None, notes):
             console.print(note)
@@ -250,6 +296,8 @@ def build_run(args: TrainArgs, device: torch.device, console: Console) -> RunPar
         draft.init_lm_head_from_target(lm_head_VH, vocab.draft_ids)
     model = TTTModel(draft, lm_head_VH[vocab.draft_ids].clone(), loss_chunk_size=memory.loss_chunk_size,
                      checkpoint_steps=memory.checkpoint_ttt_steps, target_softcap=final_logit_softcap(hf_config))
+    if resharding is not None:  # the layout is cut from the saved masters, as a fresh run's from its initial weights
+        reshard.load_master_weights(model, resume_from)
     parallelize(model, pstate, memory, device)
     if args.freeze_lm_head:  # whichever module holds lm_head now (vocab-parallel under tp)
         model.draft.lm_head.weight.requires_grad_(False)
@@ -283,7 +331,16 @@ def build_run(args: TrainArgs, device: torch.device, console: Console) -> RunPar
                                            mpu=pstate.mpu())
     return RunParts(config=config, pstate=pstate, draft_config=draft_config, vocab=vocab, builder=builder,
                     sampler=sampler, engine=engine, data_fingerprint=fingerprint, resume_from=resume_from,
-                    validator=validator, run_identity=identity)
+                    validator=validator, run_identity=identity, resharding=resharding)
+
+
+def layout_state(config: RunConfig) -> dict:
+    """The run-state keys of ``recipe.train.resume_checks.LAYOUT_KEYS`` for ``config`` (before the engine exists)."""
+    d, ds = config.dims, config.deepspeed
+    return {"world_size": d.world_size, "tp": d.tp, "cp": d.cp, "dp": d.dp,
+            "zero_stage": int((ds.get("zero_optimization") or {}).get("stage", 0)),
+            "dtype": str(config.dtype).removeprefix("torch."),
+            "grad_accum_dtype": (ds.get("data_types") or {}).get("grad_accum_dtype")}
 
 
 def write_resolved_config(args: TrainArgs, parts: RunParts, console: Console | None = None) -> None:
