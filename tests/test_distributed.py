@@ -32,7 +32,12 @@ def _world(rank, size, local):
     # srun -n 4 inside an allocation of 8 tasks: the step's task count is the world
     ("slurm", {"SLURM_PROCID": "3", "SLURM_NTASKS": "8", "SLURM_STEP_NUM_TASKS": "4", "SLURM_LOCALID": "1"},
      _world(3, 4, 1)),
-    ("slurm", {"SLURM_PROCID": "3", "SLURM_NTASKS": "4", "SLURM_LOCALID": "1"}, _world(3, 4, 1)),
+    ("slurm", {"SLURM_PROCID": "3", "SLURM_STEP_NUM_TASKS": "4", "SLURM_LOCALID": "1"}, _world(3, 4, 1)),
+    # srun --mpi=pmi2: Slurm's plugin sets PMI_RANK / PMI_SIZE, the local rank is Slurm's; Cray ALPS; Flux
+    ("mpich/impi", {"PMI_RANK": "5", "PMI_SIZE": "8", "SLURM_PROCID": "5", "SLURM_STEP_NUM_TASKS": "8",
+                    "SLURM_LOCALID": "1"}, _world(5, 8, 1)),
+    ("mpich/impi", {"PMI_RANK": "5", "PMI_SIZE": "8", "PMI_LOCAL_RANK": "1"}, _world(5, 8, 1)),
+    ("mpich/impi", {"PMI_RANK": "5", "PMI_SIZE": "8", "FLUX_TASK_LOCAL_ID": "1"}, _world(5, 8, 1)),
     ("pmix", {"PMIX_RANK": "1", "PMI_SIZE": "2", "MPI_LOCALRANKID": "1"}, _world(1, 2, 1)),
     # precedence: torchrun started by mpirun (one per node): RANK is the global rank, OMPI's the node's
     ("torchrun", {"RANK": "5", "WORLD_SIZE": "8", "LOCAL_RANK": "1", "TORCHELASTIC_RUN_ID": "x",
@@ -54,17 +59,32 @@ def test_launcher_variables_map_to_torch_distributed(name, env, expected):
     assert environ == before  # only read
 
 
-def test_plain_python_is_one_process_on_a_free_local_port():
-    name, found = launcher_environment({"PATH": "/usr/bin", "HOME": "/root"})
+@pytest.mark.parametrize("env", [
+    {"PATH": "/usr/bin", "HOME": "/root"},
+    {"MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29500"},  # exported for a later srun: not this run's rendezvous
+    # the batch script of `sbatch -n 16` itself: no job step, so a plain `python run.py` there is one process
+    {"SLURM_PROCID": "0", "SLURM_NTASKS": "16", "SLURM_LOCALID": "0", "SLURM_JOB_ID": "7"},
+])
+def test_plain_python_is_one_process_on_a_free_local_port(env):
+    name, found = launcher_environment(env)
     assert name == "python"
     assert {k: found[k] for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR")} == {
         "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1"}
-    assert 0 < int(found["MASTER_PORT"]) < 65536
+    assert 0 < int(found["MASTER_PORT"]) < 65536 and found["MASTER_PORT"] != "29500"
     assert set(found) == {"RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"}
 
 
+def test_a_task_that_sees_one_gpu_uses_it_whatever_its_local_rank():
+    from recipe.train.distributed import _device_index
+
+    assert [_device_index(r, 8) for r in range(8)] == list(range(8))
+    assert _device_index(5, 1) == 0  # srun --gpus-per-task=1
+    with pytest.raises(ValueError, match="local rank 5 but this process sees 4 GPUs"):
+        _device_index(5, 4)
+
+
 def test_world_of_one_without_master_addr_uses_a_local_rendezvous():  # srun -n1
-    name, found = launcher_environment({"SLURM_PROCID": "0", "SLURM_NTASKS": "1", "SLURM_LOCALID": "0"})
+    name, found = launcher_environment({"SLURM_PROCID": "0", "SLURM_STEP_NUM_TASKS": "1", "SLURM_LOCALID": "0"})
     assert (name, found["RANK"], found["WORLD_SIZE"], found["MASTER_ADDR"]) == ("slurm", "0", "1", "127.0.0.1")
     assert int(found["MASTER_PORT"]) > 0
 
@@ -80,7 +100,7 @@ def test_missing_master_port_is_deepspeeds_default():
     {"OMPI_COMM_WORLD_RANK": "1", "OMPI_COMM_WORLD_SIZE": "2", "OMPI_COMM_WORLD_LOCAL_RANK": "1"},
     {"MV2_COMM_WORLD_RANK": "1", "MV2_COMM_WORLD_SIZE": "2", "MV2_COMM_WORLD_LOCAL_RANK": "1"},
     {"PMI_RANK": "0", "PMI_SIZE": "2", "MPI_LOCALRANKID": "0"},
-    {"SLURM_PROCID": "0", "SLURM_NTASKS": "2", "SLURM_LOCALID": "0"},
+    {"SLURM_PROCID": "0", "SLURM_STEP_NUM_TASKS": "2", "SLURM_LOCALID": "0"},
     {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0"},
 ])
 def test_several_processes_without_master_addr_is_an_error_naming_it(env):
@@ -98,7 +118,7 @@ def test_without_master_addr_mpi_worlds_are_left_to_deepspeeds_discovery_when_it
     assert "MASTER_ADDR" not in launcher_environment(aml)[1]
     with pytest.raises(ValueError, match="MASTER_ADDR"):
         launcher_environment({**aml, "DLTS_JOB_ID": "y"})  # DeepSpeed skips the AML patch on DLTS
-    slurm = {"SLURM_PROCID": "0", "SLURM_NTASKS": "2", "SLURM_LOCALID": "0"}  # srun alone is no MPI world
+    slurm = {"SLURM_PROCID": "0", "SLURM_STEP_NUM_TASKS": "2", "SLURM_LOCALID": "0"}  # srun alone: no MPI world
     with pytest.raises(ValueError, match="MASTER_ADDR"):
         launcher_environment(slurm, mpi4py=True)
 
@@ -107,13 +127,13 @@ def test_without_master_addr_mpi_worlds_are_left_to_deepspeeds_discovery_when_it
     ({"OMPI_COMM_WORLD_RANK": "2", "OMPI_COMM_WORLD_SIZE": "2", "OMPI_COMM_WORLD_LOCAL_RANK": "0"},
      r"inconsistent OMPI_COMM_WORLD_RANK=2, OMPI_COMM_WORLD_SIZE=2"),
     ({"RANK": "-1", "WORLD_SIZE": "2", "LOCAL_RANK": "0"}, r"inconsistent RANK=-1"),
-    ({"SLURM_PROCID": "0", "SLURM_NTASKS": "2", "SLURM_LOCALID": "2"}, r"inconsistent .*SLURM_LOCALID=2"),
+    ({"SLURM_PROCID": "0", "SLURM_STEP_NUM_TASKS": "2", "SLURM_LOCALID": "2"}, r"inconsistent .*SLURM_LOCALID=2"),
     ({"PMI_RANK": "0", "PMI_SIZE": "0", "MPI_LOCALRANKID": "0"}, r"inconsistent .*PMI_SIZE=0"),
     ({"MV2_COMM_WORLD_RANK": "one", "MV2_COMM_WORLD_SIZE": "2", "MV2_COMM_WORLD_LOCAL_RANK": "0"},
      r"MV2_COMM_WORLD_RANK='one' is not an integer"),
     ({"RANK": "0"}, r"RANK is set but WORLD_SIZE is not"),
     ({"PMIX_RANK": "0"}, r"PMIX_RANK is set but PMI_SIZE is not"),
-    ({"PMI_RANK": "1", "PMI_SIZE": "2"}, r"MPI_LOCALRANKID or PALS_LOCAL_RANKID is not"),
+    ({"PMI_RANK": "1", "PMI_SIZE": "2"}, r"PMI_RANK is set but MPI_LOCALRANKID or PALS_LOCAL_RANKID or .* is not"),
 ])
 def test_inconsistent_launcher_variables_are_a_clear_value_error(env, message):
     with pytest.raises(ValueError, match=message):

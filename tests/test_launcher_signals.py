@@ -206,9 +206,12 @@ def test_every_way_of_stopping_the_deepspeed_launcher_saves_and_resumes_exactly(
     leaked = [p.name for p in Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_*_{launch.port}_*")]
     assert not leaked, leaked
     if name == "ctrl_c":
-        assert log.count("SIGINT received: stopping after this step") == 2, log
-        assert "taken as a relayed copy" in log, log  # launch.py's SIGTERM right after the terminal's SIGINT
-        assert marker["cause"] == "SIGINT"
+        # the terminal's SIGINT and launch.py's relayed SIGTERM arrive together: each rank stops on the first it
+        # handles (under load a rank can handle the SIGTERM first) and ignores the other as a copy
+        first = [log.count(f"{sig} received: stopping after this step") for sig in ("SIGINT", "SIGTERM")]
+        assert sum(first) == 2 and first[0] >= 1, log
+        assert log.count("taken as a relayed copy") >= 1, log
+        assert marker["cause"] in ("SIGINT", "SIGTERM")
     elif name == "term_runner":
         assert f"launcher deepspeed (pid {launch.runner.pid}) is gone" in log, log
         assert "SIGTERM received: stopping" not in log, log  # nobody forwarded it: the launcher watch stopped the ranks

@@ -83,3 +83,49 @@ def test_every_wrapper_restores_and_gathers_the_saved_state_exactly(tiny_target_
         assert count == 3 * 13, (name, count)
         assert differ == [], f"{name} -> {dest}: {differ}"
         assert meta_differ == [], f"{name} -> {dest}: {meta_differ}"
+
+
+def test_a_run_without_adam_saves_no_layout_free_state_and_says_so(tiny_target_and_store, tmp_path):
+    """torch's SGD (DeepSpeed builds any ``torch.optim`` class named in the JSON): every checkpoint is complete for
+    its own layout, has no train_state.safetensors, the run says once why, and a resume on another layout is refused
+    naming the checkpoint's layout."""
+    from helpers.faults import Job, run_jobs
+    from recipe.train.reshard import TRAIN_STATE_FILE
+
+    target, store = tiny_target_and_store
+    sgd = {"type": "SGD", "params": {"lr": 0.05, "momentum": 0.9}}
+    cfg = write_ds_config(tmp_path / "sgd.json", base="zero1.json", train_batch_size=4, optimizer=sgd,
+                          zero_allow_untested_optimizer=True, parallelism=None)
+    argv = train_argv(cfg, target, store, tmp_path / "run", "--epochs", "2", "--no-export", "--max-steps", "2",
+                      "--save-every", "1")
+    other = train_argv(cfg, target, store, tmp_path / "run", "--epochs", "2", "--no-export", "--max-steps", "2",
+                       "--resume", "--cp-size", "2")
+    trained, refused = run_ranks(2, run_jobs, [Job(argv), Job(other)])[0]
+    assert trained.rc == 0, trained.stderr[-3000:]
+    text = " ".join(trained.stderr.split())
+    assert text.count("note: checkpoints resume on this layout only: the optimizer is SGD") == 1
+    for step in (1, 2):
+        folder = tmp_path / "run" / "checkpoints" / f"step-{step:08d}"
+        assert (folder / "manifest.json").is_file() and not (folder / TRAIN_STATE_FILE).exists()
+    assert refused.rc == 2
+    text = " ".join(refused.stderr.split())
+    assert "cannot resume from" in text and "on another layout: it has no train_state.safetensors" in text
+    assert "resume it on its own layout, tp1 cp1 dp2 ZeRO-1 float32 (2 ranks)" in text
+
+
+def test_zero3_partitions_that_do_not_divide_a_parameter_are_restored_exactly(tiny_target_and_store, tmp_path):
+    """A ZeRO-1 dp2 bf16 checkpoint resumed at ZeRO-3 on 3 ranks: the tiny draft's 32-wide norms and most of its
+    matrices do not split in 3, so ZeRO-3 pads their partitions (DeepSpeed's ``safe_set_full_*`` would read past the
+    end on the last rank); the state gathered again equals the saved one bit for bit."""
+    target, store = tiny_target_and_store
+
+    def argv(name, base, *extra):
+        cfg = write_ds_config(tmp_path / f"{name}.json", base=base, train_batch_size=6, parallelism=None)
+        return train_argv(cfg, target, store, tmp_path / "run", "--epochs", "2", "--no-export", "--max-steps",
+                          str(STEPS), *extra)
+
+    run_ranks(2, _roundtrips, {"z1dp2": argv("z1dp2", "zero1_bf16.json")}, [])
+    (line, differ, meta_differ, count), = run_ranks(3, _roundtrips, {}, [
+        ("z1dp2", argv("z3dp3", "zero3_bf16.json", "--resume"))])[0]
+    assert line is not None and "checkpoint on tp1 cp1 dp3 ZeRO-3" in line
+    assert (differ, meta_differ, count) == ([], [], 3 * 13)

@@ -119,3 +119,12 @@ def test_describe_change_names_both_layouts_and_reads_older_checkpoints_as_uncha
     assert describe_change({**now, "grad_accum_dtype": None}, now) is not None
     assert describe_change({**now, "tp": 1, "dp": 1, "world_size": 1, "zero_stage": 0},
                            now).startswith("resuming a tp1 cp1 dp1 ZeRO-0 bfloat16/fp32-accum (1 rank) checkpoint")
+
+
+def test_check_optimizer_refuses_another_optimizer_class_on_the_same_layout(tmp_path):
+    from recipe.train.resume_checks import check_optimizer
+
+    check_optimizer({"optimizer": "AdamW"}, {"optimizer": "AdamW"}, tmp_path)
+    check_optimizer({}, {"optimizer": "FusedAdam"}, tmp_path)  # written before the key: not checked
+    with pytest.raises(ValueError, match=r"optimizer: checkpoint 'AdamW', now 'FusedAdam'.*torch_adam"):
+        check_optimizer({"optimizer": "AdamW"}, {"optimizer": "FusedAdam"}, tmp_path)

@@ -383,11 +383,12 @@ def read_run_state(path: Path) -> dict:
 def load(engine, path: Path, tp_group=None, resharding: bool = False) -> dict:
     """Load engine state (model, optimizer, scheduler, loss scaler) and this rank's RNG; return the saved run state.
 
-    Call :func:`check_compatible` first; ``path`` comes from :func:`resolve`, which verified it (DeepSpeed unpickles
-    its files). The RNG file is read without pickle (:func:`load_rng_file`). ``resharding`` (the checkpoint is of
-    another layout, ``recipe.train.resume_checks.describe_change``): DeepSpeed's files are not read; the optimizer,
-    scheduler and counters come from the layout-free training state (``recipe.train.reshard.restore``, the master
-    weights were loaded into the model before it was built) and every rank takes rank 0's CPU RNG states.
+    Call ``recipe.train.resume_checks.check_compatible`` first; ``path`` comes from :func:`resolve`, which verified
+    it (DeepSpeed unpickles its files). The RNG file is read without pickle (:func:`load_rng_file`). ``resharding``
+    (the checkpoint is of another layout, ``recipe.train.resume_checks.describe_change``): DeepSpeed's files are not
+    read; the optimizer, scheduler and counters come from the layout-free training state
+    (``recipe.train.reshard.restore``, the master weights were loaded into the model before it was built) and every
+    rank takes rank 0's CPU RNG states.
     Raises FileNotFoundError naming the folder when DeepSpeed finds nothing or this rank's RNG file is missing,
     ValueError naming an RNG or training-state file that is not one.
     """

@@ -10,17 +10,21 @@ maps the launcher's variables onto them. The first row whose rank variable is se
     torchrun    the same, with TORCHELASTIC_RUN_ID                                  torchrun
     openmpi     OMPI_COMM_WORLD_RANK / OMPI_COMM_WORLD_SIZE / ..._LOCAL_RANK         nobody (*)
     mvapich     MV2_COMM_WORLD_RANK / MV2_COMM_WORLD_SIZE / ..._LOCAL_RANK           nobody (*)
-    mpich/impi  PMI_RANK / PMI_SIZE / MPI_LOCALRANKID or PALS_LOCAL_RANKID (Hydra)   nobody (*)
-    slurm       SLURM_PROCID / SLURM_STEP_NUM_TASKS or SLURM_NTASKS / SLURM_LOCALID  nobody (*)
-    pmix        PMIX_RANK / PMI_SIZE / MPI_LOCALRANKID or PALS_LOCAL_RANKID          nobody (*)
+    mpich/impi  PMI_RANK / PMI_SIZE / a local-rank variable (below)                  nobody (*)
+    slurm       SLURM_PROCID / SLURM_STEP_NUM_TASKS / SLURM_LOCALID (srun's tasks)   nobody (*)
+    pmix        PMIX_RANK / PMI_SIZE / the local-rank variables of mpich/impi       nobody (*)
     python      none of the above: one process                                      127.0.0.1, a free port
 
-(*) DeepSpeed's openmpi/mvapich/slurm runners export neither (its mpich/impi runners pass ``-genv MASTER_ADDR``)
-but pass on the lines of ``.deepspeed_env``: put ``MASTER_ADDR=<rank 0's host>`` there, or export it yourself.
-A missing MASTER_PORT is 29500 (DeepSpeed's default); a world of one (`srun -n1`) without MASTER_ADDR gets the
-local free-port rendezvous. Several MPI processes without MASTER_ADDR are left to DeepSpeed's discovery in
-``deepspeed.init_distributed`` (mpi4py, or Azure ML's Open MPI variables) where it can run, else an error.
-DeepSpeed then picks the backend (nccl on CUDA, gloo on CPU).
+The local rank of a PMI world is the first of MPI_LOCALRANKID, PALS_LOCAL_RANKID, PMI_LOCAL_RANK, SLURM_LOCALID,
+FLUX_TASK_LOCAL_ID that is set (Hydra, Cray PALS and ALPS, Slurm's pmi2, Flux).
+
+(*) DeepSpeed's openmpi/mvapich/slurm runners export neither (its mpich/impi runners pass ``-genv MASTER_ADDR``) but
+pass on the lines of ``.deepspeed_env``: put ``MASTER_ADDR=<rank 0's host>`` there, or export it yourself. A missing
+MASTER_PORT is 29500 (DeepSpeed's default); a world of one (`srun -n1`) without MASTER_ADDR gets the local free-port
+rendezvous, and so does every plain `python run.py` (an exported MASTER_ADDR/PORT is ignored there: two such runs on
+one node would take the same port). Several MPI processes without MASTER_ADDR are left to DeepSpeed's discovery in
+``deepspeed.init_distributed`` (mpi4py, or Azure ML's Open MPI variables) where it can run, else an error. DeepSpeed
+then picks the backend (nccl on CUDA, gloo on CPU).
 """
 from __future__ import annotations
 
@@ -33,12 +37,15 @@ from collections.abc import Mapping
 import torch
 
 DEFAULT_PORT = 29500  # deepspeed.constants.TORCH_DISTRIBUTED_DEFAULT_PORT: the runner's --master_port, mpi_discovery's
-_LOCAL = ("MPI_LOCALRANKID", "PALS_LOCAL_RANKID")
+# local rank of a PMI/PMIx world: Hydra (MPICH, Intel MPI), Cray PALS, Cray ALPS, Slurm's pmi2/pmix plugins, Flux
+_LOCAL = ("MPI_LOCALRANKID", "PALS_LOCAL_RANKID", "PMI_LOCAL_RANK", "SLURM_LOCALID", "FLUX_TASK_LOCAL_ID")
 _LAUNCHERS = (  # name, rank variable, world-size variables, local-rank variables (the first one set is used)
     ("openmpi", "OMPI_COMM_WORLD_RANK", ("OMPI_COMM_WORLD_SIZE",), ("OMPI_COMM_WORLD_LOCAL_RANK",)),
     ("mvapich", "MV2_COMM_WORLD_RANK", ("MV2_COMM_WORLD_SIZE",), ("MV2_COMM_WORLD_LOCAL_RANK",)),
     ("mpich/impi", "PMI_RANK", ("PMI_SIZE",), _LOCAL),
-    ("slurm", "SLURM_PROCID", ("SLURM_STEP_NUM_TASKS", "SLURM_NTASKS"), ("SLURM_LOCALID",)),
+    # only a task of a job step (srun) has SLURM_STEP_NUM_TASKS: an sbatch script itself has SLURM_PROCID=0 and the
+    # allocation's SLURM_NTASKS, and a plain `python run.py` in it is one process
+    ("slurm", "SLURM_PROCID", ("SLURM_STEP_NUM_TASKS",), ("SLURM_LOCALID",)),
     ("pmix", "PMIX_RANK", ("PMI_SIZE",), _LOCAL),
 )
 _MPI = {"openmpi", "mvapich", "mpich/impi", "pmix"}  # worlds that DeepSpeed's mpi_discovery (mpi4py) can see
@@ -71,7 +78,8 @@ def launcher_environment(environ: Mapping[str, str], mpi4py: bool = False) -> tu
         name = "torchrun" if "TORCHELASTIC_RUN_ID" in environ else "deepspeed"
         row = (name, "RANK", ("WORLD_SIZE",), ("LOCAL_RANK",))
     else:
-        row = next((r for r in _LAUNCHERS if r[1] in environ), ("python", None, (), ()))
+        row = next((r for r in _LAUNCHERS if r[1] in environ and (r[0] != "slurm" or r[2][0] in environ)),
+                   ("python", None, (), ()))
     name, rank_var, size_vars, local_vars = row
     rank, size, local = 0, 1, 0
     if rank_var is not None:
@@ -91,7 +99,9 @@ def launcher_environment(environ: Mapping[str, str], mpi4py: bool = False) -> tu
                              f"{local_var or 'local rank'}={local}: the ranks must lie in [0, world size)")
     found = {"RANK": str(rank), "WORLD_SIZE": str(size), "LOCAL_RANK": str(local)}
     addr, port = environ.get("MASTER_ADDR"), environ.get("MASTER_PORT")
-    if addr:
+    if name == "python":  # a rendezvous of its own: an exported MASTER_PORT would collide with other such runs
+        found.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    elif addr:
         found.update(MASTER_ADDR=addr, MASTER_PORT=port or str(DEFAULT_PORT))
     elif size == 1:
         found.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port or str(free_port()))
@@ -105,6 +115,19 @@ def launcher_environment(environ: Mapping[str, str], mpi4py: bool = False) -> tu
             "(pdsh, --no_ssh, --launcher mpich|impi) or torchrun, which set it"
             + (", or install mpi4py for DeepSpeed's MPI discovery" if name in _MPI else ""))
     return name, found
+
+
+def _device_index(local_rank: int, visible: int) -> int:
+    """The GPU of local rank ``local_rank`` among the ``visible`` ones: the local rank, or 0 when the scheduler
+    gives each task one GPU of its own (``srun --gpus-per-task=1``: every task sees one). Raises ValueError when a
+    rank's local rank exceeds the GPUs it sees otherwise."""
+    if local_rank < visible:
+        return local_rank
+    if visible == 1:
+        return 0
+    raise ValueError(f"local rank {local_rank} but this process sees {visible} GPUs (CUDA_VISIBLE_DEVICES="
+                     f"{os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}): let each rank see all of its node's GPUs "
+                     "or exactly one")
 
 
 def init_distributed() -> tuple[torch.device, bool]:
@@ -135,6 +158,8 @@ def init_distributed() -> tuple[torch.device, bool]:
 
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if torch.cuda.is_available():
+        local_rank = _device_index(local_rank, torch.cuda.device_count())
+        os.environ["LOCAL_RANK"] = str(local_rank)  # DeepSpeed's engine picks its device by LOCAL_RANK too
         torch.cuda.set_device(local_rank)
         device = torch.device("cuda", local_rank)
     else:

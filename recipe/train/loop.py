@@ -111,12 +111,15 @@ class Trainer:
         self.rank0 = dist.get_rank() == 0
         self.step = 0
         self.skipped_steps: list[int] = []
+        self._noted_no_train_state = False  # said once that checkpoints hold no layout-free state
         self.batch_shape: tuple[int, int] | None = None
         self._check_settings()
         if parts.resume_from is not None:
             # compare first: nothing of the checkpoint is loaded into a run that differs in data or settings
             saved = checkpoint.read_run_state(parts.resume_from)
             resume_checks.check_compatible(saved, self.run_state(0), parts.resume_from)
+            if parts.resharding is None:  # DeepSpeed's own files hold the state of the optimizer that wrote them
+                resume_checks.check_optimizer(saved, self.run_state(0), parts.resume_from)
             # without an LR scheduler (constant lr) the run length may change freely: no schedule to mix
             replan = self.engine.lr_scheduler is not None and resume_checks.check_length(
                 saved, self.config.total_steps, settings.extend, parts.resume_from)
@@ -186,6 +189,7 @@ class Trainer:
                 "draft_vocab_size": self.parts.draft_config.draft_vocab_size, "max_length": self.settings.max_length,
                 "seed": self.settings.seed, "total_steps": total,
                 "aux_layer_ids": list(self.parts.draft_config.aux_layer_ids),
+                "optimizer": type(reshard.base_optimizer(self.engine)).__name__,
                 "freeze_lm_head": self.settings.freeze_lm_head, **self.parts.run_identity}
 
     def _nonfinite(self, bad_M: torch.Tensor, indices: list[int]) -> str | None:
@@ -280,6 +284,9 @@ class Trainer:
         a failed save is tried again, with a line saying so. Raises CheckpointError after the last attempt."""
         state = gather_full_state(self.engine, self.pstate)
         train_state = reshard.gather(self.engine, self.pstate.tp_group)
+        if train_state is None and self.rank0 and not self._noted_no_train_state:
+            self._noted_no_train_state = True
+            self.console.print(f"note: checkpoints resume on this layout only: {reshard.unsupported(self.engine)}")
         vocab = {"d2t": self.parts.vocab.d2t, "t2d": self.parts.vocab.t2d}
         for attempt in range(1, attempts + 1):
             logs = "; ".join(e for e in (self.metrics.flush(), self.monitor.error) if e) if self.rank0 else ""

@@ -1,4 +1,4 @@
-"""Layout-free training state: what lets a checkpoint resume on another world size, dp, tp, cp or ZeRO stage.
+"""Layout-free training state: what lets a checkpoint resume on another world size, dp, tp, cp, ZeRO stage or dtype.
 
 DeepSpeed's own checkpoint files are cut by the layout that wrote them (one optimizer shard per ZeRO partition of
 each tp rank's parameters). Every checkpoint therefore also holds :data:`TRAIN_STATE_FILE`, the training state in
@@ -13,7 +13,7 @@ the optimizer holds the module parameter itself) and TP-concatenated along each 
 project's slicing, ``recipe.parallel.tp_layers``). Its metadata (``train_state``, JSON) holds Adam's step, the
 optimizer's learning rates, the LR scheduler's ``state_dict`` and DeepSpeed's step counters.
 
-Resuming on another layout (:func:`describe_change` says which) runs in two phases:
+Resuming on another layout (``recipe.train.resume_checks.describe_change`` says which) runs in two phases:
 
 1. before ``parallelize`` and ``deepspeed.initialize``: :func:`load_master_weights` writes the master weights into
    the single-device model, so the layout (TP shards, then ZeRO partitions) is cut from them exactly as a fresh run
@@ -21,12 +21,14 @@ Resuming on another layout (:func:`describe_change` says which) runs in two phas
 2. after ``deepspeed.initialize``: :func:`restore` creates Adam's state (torch's ``Adam``/``AdamW`` format: it is
    created lazily at the first step otherwise) with the saved step, sets the fp32 masters and both moments through
    ``safe_set_full_fp32_param`` / ``safe_set_full_optimizer_state`` (each rank passes its TP slice; DeepSpeed keeps
-   its ZeRO partition), and restores learning rates, scheduler and counters. The masters are set again in phase 2
+   its ZeRO-1/2 fragment) or, at ZeRO-3, ``safe_set_local_*`` with this rank's padded partition, and restores
+   learning rates, scheduler and counters. The masters are set again in phase 2
    because under bf16 DeepSpeed builds them from the bf16-cast module weights.
 
 Why not DeepSpeed's Universal Checkpointing: it needs an offline ``ds_to_universal`` conversion per checkpoint and
 ``universal_checkpoint_info`` patterns for the TP slicing, and in 0.19.8 a universal checkpoint does not load into
-another ZeRO stage; the per-parameter API works at every stage, inside the run.
+another ZeRO stage; the per-parameter API works at every stage, inside the run. The state is Adam's
+(:data:`ADAM_CLASSES`); with another optimizer no file is written and checkpoints resume on their own layout only.
 
 The data position carries over through the step (same global batch: ``recipe.train.sampler``); the sampler and the
 held-out split draw from their own seeded generators, so no rank's global RNG stream decides anything in training;
@@ -46,38 +48,75 @@ from recipe.parallel.tp_layers import gather_tensor, shard_tensor
 TRAIN_STATE_FILE = "train_state.safetensors"
 FORMAT, VERSION = "recipe-train-state", 1
 MASTER = "master"
-MOMENTS = ("exp_avg", "exp_avg_sq")  # Adam's state keys (torch.optim.Adam / AdamW)
+MOMENTS = ("exp_avg", "exp_avg_sq")  # Adam's state keys (torch.optim.Adam / AdamW, DeepSpeed's FusedAdam / CPU Adam)
+# the optimizers whose per-tensor state is {step, exp_avg, exp_avg_sq}: torch's keep the step as a tensor, DeepSpeed's
+# (what "type": "Adam"/"AdamW" builds without torch_adam, and ZeRO-Offload's) as an int
+ADAM_CLASSES = {"Adam": "tensor", "AdamW": "tensor", "FusedAdam": "int", "DeepSpeedCPUAdam": "int"}
+
+
 def base_optimizer(engine) -> torch.optim.Optimizer:
     """The torch optimizer doing the update: the one DeepSpeed's ZeRO/BF16 wrapper holds, or the engine's own."""
     inner = getattr(engine.optimizer, "optimizer", None)
     return inner if isinstance(inner, torch.optim.Optimizer) else engine.optimizer
 
 
-def _check_adam(optimizer, what: str) -> None:
-    if not isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)) or any(
-            g.get("amsgrad") for g in optimizer.param_groups):
-        raise ValueError(f"{what}: the layout-free training state holds Adam's exp_avg/exp_avg_sq; this run's "
-                         f"optimizer is {type(optimizer).__name__} (use the shipped configs' AdamW with torch_adam, "
-                         "no amsgrad)")
+def unsupported(engine) -> str | None:
+    """None when the engine's optimizer is one of :data:`ADAM_CLASSES` (without amsgrad), else why the layout-free
+    training state cannot hold its state."""
+    optimizer, wrapper = base_optimizer(engine), engine.optimizer
+    name = type(optimizer).__name__
+    if name not in ADAM_CLASSES or any(g.get("amsgrad") for g in optimizer.param_groups):
+        return (f"the optimizer is {name}{' with amsgrad' if name in ADAM_CLASSES else ''}; the layout-free training "
+                f"state holds Adam's step, exp_avg and exp_avg_sq ({', '.join(ADAM_CLASSES)} without amsgrad)")
+    # ZeRO-3 keeps Adam's state out of the optimizer's reach in these modes: on NVMe (swapped in per sub-group at
+    # the step) and with a partial CPU offload (the sub-groups left on the GPU step with a second optimizer)
+    if getattr(wrapper, "swap_optimizer", False):
+        return "ZeRO-3 keeps the optimizer state on NVMe (offload_optimizer.device nvme)"
+    if getattr(wrapper, "offload_optimizer", False) and getattr(wrapper, "partial_offload", 1.0) != 1.0:
+        return "ZeRO-3 offloads only part of the optimizer (offload_optimizer.ratio < 1)"
+    return None
 
 
 def _trainable(engine) -> list[tuple[str, torch.nn.Parameter]]:
     return [(name, p) for name, p in engine.module.named_parameters() if p.requires_grad]
 
 
-def _own_master(engine, param) -> torch.Tensor | None:
-    """The fp32 master of ``param`` where DeepSpeed's per-parameter API does not serve it: DeepSpeed's unfused
-    fp16/bf16 optimizer (bf16 at ZeRO-0) pairs each module parameter with an fp32 copy (``fp16_groups`` /
-    ``fp32_groups``); without a wrapper the module parameter is its own master. None under ZeRO-1/2/3 and the
-    BF16 optimizer (``ds_id`` / ``_hp_mapping``: use the API)."""
+def _own_tensor(engine, param, key: str | None) -> torch.Tensor | None:
+    """The fp32 master of ``param`` (``key`` None) or its Adam state ``key``, as a tensor shaped like ``param``,
+    where DeepSpeed's per-parameter API does not serve it; None under ZeRO-1/2/3 and the BF16 optimizer (``ds_id`` /
+    ``_hp_mapping``: use the API). Without ZeRO, bf16 runs under DeepSpeed's fp16/bf16 wrapper, which pairs each
+    module parameter of ``fp16_groups[i]`` with an fp32 copy: its own tensor in ``fp32_groups[i]`` (the unfused
+    wrapper, with torch's Adam) or a slice of the flat ``fp32_groups_flat[i]``, in order (the fused one, with
+    DeepSpeed's FusedAdam); without a wrapper the module parameter is its own master."""
     if hasattr(param, "ds_id") or hasattr(param, "_hp_mapping"):
         return None
-    wrapper = engine.optimizer
-    for low, high in zip(getattr(wrapper, "fp16_groups", None) or [], getattr(wrapper, "fp32_groups", None) or []):
-        for lp, hp in zip(low, high):
-            if lp is param:
-                return hp
-    return param
+    wrapper, state = engine.optimizer, base_optimizer(engine).state
+    for i, low in enumerate(getattr(wrapper, "fp16_groups", None) or []):
+        for j, lp in enumerate(low):
+            if lp is not param:
+                continue
+            if getattr(wrapper, "fp32_groups", None):
+                high = wrapper.fp32_groups[i][j]
+                return high if key is None else state[high][key]
+            flat = wrapper.fp32_groups_flat[i]
+            flat = flat if key is None else state[flat][key]
+            offset = sum(p.numel() for p in low[:j])
+            return flat.narrow(0, offset, param.numel()).view_as(param)
+    return param if key is None else state[param][key]
+
+
+def _zero3_partition(param, full: torch.Tensor) -> torch.Tensor:
+    """This rank's ZeRO-3 partition of ``full`` (``param``'s whole value): the flattened value, zero-padded to the
+    partition size times the partition group's size, cut at this rank's share. DeepSpeed's own
+    ``safe_set_full_*`` cut without the padding and fail on the last ranks when the group size does not divide the
+    parameter's size."""
+    size = param.ds_tensor.numel()
+    start = size * dist.get_rank(group=param.ds_process_group)
+    flat = full.flatten()
+    local = flat.new_zeros(size)
+    take = max(0, min(size, flat.numel() - start))
+    local[:take] = flat[start:start + take]
+    return local
 
 
 def _full(engine, param, key: str | None, tp_group) -> torch.Tensor:
@@ -85,11 +124,9 @@ def _full(engine, param, key: str | None, tp_group) -> torch.Tensor:
     the parameter's device."""
     from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
 
-    master = _own_master(engine, param)
-    if master is None:
+    value = _own_tensor(engine, param, key)
+    if value is None:
         value = safe_get_full_fp32_param(param) if key is None else safe_get_full_optimizer_state(param, key)
-    else:
-        value = master if key is None else base_optimizer(engine).state[master][key]
     value = value.detach().float()
     if getattr(param, "tensor_model_parallel", False):
         value = gather_tensor(value, param.partition_dim, tp_group)
@@ -104,14 +141,16 @@ def _adam_step(optimizer) -> int:
     return int(steps.pop()) if steps else 0
 
 
-def gather(engine, tp_group) -> tuple[dict[str, torch.Tensor], dict]:
+def gather(engine, tp_group) -> tuple[dict[str, torch.Tensor], dict] | None:
     """Collective over the world (call it on every rank): (tensors, metadata) of :data:`TRAIN_STATE_FILE` for the
-    engine's current state. Global rank 0 gets the tensors on the CPU (three fp32 copies of the trainable draft:
-    12 bytes a parameter of host memory while the checkpoint is written); the other ranks get no tensors, and hold
-    at most one full parameter on the device at a time. Raises ValueError when the optimizer is not Adam/AdamW or
-    its parameters disagree on the step."""
+    engine's current state, or None when the optimizer is not Adam (:func:`unsupported`; the checkpoint then
+    resumes only on its own layout). Global rank 0 gets the tensors on the CPU (three fp32 copies of the trainable
+    draft: 12 bytes a parameter of host memory while the checkpoint is written); the other ranks get no tensors, and
+    hold at most one full parameter on the device at a time. Raises ValueError when the optimizer's tensors disagree
+    on Adam's step."""
+    if unsupported(engine) is not None:
+        return None
     optimizer = base_optimizer(engine)
-    _check_adam(optimizer, "saving the training state")
     _create_adam_state(engine, 0, missing_only=True)  # no step taken yet: what Adam would start from
     _link_state(engine)
     keep = dist.get_rank() == 0
@@ -193,8 +232,11 @@ def _create_adam_state(engine, step: int, missing_only: bool = False) -> None:
         state = optimizer.state[p]
         if missing_only and state:
             continue
-        on_device = group.get("capturable") or group.get("fused")
-        state["step"] = torch.tensor(float(step), dtype=torch.float32, device=p.device if on_device else None)
+        if ADAM_CLASSES[type(optimizer).__name__] == "int":
+            state["step"] = int(step)
+        else:
+            on_device = group.get("capturable") or group.get("fused")
+            state["step"] = torch.tensor(float(step), dtype=torch.float32, device=p.device if on_device else None)
         for key in MOMENTS:
             state.setdefault(key, torch.zeros_like(p, memory_format=torch.preserve_format))
 
@@ -211,13 +253,15 @@ def restore(engine, tp_group, folder: Path) -> None:
     """Phase 2 (after ``deepspeed.initialize``, module docstring): Adam's state, the fp32 masters, learning rates,
     scheduler and counters from the checkpoint ``folder``'s :data:`TRAIN_STATE_FILE`, read one parameter at a time.
     Call it on every rank; each sets its own slices. Raises what :func:`read` raises, and ValueError naming the file
-    when a trainable parameter has no entry or the optimizer is not Adam/AdamW."""
-    from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
+    when a trainable parameter has no entry or the optimizer is not Adam (:func:`unsupported`)."""
+    from deepspeed.utils import (safe_set_full_fp32_param, safe_set_full_optimizer_state, safe_set_local_fp32_param,
+                                 safe_set_local_optimizer_state)
 
     file = Path(folder) / TRAIN_STATE_FILE
     _, meta = read(folder, select=lambda key: False)
     optimizer = base_optimizer(engine)
-    _check_adam(optimizer, f"--resume: {file}")
+    if unsupported(engine) is not None:
+        raise ValueError(f"--resume: cannot reshard {file} into this run: {unsupported(engine)}")
     _create_adam_state(engine, int(meta["adam_step"]))
     _link_state(engine)
     for name, param in _trainable(engine):
@@ -232,13 +276,17 @@ def restore(engine, tp_group, folder: Path) -> None:
             local = shard_tensor(full, param.partition_dim, tp_group) if getattr(
                 param, "tensor_model_parallel", False) else full
             local = local.to(param.device)
-            master = _own_master(engine, param)
-            if master is None:
+            own = _own_tensor(engine, param, key)
+            if own is not None:
+                with torch.no_grad():
+                    own.copy_(local)
+            elif hasattr(param, "ds_id"):  # ZeRO-3: this rank's partition
+                part = _zero3_partition(param, local)
+                (safe_set_local_fp32_param(param, part) if key is None
+                 else safe_set_local_optimizer_state(param, part, key))
+            else:
                 (safe_set_full_fp32_param(param, local) if key is None
                  else safe_set_full_optimizer_state(param, local, key))
-            else:
-                with torch.no_grad():
-                    (master if key is None else optimizer.state[master][key]).copy_(local)
     if engine.lr_scheduler is not None and meta.get("scheduler") is not None:
         engine.lr_scheduler.load_state_dict(meta["scheduler"])
     if len(meta["lr"]) == len(optimizer.param_groups):

@@ -101,6 +101,18 @@ def describe_change(saved: dict, current: dict) -> str | None:
 
 
 
+def check_optimizer(saved: dict, current: dict, path: Path) -> None:
+    """Refuse a resume from DeepSpeed's own files (the same layout) by another optimizer class than the one that
+    wrote them (``optimizer`` of the run states, e.g. torch's AdamW vs DeepSpeed's FusedAdam: ``torch_adam``
+    changed); a checkpoint that predates the key is not checked. Raises ValueError naming both."""
+    now = current.get("optimizer")
+    if saved.get("optimizer", now) != now:
+        raise ValueError(f"cannot resume from {path}: {_difference('optimizer', saved['optimizer'], now)}; on its own "
+                         "layout a checkpoint resumes from DeepSpeed's files, which hold that optimizer's state: keep "
+                         "the checkpoint's optimizer settings (e.g. torch_adam), or resume on another layout "
+                         "(resharded)")
+
+
 def check_length(saved: dict, total_steps: int, extend: bool, path: Path) -> bool:
     """Whether resuming the checkpoint ``path`` (its run state ``saved``) in a run of ``total_steps`` optimizer
     steps re-plans the LR schedule (``--extend``, ``recipe.train.loop.Trainer._replan_schedule``).

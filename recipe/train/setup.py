@@ -5,6 +5,7 @@ them, so every (tp, cp, dp) layout and ZeRO stage starts from the same weights.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import shutil
@@ -171,10 +172,15 @@ def check_shared(output: Path, comm) -> None:
         name, failure = comm.all_gather_object((None if probe is None else probe.name, failure))[0]
         if failure is not None:
             raise ValueError(failure)
-        views = comm.all_gather_object(((output / name).is_file(), socket.gethostname()))
+        try:
+            seen = (output / name).is_file()
+        except OSError:  # a stale or unreachable mount: this rank does not see it either
+            seen = False
+        views = comm.all_gather_object((seen, socket.gethostname()))
     finally:
         if probe is not None:
-            probe.unlink(missing_ok=True)
+            with contextlib.suppress(OSError):  # a probe left behind is harmless; a raise here would desert the others
+                probe.unlink(missing_ok=True)
     blind = [(r, host) for r, (seen, host) in enumerate(views) if not seen]
     if blind:
         hosts = sorted({host for _, host in blind})
@@ -274,8 +280,9 @@ def build_run(args: TrainArgs, device: torch.device, console: Console) -> RunPar
         resharding = resume_checks.describe_change(saved, layout_state(config))
         if resharding is not None and not (resume_from / reshard.TRAIN_STATE_FILE).is_file():
             raise ValueError(f"cannot resume from {resume_from} on another layout: it has no "
-                             f"{reshard.TRAIN_STATE_FILE} (written by an earlier version); resume it on its own "
-                             f"layout, {resume_checks.layout_name(saved)}, or start a new run")
+                             f"{reshard.TRAIN_STATE_FILE} (written by an earlier version, or by a run whose optimizer "
+                             f"is not Adam); resume it on its own layout, {resume_checks.layout_name(saved)}, or "
+                             "start a new run")
     if dist.get_rank() == 0:
         for note in filter(None, notes):
             console.print(note)
