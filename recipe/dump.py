@@ -191,18 +191,28 @@ def main(argv=None) -> None:
         options = target_options(args)
     except ConfigError as exc:
         raise SystemExit(f"python -m recipe.dump: {exc}") from None
-    rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    from recipe.train.distributed import cuda_device_index, launcher_environment
+
+    try:  # rank and world from whichever launcher started this process (torchrun, deepspeed, MPI, Slurm)
+        _, found = launcher_environment(os.environ)
+    except ValueError as exc:
+        raise SystemExit(f"python -m recipe.dump: {exc}") from None
+    rank, world = int(found["RANK"]), int(found["WORLD_SIZE"])
     if options.partitioned and world == 1:
         raise SystemExit("python -m recipe.dump: a partitioned target needs several ranks: launch with "
                          "`torchrun --nproc_per_node N -m recipe.dump ...` (or the deepspeed launcher)")
-    local_rank = int(os.environ.get("LOCAL_RANK", args.local_rank or 0))
-    device = torch.device(f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu")
+    local_rank = int(found["LOCAL_RANK"])
+    if torch.cuda.is_available():
+        device = torch.device("cuda", cuda_device_index(local_rank, torch.cuda.device_count()))
+    else:
+        device = torch.device("cpu")
     comm = None
     own_group = world > 1 and not dist.is_initialized()  # a caller (a test's ranks) may have made the group
     if world > 1:
         if device.type == "cuda":
             torch.cuda.set_device(device)
         if own_group:
+            os.environ.update(found)  # torch's env:// rendezvous
             dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
         comm = Collectives(device)
     console = Console()

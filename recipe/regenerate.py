@@ -224,18 +224,19 @@ def main(argv: list[str] | None = None) -> int:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from recipe.model.target import TargetModel
+    from recipe.train.distributed import launcher_ranks
 
-    rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     console = Console(stderr=True)
     skips: Counter = Counter()
     try:
+        _, rank, world, local_rank = launcher_ranks(os.environ)  # whichever launcher started it (or one process)
         if args.batch_size < 1 or (args.max_turns is not None and args.max_turns < 1):
             raise ValueError(f"--batch-size and --max-turns must be >= 1, got {args.batch_size}, {args.max_turns}")
         conversations = read_conversations(args, skips)
         done = finished_ids(args.output)
         mine = [c for k, c in enumerate(conversations) if k % world == rank and c["id"] not in done]
         mine.sort(key=lambda c: sum(len(m["content"]) for m in c["messages"]))  # batches of like lengths pad less
-        device = args.device or (f"cuda:{os.environ.get('LOCAL_RANK', 0)}" if torch.cuda.is_available() else "cpu")
+        device = args.device or (f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu")
         target = TargetModel(args.target, dtype=DTYPES[args.dtype] if args.dtype else None, device=device)
         regen = Regenerator(target.model, target.load_tokenizer(), args.max_new_tokens, args.temperature,
                             args.top_p, args.max_length)

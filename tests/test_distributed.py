@@ -75,12 +75,12 @@ def test_plain_python_is_one_process_on_a_free_local_port(env):
 
 
 def test_a_task_that_sees_one_gpu_uses_it_whatever_its_local_rank():
-    from recipe.train.distributed import _device_index
+    from recipe.train.distributed import cuda_device_index
 
-    assert [_device_index(r, 8) for r in range(8)] == list(range(8))
-    assert _device_index(5, 1) == 0  # srun --gpus-per-task=1
+    assert [cuda_device_index(r, 8) for r in range(8)] == list(range(8))
+    assert cuda_device_index(5, 1) == 0  # srun --gpus-per-task=1
     with pytest.raises(ValueError, match="local rank 5 but this process sees 4 GPUs"):
-        _device_index(5, 4)
+        cuda_device_index(5, 4)
 
 
 def test_world_of_one_without_master_addr_uses_a_local_rendezvous():  # srun -n1

@@ -96,9 +96,14 @@ def test_ranks_take_slices_and_output_is_training_data(chat_target, tmp_path, mo
 
     data = _data(tmp_path / "chats.jsonl")
     out = tmp_path / "r.jsonl"
-    for rank in (0, 1):
-        monkeypatch.setenv("RANK", str(rank))
-        monkeypatch.setenv("WORLD_SIZE", "2")
+    # rank 0 as torchrun/deepspeed start it, rank 1 as mpirun does (recipe.train.distributed.launcher_ranks)
+    launchers = [{"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0"},
+                 {"OMPI_COMM_WORLD_RANK": "1", "OMPI_COMM_WORLD_SIZE": "2", "OMPI_COMM_WORLD_LOCAL_RANK": "1"}]
+    for env in launchers:
+        for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+            monkeypatch.delenv(name, raising=False)
+        for name, value in env.items():
+            monkeypatch.setenv(name, value)
         assert _run(chat_target, data, out, "--temperature", "0.8", "--top-p", "0.9", "--seed", "3") == 0
     parts = [rank_output(out, r, 2) for r in (0, 1)]
     assert [p.name for p in parts] == ["r.rank0.jsonl", "r.rank1.jsonl"]

@@ -65,14 +65,13 @@ def _integer(environ: Mapping[str, str], name: str, launcher: str) -> int:
         raise ValueError(f"{launcher} launcher: {name}={environ[name]!r} is not an integer") from None
 
 
-def launcher_environment(environ: Mapping[str, str], mpi4py: bool = False) -> tuple[str, dict[str, str]]:
-    """(the launcher that started this process, the variables to set: RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR,
-    MASTER_PORT) by the module docstring's table; ``environ`` is only read. No MASTER_* where the rendezvous is left
-    to DeepSpeed: several MPI processes without MASTER_ADDR and ``mpi4py`` (importable here), or Azure ML's Open MPI.
+def launcher_ranks(environ: Mapping[str, str]) -> tuple[str, int, int, int]:
+    """(the launcher that started this process, its rank, the world size, its local rank) by the module docstring's
+    table; ``environ`` is only read. For tools that split work by rank without a rendezvous of their own
+    (``recipe.regenerate``); :func:`launcher_environment` adds the rendezvous.
 
     Raises ValueError: a rank variable without its world size, or (several processes) without a local rank; a value
-    that is not an integer; a world size below 1 or a rank or local rank outside [0, world size); several processes
-    without MASTER_ADDR that DeepSpeed cannot discover (the message says how to export it).
+    that is not an integer; a world size below 1 or a rank or local rank outside [0, world size).
     """
     if "RANK" in environ:
         name = "torchrun" if "TORCHELASTIC_RUN_ID" in environ else "deepspeed"
@@ -97,6 +96,18 @@ def launcher_environment(environ: Mapping[str, str], mpi4py: bool = False) -> tu
         if size < 1 or not 0 <= rank < size or not 0 <= local < size:
             raise ValueError(f"{name} launcher: inconsistent {rank_var}={rank}, {size_var}={size}, "
                              f"{local_var or 'local rank'}={local}: the ranks must lie in [0, world size)")
+    return name, rank, size, local
+
+
+def launcher_environment(environ: Mapping[str, str], mpi4py: bool = False) -> tuple[str, dict[str, str]]:
+    """(the launcher that started this process, the variables to set: RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR,
+    MASTER_PORT) by the module docstring's table; ``environ`` is only read. No MASTER_* where the rendezvous is left
+    to DeepSpeed: several MPI processes without MASTER_ADDR and ``mpi4py`` (importable here), or Azure ML's Open MPI.
+
+    Raises ValueError: what :func:`launcher_ranks` raises; several processes without MASTER_ADDR that DeepSpeed
+    cannot discover (the message says how to export it).
+    """
+    name, rank, size, local = launcher_ranks(environ)
     found = {"RANK": str(rank), "WORLD_SIZE": str(size), "LOCAL_RANK": str(local)}
     addr, port = environ.get("MASTER_ADDR"), environ.get("MASTER_PORT")
     if name == "python":  # a rendezvous of its own: an exported MASTER_PORT would collide with other such runs
@@ -117,7 +128,7 @@ def launcher_environment(environ: Mapping[str, str], mpi4py: bool = False) -> tu
     return name, found
 
 
-def _device_index(local_rank: int, visible: int) -> int:
+def cuda_device_index(local_rank: int, visible: int) -> int:
     """The GPU of local rank ``local_rank`` among the ``visible`` ones: the local rank, or 0 when the scheduler
     gives each task one GPU of its own (``srun --gpus-per-task=1``: every task sees one). Raises ValueError when a
     rank's local rank exceeds the GPUs it sees otherwise."""
@@ -158,7 +169,7 @@ def init_distributed() -> tuple[torch.device, bool]:
 
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if torch.cuda.is_available():
-        local_rank = _device_index(local_rank, torch.cuda.device_count())
+        local_rank = cuda_device_index(local_rank, torch.cuda.device_count())
         os.environ["LOCAL_RANK"] = str(local_rank)  # DeepSpeed's engine picks its device by LOCAL_RANK too
         torch.cuda.set_device(local_rank)
         device = torch.device("cuda", local_rank)
