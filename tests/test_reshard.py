@@ -14,8 +14,8 @@ and accuracies exactly, its grad norms at rel ≤ 5e-5, and its final export equ
 each tensor's largest value. The grad-norm bound is the layouts' own disagreement, not resharding's: straight
 (never resumed) 6-step runs at ZeRO-1 dp2 and ZeRO-3 cp2 differ from the reference by 1.0-1.3e-5 in grad norm from
 step 4 on (Adam's first updates are nearly lr·sign(g), so summation-order noise in tiny gradient entries moves
-whole updates), in loss by ≤ 6.7e-7, and the chains measure the same: ≤ 8.7e-7 in loss, ≤ 1.7e-5 in grad norm,
-exports within 2.3e-6 (torch 2.13 CPU). A wrong Adam step, moment, master or learning rate after a switch moves
+whole updates), in loss by ≤ 6.7e-7, and the chains measure the same: ≤ 1.0e-6 in loss, ≤ 1.8e-5 in grad norm,
+exports within 6.1e-6 (torch 2.13 CPU). A wrong Adam step, moment, master or learning rate after a switch moves
 the next loss by orders of magnitude more. Each switch is announced in the run plan, and a checkpoint without the
 layout-free state (written by an earlier version) is refused on another layout with a message naming its own
 layout. Runs of one world size share one process launch; the chains advance together (4 + 2 + 1 ranks, then
