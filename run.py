@@ -3,7 +3,8 @@
     deepspeed --num_gpus N run.py --ds_config ds_configs/zero3.json --target DIR --data FILE --output DIR ...
     torchrun --nproc_per_node N run.py ...      python run.py ...   (one process)
 
-`python run.py --help` lists every flag; README.md has the launcher recipes (CPU, several machines).
+`python run.py --help` lists every flag; README.md and docs/cluster.md have the launcher recipes (CPU, several
+machines).
 
 Exit codes: 0 finished; 2 bad input or configuration (``error (rank N): ...`` names the file, line or field, no
 traceback; argparse errors also exit 2), or a step out of accelerator memory (the message names the step, the
@@ -11,7 +12,7 @@ length, the rank's memory and the switches to try, ``recipe.train.oom``), or fle
 on CUDA (``kernels.flex_attention.FlexCompileError``); 75
 (``recipe.train.signals.EXIT_INTERRUPTED``) interrupted by SIGTERM/SIGINT (or the launcher's death) after a checkpoint
 of the last completed step was saved, rank 0 wrote ``OUTPUT/INTERRUPTED`` (continue with ``--resume``; the
-``deepspeed`` launcher passes 75 on only when the ranks were signalled, README.md "Interruption, resume and exit
+``deepspeed`` launcher passes 75 on only when the ranks were signalled, docs/training.md "Interruption, resume and exit
 codes"); 74 (``recipe.io_errors.EXIT_WRITE_FAILED``, sysexits EX_IOERR) the run
 is not complete because its output could not be written (a checkpoint, ``metrics.jsonl``, monitor files or the
 export: disk full, I/O error, permission; ``error (rank N): ...`` names the path and the cause; the final save and

@@ -166,7 +166,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "(without it, or --resume, such a run is refused)")
     p.add_argument("--extend", action="store_true",
                    help="with --resume and another --max-steps/--epochs: re-plan the LR schedule for the new length "
-                   "from the saved step (README, 'Extending a run'); without it such a resume is refused")
+                   "from the saved step (docs/training.md, 'Extending a run'); without it such a resume is refused")
     p.add_argument("--tp-size", type=_positive, help="override parallelism.tp_size of the JSON")
     p.add_argument("--cp-size", type=_positive, help="override parallelism.cp_size of the JSON")
     p.add_argument("--aux-layer-ids", type=int_list, help="target layers for aux hidden states, e.g. 1,14,26")

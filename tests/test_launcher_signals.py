@@ -2,7 +2,7 @@
 ``python -m deepspeed.launcher.launch``, which starts the two ``run.py`` ranks. Each way of stopping a job ends with
 both ranks saving the step reached, ``OUTPUT/INTERRUPTED`` naming it, each rank's /dev/shm buffer removed, and a
 ``--resume`` that continues bit for bit like an uninterrupted run (one shared reference, all resumes in one
-``run_ranks`` call); the exit codes are the ones README.md's "Interruption, resume and exit codes" lists:
+``run_ranks`` call); the exit codes are the ones docs/training.md's "Interruption, resume and exit codes" lists:
 
 - Ctrl-C (SIGINT to the process group): the runner dies of its KeyboardInterrupt at once (-SIGINT); ``launch.py``
   relays SIGTERM (ignored by the ranks as a copy within the grace period) and exits 1 once the ranks are done;

@@ -128,8 +128,8 @@ def check_length(saved: dict, total_steps: int, extend: bool, path: Path) -> boo
     if not extend:
         raise ValueError(f"cannot resume from {path}: the checkpoint (step {step}) is {was}, this run asks for "
                          f"{total_steps} (--max-steps/--epochs); resuming would mix two learning-rate schedules. Pass "
-                         f"--extend to re-plan the schedule for {total_steps} steps from step {step} (README, "
-                         "'Extending a run'), or resume with the original --max-steps/--epochs")
+                         f"--extend to re-plan the schedule for {total_steps} steps from step {step} "
+                         "(docs/training.md, 'Extending a run'), or resume with the original --max-steps/--epochs")
     if total_steps <= step:
         raise ValueError(f"cannot extend the run in {path}: it is at step {step} and --max-steps/--epochs ask for "
                          f"{total_steps} steps in all; give a length above {step}")

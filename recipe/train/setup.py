@@ -188,7 +188,7 @@ def check_shared(output: Path, comm) -> None:
             f"--output {output} is not one folder shared by every rank: rank(s) {', '.join(str(r) for r, _ in blind)} "
             f"(host {', '.join(hosts)}) do not see the file rank 0 (host {views[0][1]}) wrote there. Checkpoints are "
             "written by every rank and completed by rank 0, so --output must be on a filesystem every node mounts at "
-            "the same path (NFS, Lustre, GPFS, ...); README.md, 'On a cluster'")
+            "the same path (NFS, Lustre, GPFS, ...); see docs/cluster.md")
 
 
 def clear_previous_run(output: Path) -> list[str]:

@@ -27,8 +27,8 @@ the training loop's) shares the outer one's state, so a signal received during s
 Launchers: ``torchrun`` relays SIGTERM/SIGINT to its workers (they run in their own session, so a terminal Ctrl-C
 reaches them once, through the launcher) and SIGKILLs them 30 s later; DeepSpeed's ``launch.py`` sends SIGTERM to
 one rank at a time and SIGKILLs each 30 s later. A step plus a checkpoint must fit in that window, otherwise signal
-the ranks directly (``kill -TERM <rank pids>``). README.md, "Interruption, resume and exit codes", lists what each
-launcher and the job script see.
+the ranks directly (``kill -TERM <rank pids>``). docs/training.md, "Interruption, resume and exit codes", lists
+what each launcher and the job script see.
 """
 from __future__ import annotations
 

@@ -1,0 +1,215 @@
+"""The docs check: the README stays short and true.
+
+- Every fenced ``bash`` block of README.md is read command by command: a ``run.py`` invocation (under any launcher),
+  ``python -m recipe.*`` or a ``scripts/`` program may only use flags its own ``--help`` lists, ``make`` only
+  Makefile targets, and every repository path a command names must exist.
+- A block preceded by ``<!-- docs-check: run -->`` is run as it stands (bash, the venv's python first on PATH,
+  ``runs/`` redirected to a temporary folder) and must exit 0.
+- Every relative link in README.md and docs/ resolves (file and ``#anchor``), and every module path they name
+  (``recipe/train/loop.py``, ``recipe.train.loop``, ``recipe.config.load_run_config``) exists.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import subprocess
+import sys
+from functools import lru_cache
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+README = ROOT / "README.md"
+DOC_FILES = [README, *sorted((ROOT / "docs").rglob("*.md"))]
+RUN_MARK = "<!-- docs-check: run -->"
+MAX_README_LINES = 250
+
+HELP_FLAGS = r"""
+import contextlib, io, json, runpy, sys
+out = {}
+for key in json.loads(sys.argv[1]):
+    kind, target, *sub = key.split(" ")
+    sys.argv = [target, *sub, "--help"]
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf), contextlib.suppress(SystemExit):
+        (runpy.run_module if kind == "module" else runpy.run_path)(target, run_name="__main__")
+    out[key] = buf.getvalue()
+print(json.dumps(out))
+"""
+
+
+def fenced_blocks(text: str) -> list[tuple[str, str, bool]]:
+    """``(language, body, marked runnable)`` of every fenced block of ``text``."""
+    blocks, lines, i = [], text.split("\n"), 0
+    while i < len(lines):
+        m = re.match(r"^```(\w*)\s*$", lines[i])
+        if not m:
+            i += 1
+            continue
+        marked = i > 0 and lines[i - 1].strip() == RUN_MARK
+        end = next(j for j in range(i + 1, len(lines)) if lines[j].startswith("```"))
+        blocks.append((m.group(1), "\n".join(lines[i + 1:end]), marked))
+        i = end + 1
+    return blocks
+
+
+def shell_commands(body: str) -> list[list[str]]:
+    """The commands of a bash block as token lists (continuation lines joined, comments dropped)."""
+    commands = []
+    for line in body.replace("\\\n", " ").split("\n"):
+        try:
+            tokens = shlex.split(line, comments=True)
+        except ValueError:  # an unbalanced quote inside a comment
+            tokens = shlex.split(line.split(" #")[0])
+        if tokens:
+            commands.append(tokens)
+    return commands
+
+
+def program_of(tokens: list[str]) -> tuple[str, list[str]] | None:
+    """``("script run.py", args)``, ``("module recipe.x [sub]", args)``, ``("make", targets)`` or None (not ours)."""
+    if tokens[0] == "make":
+        return "make", tokens[1:]
+    for i, tok in enumerate(tokens):
+        if tok.endswith("run.py") or re.fullmatch(r"scripts/\w+\.py", tok):
+            return f"script {tok}", tokens[i + 1:]
+        if tok == "-m" and i + 1 < len(tokens) and tokens[i + 1].split(".")[0] in ("recipe", "kernels"):
+            module, rest = tokens[i + 1], tokens[i + 2:]
+            if module == "recipe.bench" and rest and not rest[0].startswith("-"):
+                return f"module {module} {rest[0]}", rest[1:]
+            return f"module {module}", rest
+    return None
+
+
+def readme_commands() -> list[tuple[str, list[str]]]:
+    found = []
+    for lang, body, _ in fenced_blocks(README.read_text()):
+        if lang in ("bash", "sh"):
+            found += [p for tokens in shell_commands(body) if (p := program_of(tokens))]
+    return found
+
+
+@lru_cache(maxsize=1)
+def help_texts() -> dict[str, str]:
+    """``--help`` of every program the README runs, in one interpreter (runpy)."""
+    keys = sorted({key for key, _ in readme_commands() if key != "make"})
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    result = subprocess.run([sys.executable, "-c", HELP_FLAGS, json.dumps(keys)], cwd=ROOT, env=env,
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def repo_paths(tokens: list[str]) -> list[str]:
+    """Tokens that name files of this repository (ds_configs/, scripts/, docs/, tests/, recipe/, kernels/)."""
+    return [t for t in tokens if re.match(r"^(ds_configs|scripts|docs|tests|recipe|kernels)/[\w./-]+$", t)]
+
+
+def test_readme_is_short_and_opens_with_the_two_commands():
+    text = README.read_text()
+    assert len(text.splitlines()) <= MAX_README_LINES
+    first_lang, first_block, _ = fenced_blocks(text)[0]
+    assert [c[:2] for c in shell_commands(first_block)] == [["make", "demo"], ["make", "test"]]
+
+
+def test_readme_commands_use_real_flags_targets_and_files():
+    commands = readme_commands()
+    assert {key.split(" ")[1] for key, _ in commands if key != "make"} >= {"run.py", "recipe.export", "recipe.eval"}
+    makefile_targets = set(re.findall(r"^([\w-]+):", (ROOT / "Makefile").read_text(), flags=re.M))
+    helps = help_texts()
+    problems = []
+    for key, args in commands:
+        if key == "make":
+            problems += [f"make {t}: no such Makefile target" for t in args if t not in makefile_targets]
+            continue
+        known = set(re.findall(r"(?<![\w-])(--?[A-Za-z][\w-]*)", helps[key]))
+        assert "--help" in known or "-h" in known, f"{key} --help printed no usage: {helps[key][:300]}"
+        for arg in args:
+            flag = arg.split("=")[0]
+            if flag.startswith("--") and flag not in known:
+                problems.append(f"{key}: {flag} is not a flag of it")
+        problems += [f"{key}: {p} does not exist" for p in repo_paths(args) if not (ROOT / p).exists()]
+    assert not problems, "\n".join(problems)
+
+
+def test_a_flag_the_program_lacks_is_caught():
+    """The check above can fail: a made-up flag is not in run.py's help."""
+    known = set(re.findall(r"(?<![\w-])(--?[A-Za-z][\w-]*)", help_texts()["script run.py"]))
+    assert "--max-length" in known and "--ds_config" in known and "--max-lenght" not in known
+
+
+GITHUB_ANCHOR_DROP = re.compile(r"[^\w\- ]")
+
+
+def anchors(path: Path) -> set[str]:
+    """GitHub's heading anchors of a markdown file (lower case, punctuation dropped, spaces to dashes)."""
+    heads = re.findall(r"^#+ (.+)$", path.read_text(), flags=re.M)
+    return {GITHUB_ANCHOR_DROP.sub("", h.strip().lower()).replace(" ", "-") for h in heads}
+
+
+def test_links_in_readme_and_docs_resolve():
+    problems = []
+    for doc in DOC_FILES:
+        text = doc.read_text()
+        for target in re.findall(r"\]\(([^)\s]+)\)", text):
+            if re.match(r"^[a-z]+://", target) or target.startswith("mailto:"):
+                continue
+            file_part, _, anchor = target.partition("#")
+            dest = (doc.parent / file_part).resolve() if file_part else doc
+            if not dest.exists():
+                problems.append(f"{doc.relative_to(ROOT)}: link {target}: no such file")
+            elif anchor and dest.suffix == ".md" and anchor not in anchors(dest):
+                problems.append(f"{doc.relative_to(ROOT)}: link {target}: no heading #{anchor}")
+    assert not problems, "\n".join(problems)
+
+
+def module_path_exists(dotted: str) -> bool:
+    """``recipe.a.b`` names a module/package, or an attribute defined at top level of the longest module prefix."""
+    parts = dotted.split(".")
+    for n in range(len(parts), 0, -1):
+        base = ROOT.joinpath(*parts[:n])
+        source = base.with_suffix(".py") if base.with_suffix(".py").is_file() else base / "__init__.py"
+        if source.is_file():
+            rest = parts[n:]
+            if not rest:
+                return True
+            text = source.read_text()
+            return bool(re.search(rf"^(?:def|class) {rest[0]}\b|^{rest[0]}\s*[:=]|^\s+def {rest[0]}\b|import .*\b"
+                                  rf"{rest[0]}\b", text, flags=re.M))
+    return False
+
+
+def test_docs_name_no_stale_module_path():
+    problems = []
+    for doc in DOC_FILES:
+        text = doc.read_text()
+        for path in set(re.findall(r"(?<![\w./-])((?:recipe|kernels|scripts|ds_configs|tests)/[\w/]+\.(?:py|sh|json))",
+                                   text)):
+            if not (ROOT / path).exists():
+                problems.append(f"{doc.relative_to(ROOT)}: {path} does not exist")
+        for dotted in set(re.findall(r"(?<![\w./-])((?:recipe|kernels)(?:\.[A-Za-z_]\w*)+)", text)):
+            if not module_path_exists(dotted):
+                problems.append(f"{doc.relative_to(ROOT)}: {dotted} names no module or attribute")
+    assert not problems, "\n".join(sorted(problems))
+
+
+def test_stale_path_check_can_fail():
+    assert module_path_exists("recipe.config") and module_path_exists("recipe.config.load_run_config")
+    assert not module_path_exists("recipe.model.no_such_module") and not module_path_exists("recipe.no_such_thing")
+
+
+@pytest.mark.slow  # trains a few steps of the real SmolLM2 target
+def test_runnable_readme_blocks_run(tmp_path, assets):
+    blocks = [body for lang, body, marked in fenced_blocks(README.read_text()) if marked]
+    assert blocks, f"README.md has no block marked {RUN_MARK}"
+    path = f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"  # `python` is the test's interpreter
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PATH": path, "PYTHONPATH": str(ROOT)}
+    for body in blocks:
+        script = re.sub(r"(?<![\w/.])runs/", f"{tmp_path}/runs/", body)
+        script = script.replace(".cache/recipe/", f"{assets.target.parent}/")  # $RECIPE_CACHE where it is set
+        result = subprocess.run(["bash", "-euo", "pipefail", "-c", script], cwd=ROOT, env=env, capture_output=True,
+                                text=True, timeout=900)
+        assert result.returncode == 0, f"{body}\n--- stderr ---\n{result.stderr[-4000:]}"
