@@ -3,7 +3,7 @@
 :func:`load_run_config` reads the JSON once, removes our sections (``parallelism``, ``memory``, ``target``) and
 DeepSpeed's monitor sections (written by the training loop, see :func:`pop_monitor_sections`) before DeepSpeed sees
 the rest, and resolves them into a :class:`RunConfig`: the parallel layout, the batch plan, the dtype, the memory
-switches, how the target is held (``recipe.model.target_options``) and the monitors. The scheduler's ``"auto"``
+switches, how the target is held (``recipe.target.options``) and the monitors. The scheduler's ``"auto"``
 values need the run's optimizer steps, which only the data determines; :meth:`RunConfig.with_total_steps` fills
 them, and :meth:`RunConfig.deepspeed_config` refuses to hand DeepSpeed a config before that. Unknown keys are
 refused with the nearest valid name (:func:`check_config_keys`; the known keys come from DeepSpeed's own parser and
@@ -24,11 +24,19 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from recipe.config_keys import (MEMORY_SECTION, ConfigError, _did_you_mean, _field_model,  # noqa: F401
-                                check_config_keys, check_section_keys, deepspeed_top_level_keys, model_keys,
-                                strip_comments)
-from recipe.model.target_options import TARGET_SECTION, TargetOptions
+from recipe.config_keys import (  # noqa: F401
+    MEMORY_SECTION,
+    ConfigError,
+    _did_you_mean,
+    _field_model,
+    check_config_keys,
+    check_section_keys,
+    deepspeed_top_level_keys,
+    model_keys,
+    strip_comments,
+)
 from recipe.parallel.dims import PARALLEL_SECTION, ParallelDims
+from recipe.target.options import TARGET_SECTION, TargetOptions
 
 # DeepSpeed's monitor sections and the package each one's writer imports (csv_monitor needs none)
 MONITOR_PACKAGES = {"tensorboard": "tensorboard", "csv_monitor": None, "wandb": "wandb", "comet": "comet_ml"}
@@ -216,7 +224,7 @@ class RunConfig:
             (``train_batch_size · cp``), scheduler ``"auto"`` values filled by :meth:`with_total_steps`.
         total_steps: the run's optimizer steps; None until :meth:`with_total_steps`.
         monitor: DeepSpeed's monitor sections of the JSON (:func:`pop_monitor_sections`), written by the loop.
-        target: the ``target`` section (:class:`~recipe.model.target_options.TargetOptions`): replicated or ZeRO-3
+        target: the ``target`` section (:class:`~recipe.target.options.TargetOptions`): replicated or ZeRO-3
             partitioned target.
     """
 

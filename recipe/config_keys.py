@@ -12,8 +12,8 @@ import difflib
 import functools
 import typing
 
-from recipe.model.target_options import TARGET_SECTION
 from recipe.parallel.dims import PARALLEL_SECTION
+from recipe.target.options import TARGET_SECTION
 
 MEMORY_SECTION = "memory"
 

@@ -12,7 +12,7 @@ LOCAL_RANK come from the environment and a process group (nccl on GPU, else gloo
 Sample i is dumped by rank i % WORLD_SIZE. Re-running the same command resumes: finished shards are skipped.
 
 A target too big for one device is ZeRO-3 partitioned over the ranks (``--partition-target``, or the ``target``
-section of the training run's JSON given with ``--ds_config``, ``recipe.model.target_options``): every rank still
+section of the training run's JSON given with ``--ds_config``, ``recipe.target.options``): every rank still
 dumps its own samples, and the ranks with fewer batches left run one-token forwards until all have made as many
 forwards as the busiest (each layer's weights are all-gathered over every rank).
 """
@@ -33,8 +33,8 @@ from rich.table import Table
 from recipe.cli import add_data_arguments, check_data_arguments, int_list
 from recipe.data.store import DTYPES, HiddenStateStore, StoreMeta, examples_hash
 from recipe.data.store_writer import StoreWriter, shard_plan
-from recipe.model.target_options import TARGET_SECTION, TargetOptions
 from recipe.parallel.collectives import Collectives
+from recipe.target.options import TARGET_SECTION, TargetOptions
 
 
 @dataclass
@@ -218,7 +218,7 @@ def main(argv=None) -> None:
     console = Console()
     try:
         from recipe.data.examples import build_examples
-        from recipe.model.target_partition import build_target
+        from recipe.target.partition import build_target
 
         target = build_target(args.target, options, aux_layer_ids=args.aux_layer_ids, device=device)
 

@@ -223,7 +223,7 @@ def main(argv: list[str] | None = None) -> int:
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from recipe.model.target import TargetModel
+    from recipe.target.capture import TargetModel
     from recipe.train.distributed import launcher_ranks
 
     console = Console(stderr=True)

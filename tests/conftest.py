@@ -64,7 +64,7 @@ def real_store(assets, tmp_path_factory):
 
     from recipe.data.examples import build_examples
     from recipe.dump import dump_hidden_states
-    from recipe.model.target import TargetModel
+    from recipe.target.capture import TargetModel
 
     tmp = tmp_path_factory.mktemp("real_store")
     target = TargetModel(assets.target, dtype=torch.float32, device="cpu")

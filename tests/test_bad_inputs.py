@@ -10,10 +10,10 @@ import json
 import shutil
 
 import pytest
-
 from helpers.faults import Job, run_jobs
 from helpers.ranks import run_ranks
 from helpers.training import ROOT, train_argv, write_ds_config
+
 from recipe.io_errors import EXIT_WRITE_FAILED
 from recipe.train.checkpoint import LATEST
 from recipe.train.sampler import StepSampler
@@ -211,7 +211,7 @@ def test_skip_nonfinite_counts_and_skips_the_step(cases):
 
 def test_malformed_lines_among_good_ones_are_counted_skips(assets, tmp_path):
     from recipe.data.examples import build_examples
-    from recipe.model.target import load_tokenizer
+    from recipe.target.capture import load_tokenizer
 
     lines = [_chat(("human", "hi"), ("gpt", "hello")), "{oops", _chat(("human", "x")), '{"text": 1}',
              _chat(("human", "what"), ("gpt", "that"))]

@@ -13,7 +13,7 @@ from recipe import demo
 from recipe.bench import data as bench_data
 from recipe.export import export_tensors, write_export
 from recipe.model.draft import Eagle3Draft
-from recipe.model.draft_config import Eagle3DraftConfig
+from recipe.target.registry import draft_config_for
 
 
 def test_ds_config_overrides(tmp_path):
@@ -54,7 +54,7 @@ def test_regenerate_stage_runs_the_first_exchange(tmp_path, monkeypatch):
 
 
 def _random_export(assets, folder):
-    config = Eagle3DraftConfig.from_target_config(AutoConfig.from_pretrained(assets.target), 512)
+    config = draft_config_for(AutoConfig.from_pretrained(assets.target), 512)
     return write_export(export_tensors(Eagle3Draft(config, seed=0).state_dict()), config.to_hf_dict(), folder)
 
 

@@ -8,9 +8,10 @@ import torch
 from transformers import LlamaConfig
 
 from kernels.ttt_attention import TTTKVCache
+from recipe.export import export_tensors
 from recipe.model.draft import EXPORT_EXCLUDED_KEYS, Eagle3Draft
 from recipe.model.draft_config import Eagle3DraftConfig, load_draft_config_overrides
-from recipe.export import export_tensors
+from recipe.target.registry import draft_config_for
 
 EXPORT_KEYS = {
     "fc.weight", "midlayer.hidden_norm.weight", "midlayer.input_layernorm.weight",
@@ -36,7 +37,7 @@ def tiny_config(**kw) -> Eagle3DraftConfig:
 
 # ------------------------------------------------------------------------------------------------------ config
 def test_config_derived_from_smollm2():
-    cfg = Eagle3DraftConfig.from_target_config(smollm2_config(), draft_vocab_size=8192)
+    cfg = draft_config_for(smollm2_config(), draft_vocab_size=8192)
     assert (cfg.hidden_size, cfg.target_hidden_size, cfg.intermediate_size) == (576, 576, 1536)
     assert (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim) == (9, 3, 64)
     assert (cfg.vocab_size, cfg.draft_vocab_size, cfg.max_position_embeddings) == (49152, 8192, 8192)
@@ -46,25 +47,25 @@ def test_config_derived_from_smollm2():
 
 
 def test_config_overrides_apply_and_unknown_key_is_named():
-    cfg = Eagle3DraftConfig.from_target_config(
+    cfg = draft_config_for(
         smollm2_config(), 4096, {"hidden_size": 256, "intermediate_size": 512, "num_attention_heads": 4,
                                  "num_key_value_heads": 2, "head_dim": 64, "aux_layer_ids": [2, 10, 20]})
     assert (cfg.hidden_size, cfg.target_hidden_size, cfg.num_attention_heads) == (256, 576, 4)
     assert cfg.aux_layer_ids == [2, 10, 20] and cfg.draft_vocab_size == 4096
     with pytest.raises(ValueError, match="hiden_size"):
-        Eagle3DraftConfig.from_target_config(smollm2_config(), 4096, {"hiden_size": 256})
+        draft_config_for(smollm2_config(), 4096, {"hiden_size": 256})
     with pytest.raises(ValueError, match="num_key_value_heads"):
-        Eagle3DraftConfig.from_target_config(smollm2_config(), 4096, {"num_key_value_heads": 4})
+        draft_config_for(smollm2_config(), 4096, {"num_key_value_heads": 4})
     with pytest.raises(ValueError, match="draft_vocab_size"):
-        Eagle3DraftConfig.from_target_config(smollm2_config(), 50000)
+        draft_config_for(smollm2_config(), 50000)
 
 
 def test_config_shallow_target_needs_explicit_aux_ids_and_old_style_rope_dict():
     shallow = {"hidden_size": 32, "intermediate_size": 64, "num_attention_heads": 4, "num_hidden_layers": 4,
                "vocab_size": 100, "rope_theta": 5000.0, "rope_scaling": {"rope_type": "linear", "factor": 2.0}}
     with pytest.raises(ValueError, match="aux_layer_ids"):
-        Eagle3DraftConfig.from_target_config(shallow, 40)
-    cfg = Eagle3DraftConfig.from_target_config(shallow, 40, {"aux_layer_ids": [0, 1, 3]})
+        draft_config_for(shallow, 40)
+    cfg = draft_config_for(shallow, 40, {"aux_layer_ids": [0, 1, 3]})
     assert cfg.num_key_value_heads == 4 and cfg.head_dim == 8
     assert cfg.rope_theta == 5000.0 and cfg.rope_scaling == {"rope_type": "linear", "factor": 2.0}
     # the scaling reaches transformers' RoPE: linear factor 2 halves the inverse frequencies
@@ -76,7 +77,7 @@ def test_config_shallow_target_needs_explicit_aux_ids_and_old_style_rope_dict():
 def test_to_hf_dict_has_the_export_fields_and_round_trips():
     llama3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
               "original_max_position_embeddings": 2048}
-    cfg = Eagle3DraftConfig.from_target_config(
+    cfg = draft_config_for(
         smollm2_config(), 8192, {"hidden_size": 512, "head_dim": 64, "num_attention_heads": 8,
                                  "num_key_value_heads": 2, "rope_scaling": llama3})
     d = json.loads(json.dumps(cfg.to_hf_dict(torch_dtype="bfloat16")))
@@ -86,7 +87,7 @@ def test_to_hf_dict_has_the_export_fields_and_round_trips():
     assert d["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [1, 14, 26]
     assert d["rope_theta"] == 100000.0 and d["rope_scaling"] == llama3 and d["torch_dtype"] == "bfloat16"
     assert Eagle3DraftConfig.from_hf_dict(d) == cfg
-    same = Eagle3DraftConfig.from_target_config(smollm2_config(), 8192)
+    same = draft_config_for(smollm2_config(), 8192)
     assert "target_hidden_size" not in same.to_hf_dict()
     assert Eagle3DraftConfig.from_hf_dict(same.to_hf_dict()) == same
     with pytest.raises(ValueError, match="eagle_aux_hidden_state_layer_ids"):

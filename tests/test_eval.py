@@ -8,18 +8,18 @@ import pytest
 import torch
 
 from kernels.block_attention import block_attention
+from kernels.ttt_attention import TTTKVCache
 from recipe.eval.draft_runtime import EagleDrafter, load_draft_export
 from recipe.eval.prompts import Prompt, read_prompts
 from recipe.eval.report import summarise_run
 from recipe.eval.speculative import Generation, MismatchError, check_lossless, greedy_generate, speculative_generate
-from recipe.eval.target_runtime import CachedTarget
 from recipe.eval.tree import DraftTree, TreeSpec, accepted_path, tree_attention_mask, tree_speculative_generate
 from recipe.eval.tree_draft import EagleTreeDrafter
 from recipe.export import export_tensors, write_export
-from kernels.ttt_attention import TTTKVCache
 from recipe.model.draft import Eagle3Draft
-from recipe.model.draft_config import Eagle3DraftConfig
-from recipe.model.target import TargetModel
+from recipe.target.capture import TargetModel
+from recipe.target.registry import draft_config_for
+from recipe.target.runtime import CachedTarget
 
 VOCAB, DRAFT_VOCAB = 96, 64
 
@@ -49,7 +49,7 @@ def tiny(tiny_target, tmp_path_factory):
     """The tiny random Llama target (vocab VOCAB), loaded, and a random-weights draft export for it."""
     tmp = tmp_path_factory.mktemp("eval")
     target = TargetModel(tiny_target, dtype=torch.float32, device="cpu")
-    config = Eagle3DraftConfig.from_target_config(target.config, DRAFT_VOCAB)
+    config = draft_config_for(target.config, DRAFT_VOCAB)
     draft = Eagle3Draft(config, seed=1)
     draft.load_target_embeddings(target.embed_tokens_weight)
     draft_ids = torch.randperm(VOCAB, generator=torch.Generator().manual_seed(0))[:DRAFT_VOCAB].sort().values
@@ -324,7 +324,7 @@ def test_cli_on_real_target(assets, tmp_path, monkeypatch):
     from recipe.eval import __main__ as cli
     from recipe.eval.speculative import MismatchError
 
-    config = Eagle3DraftConfig.from_target_config(AutoConfig.from_pretrained(assets.target), 512)
+    config = draft_config_for(AutoConfig.from_pretrained(assets.target), 512)
     export = write_export(export_tensors(Eagle3Draft(config, seed=0).state_dict()), config.to_hf_dict(),
                           tmp_path / "export")
     out = tmp_path / "eval.json"

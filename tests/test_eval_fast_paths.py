@@ -11,10 +11,10 @@ from recipe.eval.harness import GreedyReference, evaluate
 from recipe.eval.prompts import Prompt
 from recipe.eval.report import summarise_run
 from recipe.eval.speculative import Generation, MismatchError, greedy_generate, greedy_generate_batched
-from recipe.eval.target_runtime import CachedTarget
 from recipe.model import packed_linear
 from recipe.model.packed_linear import PackedLinear, pack_linear_layers, packing_available
-from recipe.model.target import TargetModel
+from recipe.target.capture import TargetModel
+from recipe.target.runtime import CachedTarget
 
 VOCAB = 96
 needs_packing = pytest.mark.skipif(not packing_available(), reason="this PyTorch has no oneDNN linear ops")

@@ -7,7 +7,6 @@ import json
 
 import pytest
 import torch
-
 from helpers.ranks import run_ranks
 from helpers.training import assert_curves_close, run_training, train_argv, write_ds_config
 
@@ -40,7 +39,7 @@ def runs(tiny_target_and_store, tmp_path_factory):
 
 def _target_rows(target, tensors):
     from recipe.data.vocab import VocabMap
-    from recipe.model.target_head import load_embedding_and_head
+    from recipe.target.head import load_embedding_and_head
 
     _, head_VH, _ = load_embedding_and_head(target)
     ids = VocabMap(tensors["d2t"].long(), tensors["t2d"].bool()).draft_ids

@@ -17,8 +17,8 @@ import threading
 
 import pytest
 import torch
-
 from helpers.ranks import run_ranks
+
 from recipe.data.store import FIELDS, HiddenStateStore
 from recipe.data.vocab import VocabMap
 
@@ -254,7 +254,7 @@ def _padded_batch():
 
 
 def test_is_right_padded():
-    from recipe.model.target import is_right_padded
+    from recipe.target.capture import is_right_padded
 
     assert is_right_padded(torch.tensor([[1, 1, 0], [1, 1, 1], [0, 0, 0]]))
     assert is_right_padded(torch.ones(2, 3, dtype=torch.bool))
@@ -264,9 +264,9 @@ def test_is_right_padded():
 
 
 def test_capture_without_the_mask_equals_it_on_real_rows(tiny_target, monkeypatch):
-    import recipe.model.target as target_module
-    from recipe.model.target import TargetModel
+    import recipe.target.capture as target_module
     from recipe.model.ttt import make_ttt_batch, target_in_draft_vocab
+    from recipe.target.capture import TargetModel
 
     target = TargetModel(tiny_target, dtype=torch.float32, device="cpu")
     masks = []

@@ -15,7 +15,6 @@ import time
 from pathlib import Path
 
 import pytest
-
 from helpers.faults import Job, run_jobs
 from helpers.ranks import run_ranks
 from helpers.training import ROOT, write_ds_config
@@ -95,7 +94,7 @@ def test_a_run_without_resume_into_a_used_output_is_refused_on_every_rank(runs):
 
 @pytest.mark.slow
 def test_resume_with_another_target_is_refused_naming_both_fingerprints(runs):
-    from recipe.model.target import target_fingerprint
+    from recipe.target.capture import target_fingerprint
 
     tmp = runs["tmp"]
     mine, other = target_fingerprint(tmp / "target"), target_fingerprint(tmp / "other_target")
@@ -215,7 +214,7 @@ def test_known_keys_come_from_deepspeed():
 def test_weight_fingerprint_distinguishes_weights_not_dtype_or_sharding(tiny_target, other_tiny_target, tmp_path):
     from safetensors.torch import load_file, save_file
 
-    from recipe.model.target import target_fingerprint
+    from recipe.target.capture import target_fingerprint
 
     mine = target_fingerprint(tiny_target)
     assert mine.startswith("w1:") and mine != target_fingerprint(other_tiny_target)  # same config, other weights
@@ -237,7 +236,7 @@ def test_weight_fingerprint_distinguishes_weights_not_dtype_or_sharding(tiny_tar
 
 
 def test_weight_fingerprint_of_smollm2_is_cheap(assets):
-    from recipe.model.target import _cached_fingerprint, target_fingerprint
+    from recipe.target.capture import _cached_fingerprint, target_fingerprint
 
     _cached_fingerprint.cache_clear()
     start = time.perf_counter()
@@ -247,7 +246,7 @@ def test_weight_fingerprint_of_smollm2_is_cheap(assets):
 
 def test_legacy_store_is_checked_the_old_way_with_a_note(tiny_target_and_store, other_tiny_target, tmp_path):
     from recipe.data.store import HiddenStateStore, StoreError
-    from recipe.model.target import legacy_target_fingerprint
+    from recipe.target.capture import legacy_target_fingerprint
 
     target, store = tiny_target_and_store
     assert HiddenStateStore(store).check_compatible(target, None) is None  # a store of this version: no note
@@ -315,7 +314,7 @@ def test_csv_without_the_conversation_column_names_file_columns_and_flag(tmp_pat
 
 
 def test_target_without_tokenizer_names_folder_and_files(tiny_target, tmp_path):
-    from recipe.model.target import load_tokenizer
+    from recipe.target.capture import load_tokenizer
 
     with pytest.raises(FileNotFoundError) as err:
         load_tokenizer(tiny_target)

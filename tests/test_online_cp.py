@@ -1,13 +1,12 @@
 """End to end, online (the target runs during training): the real SmolLM2 target on ShareGPT, fp32 on CPU gloo ranks.
 
-The curve at cp = 2 (the context-parallel target forward, ``recipe.model.target_cp``) and at tp2 × cp2 (each tp rank
+The curve at cp = 2 (the context-parallel target forward, ``recipe.target.cp``) and at tp2 × cp2 (each tp rank
 replicating its cp shard's target forward) equals the online cp = 1 curve (the full-sequence target forward) within
 rel 1e-5: the same samples, the same draft initialisation, only the sharding of the target and the draft differ.
 """
 from __future__ import annotations
 
 import pytest
-
 from helpers.ranks import run_ranks
 from helpers.training import assert_curves_close, run_training, write_ds_config
 

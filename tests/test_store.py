@@ -5,14 +5,14 @@ import os
 import pytest
 import torch
 from datasets import Dataset
+from helpers.ranks import run_ranks
 from safetensors.torch import load_file, save_file
 
-from helpers.ranks import run_ranks
 from recipe.data.store import HiddenStateStore, StoreError, StoreMeta, write_json_atomic
 from recipe.data.store_writer import ShardPlan, StoreWriter, shard_plan
 from recipe.dump import dump_hidden_states
-from recipe.model.target import TargetModel
 from recipe.parallel.collectives import Collectives
+from recipe.target.capture import TargetModel
 
 H = 32
 LENGTHS = [5, 12, 3, 9, 9, 7, 11, 4, 6, 10]

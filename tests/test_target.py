@@ -1,13 +1,14 @@
-"""recipe.model.target: aux-layer capture, final-norm hidden states, frozen target, layer-id validation."""
+"""recipe.target.capture: aux-layer capture, final-norm hidden states, frozen target, layer-id validation."""
 import importlib.util
 from pathlib import Path
 
 import pytest
 import torch
 
-from recipe.model.aux_layers import default_aux_layer_ids, validate_aux_layer_ids
-from recipe.model.target import TargetModel, target_fingerprint
-from recipe.model.target_head import final_logit_softcap, target_logits
+from recipe.model.loss import target_logits
+from recipe.target.aux_layers import default_aux_layer_ids, validate_aux_layer_ids
+from recipe.target.capture import TargetModel, target_fingerprint
+from recipe.target.registry import final_logit_softcap
 
 
 @pytest.fixture(scope="module")
@@ -144,10 +145,10 @@ def test_teacher_logits_are_the_soft_capped_target_output_on_the_draft_vocab(tmp
     from transformers import Gemma2Config, Gemma2ForCausalLM, LlamaConfig
 
     from recipe.model.draft import Eagle3Draft
-    from recipe.model.draft_config import Eagle3DraftConfig
+    from recipe.target.registry import draft_config_for
     from recipe.model.loss import soft_ce
-    from recipe.model.target_head import load_embedding_and_head
     from recipe.model.ttt import TTTModel, make_ttt_batch
+    from recipe.target.head import load_embedding_and_head
 
     torch.manual_seed(0)
     vocab, draft_vocab, cap = 96, 40, 0.1
@@ -165,7 +166,7 @@ def test_teacher_logits_are_the_soft_capped_target_output_on_the_draft_vocab(tmp
     with torch.no_grad():
         out_BSV = target.model(input_ids=ids, attention_mask=mask).logits
     got = target.capture(ids, mask)
-    draft_config = Eagle3DraftConfig.from_target_config(hf_config, draft_vocab)
+    draft_config = draft_config_for(hf_config, draft_vocab)
     draft = Eagle3Draft(draft_config, seed=0)
     draft.load_target_embeddings(embed_VH)
     draft_ids = torch.randperm(vocab, generator=torch.Generator().manual_seed(1))[:draft_vocab].sort().values

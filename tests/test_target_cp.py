@@ -1,4 +1,4 @@
-"""The context-parallel target forward (``recipe.model.target_cp``) against the full single-process forward.
+"""The context-parallel target forward (``recipe.target.cp``) against the full single-process forward.
 
 For every supported architecture (tiny random Llama, Qwen2, Qwen3, Mistral built locally), fp32 on CPU, with right
 padding and K larger than a zigzag chunk (so label rows cross chunks): on cp ∈ {2, 4} gloo ranks each rank's aux states
@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from helpers.ranks import run_ranks
 from helpers.tiny_target import ARCHITECTURES, save_tiny_target
 
@@ -44,9 +43,9 @@ def _rel(got: torch.Tensor, ref: torch.Tensor) -> float:
 def _cp_worker(rank, world_size, folders):
     import torch.distributed as dist
 
-    from recipe.model.target import TargetModel
-    from recipe.model.target_cp import CPTarget
     from recipe.parallel.collectives import Collectives
+    from recipe.target.capture import TargetModel
+    from recipe.target.cp import CPTarget
 
     ids, mask, _ = _batch()
     out = {}
@@ -61,8 +60,8 @@ def _cp_worker(rank, world_size, folders):
 @pytest.mark.slow  # spawns 2 and 4 gloo ranks
 @pytest.mark.parametrize("cp", [2, 4])
 def test_cp_target_equals_full_forward(arch_targets, cp):
-    from recipe.model.target import TargetModel
     from recipe.parallel.cp_shard import label_rows, zigzag_indices
+    from recipe.target.capture import TargetModel
 
     ids, mask, _ = _batch()
     results = run_ranks(cp, _cp_worker, arch_targets)
@@ -84,9 +83,9 @@ def _builder_worker(rank, world_size, folder):
     import torch.distributed as dist
     from datasets import Dataset
 
-    from recipe.model.target import TargetModel
-    from recipe.model.target_cp import CPTarget
     from recipe.parallel.collectives import Collectives
+    from recipe.target.capture import TargetModel
+    from recipe.target.cp import CPTarget
     from recipe.train.batches import BatchBuilder
 
     ids, mask, loss_mask = _batch()
@@ -103,9 +102,7 @@ def _builder_worker(rank, world_size, folder):
 
 @pytest.mark.slow  # spawns 2 gloo ranks
 def test_online_builder_at_cp2_equals_sharded_full_capture(arch_targets):
-    from recipe.parallel.cp_shard import shard_ttt_batch
-
-    from recipe.parallel.cp_shard import label_rows
+    from recipe.parallel.cp_shard import label_rows, shard_ttt_batch
 
     _, mask, _ = _batch()
     for rank, (got, full) in enumerate(run_ranks(2, _builder_worker, arch_targets["qwen3"])):
@@ -121,9 +118,9 @@ def test_online_builder_at_cp2_equals_sharded_full_capture(arch_targets):
 
 def test_single_rank_cp_target_equals_capture(arch_targets):
     """cp = 1 through the registry (the single-device block): the same states as the model's own attention."""
-    from recipe.model.target import TargetModel
-    from recipe.model.target_cp import CPTarget
     from recipe.parallel.collectives import Collectives
+    from recipe.target.capture import TargetModel
+    from recipe.target.cp import CPTarget
 
     ids, mask, _ = _batch()
     target = TargetModel(arch_targets["qwen2"], dtype=torch.float32, device="cpu")
@@ -139,7 +136,7 @@ def test_single_rank_cp_target_equals_capture(arch_targets):
 def test_unsupported_target_names_its_model_type(tmp_path):
     from transformers import Gemma2Config
 
-    from recipe.model.target_cp import check_cp_target
+    from recipe.target.registry import check_cp_target
 
     with pytest.raises(ValueError, match=r"model_type 'gemma2'.*recipe\.dump.*--hidden-states"):
         check_cp_target(Gemma2Config())
@@ -150,9 +147,9 @@ def test_unsupported_target_names_its_model_type(tmp_path):
 def test_sliding_window_shorter_than_the_sequence_is_refused(tmp_path):
     from transformers import MistralConfig, MistralForCausalLM
 
-    from recipe.model.target import TargetModel
-    from recipe.model.target_cp import CPTarget
     from recipe.parallel.collectives import Collectives
+    from recipe.target.capture import TargetModel
+    from recipe.target.cp import CPTarget
 
     config = MistralConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=8,
                            num_attention_heads=4, num_key_value_heads=2, sliding_window=16)

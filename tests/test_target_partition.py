@@ -1,4 +1,4 @@
-"""The ZeRO-3 partitioned frozen target (``recipe.model.target_partition``): its ``target`` JSON section, captures
+"""The ZeRO-3 partitioned frozen target (``recipe.target.partition``): its ``target`` JSON section, captures
 equal to the replicated target's on 2 gloo ranks, the multi-rank dump with it writing the single-rank store, and
 online training with it giving the replicated target's curve."""
 from __future__ import annotations
@@ -8,12 +8,12 @@ import shutil
 
 import pytest
 import torch
-
 from helpers.ranks import run_ranks
 from helpers.tiny_target import random_chats, save_tiny_llama
 from helpers.training import assert_curves_close, run_training, write_ds_config
+
 from recipe.config import ConfigError, load_run_config
-from recipe.model.target_options import TargetOptions
+from recipe.target.options import TargetOptions
 
 # partition every parameter (DeepSpeed keeps parameters below 1e5 elements whole by default: all of a tiny model's)
 ZERO = {"stage3_param_persistence_threshold": 0}
@@ -67,8 +67,8 @@ def test_dump_flags_select_the_partitioned_target(tmp_path):
 
 
 def _capture_rank(rank, world_size, folder):
-    from recipe.model.target import TargetModel
-    from recipe.model.target_partition import PartitionedTargetModel
+    from recipe.target.capture import TargetModel
+    from recipe.target.partition import PartitionedTargetModel
 
     target = PartitionedTargetModel(folder, aux_layer_ids=[1, 4, 7], dtype=torch.float32, device="cpu",
                                     options=TargetOptions.from_section(SECTION))
@@ -115,8 +115,8 @@ def test_partitioned_capture_equals_replicated(tmp_path):
 
 def _dump_rank(rank, world_size, folder, out, num_samples):
     from recipe.dump import dump_hidden_states
-    from recipe.model.target_partition import PartitionedTargetModel
     from recipe.parallel.collectives import Collectives
+    from recipe.target.partition import PartitionedTargetModel
 
     target = PartitionedTargetModel(folder, dtype=torch.float32, device="cpu",
                                     options=TargetOptions.from_section(SECTION))
@@ -129,7 +129,7 @@ def _dump_rank(rank, world_size, folder, out, num_samples):
 def test_two_rank_partitioned_dump_writes_the_single_rank_store(tiny_target, tmp_path):
     from recipe.data.store import HiddenStateStore
     from recipe.dump import dump_hidden_states
-    from recipe.model.target import TargetModel
+    from recipe.target.capture import TargetModel
 
     n = 21  # rank 0: 11 samples = shards of 8 + 3 = 4 + 2 forwards; rank 1: 10 = 8 + 2 = 4 + 1 forwards
     dump_hidden_states(TargetModel(tiny_target, dtype=torch.float32, device="cpu"), random_chats(n),

@@ -7,13 +7,13 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-
 from helpers import cases
+
 from kernels.block_attention import block_attention
 from recipe.model.draft import Eagle3Draft
 from recipe.model.loss import soft_ce
-from recipe.model.target_head import lm_head_argmax
 from recipe.model.ttt import TTTBatch, TTTModel, make_ttt_batch, target_in_draft_vocab, ttt_objective
+from recipe.target.head import lm_head_argmax
 
 S = 13
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from helpers.ranks import run_ranks
 from helpers.training import run_training, train_argv, write_ds_config
+
 from recipe.train.batches import supervised_per_step
 from recipe.train.monitor import step_events
 from recipe.train.validation import held_out_split
@@ -44,8 +44,9 @@ def _independent_eval(target, store_dir, export, held: list[int], K: int) -> dic
     """Sums over the held-out samples, one sample at a time, with the exported draft in fp32 (no padding)."""
     from recipe.data.store import HiddenStateStore
     from recipe.eval.draft_runtime import load_draft_export
-    from recipe.model.target_head import final_logit_softcap, load_embedding_and_head
     from recipe.model.ttt import TTTModel, make_ttt_batch, step_weights
+    from recipe.target.head import load_embedding_and_head
+    from recipe.target.registry import final_logit_softcap
 
     embed, head, hf_config = load_embedding_and_head(target)
     draft = load_draft_export(export, embed, dtype=torch.float32).train()

@@ -71,7 +71,7 @@ def reference_seconds(model, prompts: list[list[int]], new_tokens: int) -> dict:
     """Seconds of the greedy reference of ``prompts`` prompt by prompt and in one batch (after a short warm-up of
     each), and whether they agree."""
     from recipe.eval.speculative import greedy_generate, greedy_generate_batched
-    from recipe.eval.target_runtime import CachedTarget
+    from recipe.target.runtime import CachedTarget
 
     greedy_generate(CachedTarget(model), prompts[0], 2)  # warm-up of both paths, so neither pays a first call
     greedy_generate_batched(model, prompts[:2], 2)

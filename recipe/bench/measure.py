@@ -18,67 +18,15 @@ import resource
 import time
 import traceback
 from contextlib import contextmanager
-from dataclasses import dataclass
 
 import torch
 
 from recipe.config import MemoryOptions
-from recipe.parallel.dims import check_tp_divides, seq_divisor
 from recipe.parallel.parallelize import parallelize
+from recipe.plan.spec import DTYPES, LAYOUTS, BenchSpec, spec_draft_config  # noqa: F401 (the benchmarks' names)
 from recipe.train.distributed import free_port
 
-LAYOUTS = {"full": (False, False), "chunked": (True, False), "ckpt": (False, True), "chunked+ckpt": (True, True)}
-"""Layout name -> (chunked loss, checkpointed TTT steps)."""
-
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-
 MALLOC_ENV = "MALLOC_MMAP_THRESHOLD_"
-
-
-@dataclass(frozen=True)
-class BenchSpec:
-    """One measurement: draft geometry (hidden, heads, KV heads, head dim, MLP width, draft vocab Vd, target vocab
-    V, target hidden H_t), sequence length, TTT steps K, batch, layout (``LAYOUTS``), parallel degrees tp/cp, dtype,
-    device, loss chunk and attention tile sizes, and the causal-block backend (``kernels.attention_backends``;
-    "tiled" is the reference). ``recipe.plan.predict_step`` predicts its memory."""
-
-    seq_len: int
-    layout: str = "full"
-    hidden: int = 256
-    heads: int = 4
-    kv_heads: int = 4
-    head_dim: int = 64
-    intermediate: int = 896
-    draft_vocab: int = 32000
-    vocab: int = 32000
-    target_hidden: int = 256
-    ttt_steps: int = 7
-    batch: int = 1
-    tp: int = 1
-    cp: int = 1
-    dtype: str = "fp32"
-    device: str = "cpu"
-    loss_chunk_size: int = 1024
-    attention_tile: int | None = 1024
-    attention_backend: str = "tiled"
-    steps: int = 1
-    seed: int = 0
-
-    def __post_init__(self):
-        if self.layout not in LAYOUTS:
-            raise ValueError(f"unknown layout {self.layout!r}; choose from {sorted(LAYOUTS)}")
-        if self.dtype not in DTYPES:
-            raise ValueError(f"unknown dtype {self.dtype!r}; choose from {sorted(DTYPES)}")
-        check_tp_divides(self.tp, {"num_attention_heads": self.heads, "num_key_value_heads": self.kv_heads,
-                                   "intermediate_size": self.intermediate, "draft_vocab_size": self.draft_vocab})
-        divisor = seq_divisor(self.cp, self.tp)
-        if self.seq_len % divisor:
-            raise ValueError(f"length {self.seq_len} is not a multiple of {divisor} (2·cp·tp with cp={self.cp}, "
-                             f"tp={self.tp})")
-
-    @property
-    def world_size(self) -> int:
-        return self.tp * self.cp
 
 
 # ---- memory probes ---------------------------------------------------------------------------------------------
@@ -128,23 +76,12 @@ class CudaPeak:
 
 
 # ---- one step ----------------------------------------------------------------------------------------------------
-def draft_config_for(spec: BenchSpec):
-    """The ``Eagle3DraftConfig`` of ``spec``'s draft geometry (aux layers [1, 2, 3], RoPE table covering the length)."""
-    from recipe.model.draft_config import Eagle3DraftConfig
-
-    return Eagle3DraftConfig(
-        hidden_size=spec.hidden, intermediate_size=spec.intermediate, num_attention_heads=spec.heads,
-        num_key_value_heads=spec.kv_heads, head_dim=spec.head_dim, vocab_size=spec.vocab,
-        draft_vocab_size=spec.draft_vocab, target_hidden_size=spec.target_hidden, aux_layer_ids=[1, 2, 3],
-        max_position_embeddings=max(2048, spec.seq_len + spec.ttt_steps))
-
-
 def build_model(spec: BenchSpec, device: torch.device, pstate=None):
     """A random-weight TTTModel for ``spec`` (TP/CP applied when ``pstate`` has them)."""
     from recipe.model.draft import Eagle3Draft
     from recipe.model.ttt import TTTModel
 
-    draft = Eagle3Draft(draft_config_for(spec), seed=spec.seed)
+    draft = Eagle3Draft(spec_draft_config(spec), seed=spec.seed)
     head = torch.randn(spec.draft_vocab, spec.target_hidden, generator=torch.Generator().manual_seed(spec.seed + 1))
     chunked, ckpt = LAYOUTS[spec.layout]
     model = TTTModel(draft, head, loss_chunk_size=spec.loss_chunk_size if chunked else None, checkpoint_steps=ckpt)

@@ -21,28 +21,9 @@ from rich.console import Console
 from rich.table import Table
 
 from recipe.bench.measure import LAYOUTS, BenchSpec, run_measurement
+from recipe.plan.spec import length_list, parse_length  # noqa: F401 (parse_length: the benchmarks' name)
 
 GIB = 1024 ** 3
-
-
-def parse_length(text: str) -> int:
-    """``"4k"`` -> 4096, ``"1.5k"`` -> 1536, ``"512"`` -> 512; ValueError naming the text otherwise."""
-    t = text.strip().lower()
-    try:
-        value = float(t[:-1]) * 1024 if t.endswith("k") else float(t)
-    except ValueError:
-        raise ValueError(f"bad length {text!r}: expected an integer or a number followed by k (e.g. 4k)") from None
-    if value < 1 or value != int(value):
-        raise ValueError(f"bad length {text!r}: must be a positive whole number of tokens")
-    return int(value)
-
-
-def length_list(text: str) -> list[int]:
-    """argparse type: ``"2k,4k,512"`` -> sorted distinct lengths in tokens (k = 1024); ArgumentTypeError otherwise."""
-    try:
-        return sorted({parse_length(x) for x in text.split(",") if x.strip()})
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def layout_list(text: str) -> list[str]:

@@ -4,7 +4,7 @@
 
 Each cp runs in cp fresh processes (gloo on CPU, ``recipe.bench.ranks``), as training does: cp = 1 the full-sequence
 ``TargetModel.capture`` (the model's own sdpa attention), cp > 1 the context-parallel ``CPTarget.capture`` (the ring
-over zigzag shards, ``recipe.model.target_cp``). The target is ``--target`` or a random target of SmolLM2-135M's
+over zigzag shards, ``recipe.target.cp``). The target is ``--target`` or a random target of SmolLM2-135M's
 shape (Llama, hidden 576, 9 / 3 KV heads, MLP 1536, vocab 49152; ``--layers`` decoder layers), random tokens, no
 padding. Per rank: ``act_bytes`` = peak RSS during the forward minus the RSS just before it (weights loaded; the
 glibc set-up of ``recipe.bench.measure``), ``kept_bytes`` = the capture's output tensors (aux states, last hidden
@@ -61,13 +61,13 @@ def _rank(rank: int, world: int, folder: str, length: int, batch: int, ttt_steps
     import torch.distributed as dist
 
     from recipe.bench.measure import CpuPeak
-    from recipe.model.target import TargetModel
     from recipe.parallel.collectives import Collectives
+    from recipe.target.capture import TargetModel
 
     target = TargetModel(folder, dtype=torch.float32, device="cpu")
     cp_target = None
     if world > 1:
-        from recipe.model.target_cp import CPTarget
+        from recipe.target.cp import CPTarget
 
         cp_target = CPTarget(target, Collectives("cpu"), dist.group.WORLD, world, rank, backend, tile, argmax_chunk)
     g = torch.Generator().manual_seed(0)

@@ -46,7 +46,7 @@ class StoreMeta:
     """What a store was made from; a re-run must match it to resume, a trainer must match it to use the store.
 
     target_path: where the target was loaded from (informative); target_fingerprint: ``TargetModel.fingerprint``
-    (``recipe.model.target.target_fingerprint``: config + weights; stores written before it hold the legacy
+    (``recipe.target.capture.target_fingerprint``: config + weights; stores written before it hold the legacy
     config + 8 embedding rows fingerprint, still accepted by :meth:`HiddenStateStore.check_compatible`);
     hidden_size: H_t; aux_layer_ids: captured decoder layers (aux width = len(ids)·H_t); dtype: "bf16" | "fp32";
     max_length: the examples' token limit; data_hash: ``examples_hash`` of the dataset; num_samples: its length.
@@ -248,12 +248,12 @@ class HiddenStateStore:
         """Raise StoreError if this store was dumped from another target or with other aux layer ids.
 
         target: a fingerprint string, a ``TargetModel``, or a target path (folder or ``.gguf``; fingerprinted with
-        ``recipe.model.target.target_fingerprint``: config + a sample of every weight tensor). aux_layer_ids: None
+        ``recipe.target.capture.target_fingerprint``: config + a sample of every weight tensor). aux_layer_ids: None
         skips that check. A store written before weight fingerprints (a legacy 16-hex ``target_fingerprint``: config
         + 8 embedding rows) is still read: it is compared with the target's legacy fingerprint, and the one-line
         note returned says so (None otherwise); a fingerprint string cannot be compared with the other kind.
         """
-        from recipe.model.target import is_weight_fingerprint, legacy_target_fingerprint, target_fingerprint
+        from recipe.target.capture import is_weight_fingerprint, legacy_target_fingerprint, target_fingerprint
 
         note = None
         legacy = not is_weight_fingerprint(self.meta.target_fingerprint)

@@ -11,12 +11,18 @@ from rich.console import Console
 from recipe.eval.draft_runtime import load_draft_export
 from recipe.eval.prompts import Prompt, prompt_ids
 from recipe.eval.report import category_table, summarise_run, tau_table, tokens_per_s
-from recipe.eval.speculative import (Generation, MismatchError, check_lossless, greedy_generate,
-                                     greedy_generate_batched, speculative_generate)
-from recipe.eval.target_runtime import CachedTarget
+from recipe.eval.speculative import (
+    Generation,
+    MismatchError,
+    check_lossless,
+    greedy_generate,
+    greedy_generate_batched,
+    speculative_generate,
+)
 from recipe.eval.tree import TreeSpec, tree_speculative_generate
 from recipe.eval.tree_draft import EagleTreeDrafter
 from recipe.model.packed_linear import pack_linear_layers
+from recipe.target.runtime import CachedTarget
 
 REFERENCE_MODES = ("sequential", "batched")
 
@@ -44,7 +50,7 @@ def evaluate(target_dir: str | Path, drafts: dict[str, Path], prompts: list[Prom
     ``MismatchError`` naming the prompt when speculative output differs from greedy decoding; ValueError for an
     unloadable export (names the folder).
     """
-    from recipe.model.target import TargetModel
+    from recipe.target.capture import TargetModel
 
     if reference not in REFERENCE_MODES:
         raise ValueError(f"reference={reference!r}: choose from {', '.join(REFERENCE_MODES)}")

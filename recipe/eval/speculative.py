@@ -24,7 +24,7 @@ from typing import Protocol
 
 import torch
 
-from recipe.eval.target_runtime import CachedTarget
+from recipe.target.runtime import CachedTarget
 
 
 class Drafter(Protocol):

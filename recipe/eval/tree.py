@@ -26,7 +26,7 @@ from typing import Protocol
 import torch
 
 from recipe.eval.speculative import Generation, _stop_index, prefill
-from recipe.eval.target_runtime import CachedTarget
+from recipe.target.runtime import CachedTarget
 
 
 @dataclass(frozen=True)

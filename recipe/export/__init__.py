@@ -22,6 +22,10 @@ from safetensors.torch import save_file
 from recipe.io_errors import WriteError, writing
 
 CONFIG_FILE = "config.json"
+# A checkpoint folder (written by recipe.train.checkpoint) holds the full draft that an export is made from:
+LATEST = "latest"  # the checkpoints folder's marker naming the newest complete checkpoint
+DRAFT_FILE = "draft.safetensors"  # the full draft (ZeRO-gathered, TP-consolidated)
+DRAFT_CONFIG_FILE = "draft_config.json"  # its export config.json
 WEIGHTS_FILE = "model.safetensors"
 
 REQUIRED_CONFIG = ("architectures", "model_type", "hidden_size", "intermediate_size", "num_attention_heads",
@@ -185,3 +189,18 @@ def check_export(path: Path) -> list[str]:
     except ValueError as exc:
         return [str(exc)]
     return check_tensors(tensors, cfg)
+
+
+def read_draft(checkpoint_dir: Path) -> tuple[dict[str, torch.Tensor], dict]:
+    """(full draft tensors, export config dict) of a checkpoint folder, or of the one a ``latest`` marker in it
+    names. Raises ValueError naming the missing file when the folder is not a checkpoint written by run.py."""
+    checkpoint_dir = Path(checkpoint_dir)
+    if (checkpoint_dir / LATEST).is_file():
+        checkpoint_dir = checkpoint_dir / (checkpoint_dir / LATEST).read_text().strip()
+    weights, cfg_file = checkpoint_dir / DRAFT_FILE, checkpoint_dir / DRAFT_CONFIG_FILE
+    for f in (weights, cfg_file):
+        if not f.is_file():
+            raise ValueError(f"{f}: missing — is {checkpoint_dir} a checkpoint folder written by run.py?")
+    with safe_open(str(weights), framework="pt") as f:
+        state = {k: f.get_tensor(k) for k in f.keys()}
+    return state, json.loads(cfg_file.read_text())

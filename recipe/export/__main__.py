@@ -6,14 +6,13 @@ import argparse
 import sys
 from pathlib import Path
 
-from recipe.export import check_export, export_tensors, write_export
+from recipe.export import check_export, export_tensors, read_draft, write_export
 from recipe.io_errors import EXIT_WRITE_FAILED, WriteError
-from recipe.train.checkpoint import read_draft
 
 
 def export_checkpoint(checkpoint_dir: Path, out_dir: Path) -> Path:
     """Export from a checkpoint folder written by the training loop (its consolidated draft copy, see
-    ``recipe.train.checkpoint.read_draft``). Raises ValueError naming a missing file."""
+    ``recipe.export.read_draft``). Raises ValueError naming a missing file."""
     state, config = read_draft(checkpoint_dir)
     return write_export(export_tensors(state), config, out_dir)
 

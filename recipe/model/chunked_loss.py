@@ -1,11 +1,11 @@
 """One TTT step's soft cross-entropy without materialising the [B·S, Vd] logits.
 
 The flattened B·S positions are cut into chunks of ``chunk_size``. Per chunk: draft logits ``logits_fn(h_chunk)``
-(``Eagle3Draft.logits`` = lm_head(norm(h))), target logits ``target_head.target_logits(rows_chunk, target_head_d,
-softcap)`` (no grad; the rows are gathered inside the chunk), and ``loss_fn(logits, target_logits, valid)`` → (loss sum, correct count). Each chunk
-runs under ``torch.utils.checkpoint`` (non-reentrant): autograd keeps only the chunk's inputs (a view of the hidden state and
-[c] position indices) and recomputes the chunk's logits during backward, so at most one chunk's [c, Vd] logits (and
-their softmax temporaries) are alive at a time instead of K·[B·S, Vd].
+(``Eagle3Draft.logits`` = lm_head(norm(h))), target logits ``loss.target_logits(rows_chunk, target_head_d, softcap)``
+(no grad; the rows are gathered inside the chunk), and ``loss_fn(logits, target_logits, valid)`` → (loss sum, correct
+count). Each chunk runs under ``torch.utils.checkpoint`` (non-reentrant): autograd keeps only the chunk's inputs (a
+view of the hidden state and [c] position indices) and recomputes the chunk's logits during backward, so at most one
+chunk's [c, Vd] logits (and their softmax temporaries) are alive at a time instead of K·[B·S, Vd].
 
 Tensor parallelism needs nothing special: ``logits_fn`` may return this rank's vocab shard (``VocabParallelLMHead``),
 ``target_head_d`` is then the matching shard and ``loss_fn`` the vocab-parallel soft CE; the recomputation re-runs the
@@ -19,7 +19,7 @@ from typing import Callable
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from recipe.model.target_head import target_logits
+from recipe.model.loss import target_logits
 
 
 def target_rows(target_hidden_BLH: torch.Tensor, target_row_S: torch.Tensor, flat_index_N: torch.Tensor,
@@ -42,7 +42,7 @@ def chunked_soft_ce(logits_fn: Callable[[torch.Tensor], torch.Tensor], loss_fn: 
         target_hidden_BLH: [B, L, H_t] target last hidden rows; target_row_S: [S] int64, the row of each anchor's
             label (``TTTBatch.target_row_KS[k]``).  target_head_VdH: [Vd (or Vd/tp), H_t] target head rows.
         valid_BS: [B, S] bool.  chunk_size: positions per chunk (>= 1).
-        target_softcap: the target's final logit soft-cap (None: none), see ``target_head.target_logits``.
+        target_softcap: the target's final logit soft-cap (None: none), see ``recipe.model.loss.target_logits``.
     Returns:
         (loss_sum 0-d float32 (float64 for float64 inputs) with grad, correct 0-d int64): the same values as
         ``loss_fn`` over all positions at once, up to float summation order.

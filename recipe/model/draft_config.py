@@ -14,8 +14,6 @@ from typing import Any, Mapping
 
 from transformers import LlamaConfig
 
-from recipe.model.aux_layers import default_aux_layer_ids
-
 EXPORT_ARCHITECTURE = "LlamaForCausalLMEagle3"
 
 
@@ -73,40 +71,8 @@ class Eagle3DraftConfig:
 
     @classmethod
     def field_names(cls) -> list[str]:
-        """Names accepted as overrides (and by ``from_target_config``)."""
+        """Names accepted as overrides (and by ``recipe.target.registry.draft_config_for``)."""
         return [f.name for f in dataclasses.fields(cls)]
-
-    @classmethod
-    def from_target_config(cls, hf_config: Any, draft_vocab_size: int,
-                           overrides: Mapping[str, Any] | None = None) -> "Eagle3DraftConfig":
-        """Derive the draft geometry from the target's HF config (object or dict), then apply ``overrides``.
-
-        Taken from the target: hidden size (as both H and H_t), intermediate size, attention and KV heads, head dim
-        (``head_dim`` or H / heads), RMSNorm eps, RoPE (transformers-5 ``rope_parameters`` or the older
-        ``rope_theta`` / ``rope_scaling``), max positions, vocab size; ``aux_layer_ids`` defaults to
-        ``[1, L//2 - 1, L - 4]`` for L = ``num_hidden_layers``. Raises ValueError for an unknown override key (named)
-        or a target too shallow for the default aux ids without an ``aux_layer_ids`` override.
-        """
-        overrides = dict(overrides or {})
-        unknown = sorted(set(overrides) - set(cls.field_names()))
-        if unknown:
-            raise ValueError(f"unknown draft config override(s) {unknown}; known fields: {cls.field_names()}")
-        get = hf_config.get if isinstance(hf_config, Mapping) else lambda k, d=None: getattr(hf_config, k, d)
-        hidden, heads = int(get("hidden_size")), int(get("num_attention_heads"))
-        rope_theta, rope_scaling = _rope_fields(get)
-        derived = dict(
-            hidden_size=hidden, intermediate_size=int(get("intermediate_size")), num_attention_heads=heads,
-            num_key_value_heads=int(get("num_key_value_heads", None) or heads),
-            head_dim=int(get("head_dim", None) or hidden // heads), vocab_size=int(get("vocab_size")),
-            draft_vocab_size=int(draft_vocab_size), target_hidden_size=hidden,
-            rms_norm_eps=float(get("rms_norm_eps", 1e-6)), rope_theta=rope_theta, rope_scaling=rope_scaling,
-            max_position_embeddings=int(get("max_position_embeddings", 2048)),
-            hidden_act=str(get("hidden_act", "silu")),
-        )
-        if "aux_layer_ids" not in overrides:
-            derived["aux_layer_ids"] = default_aux_layer_ids(int(get("num_hidden_layers")))
-        derived.update(overrides)
-        return cls(**derived)
 
     def to_llama_config(self) -> LlamaConfig:
         """A one-layer LlamaConfig for transformers' RoPE (``LlamaRotaryEmbedding``): head_dim and RoPE fields.
@@ -161,7 +127,7 @@ class Eagle3DraftConfig:
         if ids is None:
             raise ValueError("draft config.json: missing eagle_config.eagle_aux_hidden_state_layer_ids")
         get = d.get
-        rope_theta, rope_scaling = _rope_fields(lambda k, dflt=None: get(k, dflt))
+        rope_theta, rope_scaling = rope_fields(lambda k, dflt=None: get(k, dflt))
         heads = int(d["num_attention_heads"])
         return cls(
             hidden_size=int(d["hidden_size"]), intermediate_size=int(d["intermediate_size"]),
@@ -175,7 +141,7 @@ class Eagle3DraftConfig:
         )
 
 
-def _rope_fields(get) -> tuple[float, dict | None]:
+def rope_fields(get) -> tuple[float, dict | None]:
     """(rope_theta, rope_scaling) from a config getter: transformers-5 ``rope_parameters`` or the older keys.
 
     A ``rope_type`` of "default" means no scaling (None); otherwise the scaling dict is the parameters minus theta.

@@ -32,3 +32,16 @@ def soft_ce(logits_BSV: torch.Tensor, target_logits_BSV: torch.Tensor,
     match_BS = logits_BSV.detach().argmax(dim=-1) == target_logits_BSV.argmax(dim=-1)
     correct = (match_BS & valid_BS).sum()
     return loss_sum, correct
+
+
+def target_logits(hidden_NH: torch.Tensor, head_VH: torch.Tensor, softcap: float | None = None) -> torch.Tensor:
+    """The target's output logits over the rows of ``head_VH``: ``z = hidden @ head.T``, then ``c · tanh(z / c)``
+    with a soft-cap ``c`` (as transformers' Gemma-2 ``Gemma2ForCausalLM.forward`` applies it).
+
+    hidden_NH: [..., H_t] final-norm hidden states (``TargetCapture.last_hidden_BSH`` or rows of it), cast to the
+    head's dtype. head_VH: [V', H_t] lm_head rows: all V rows, the draft vocabulary's Vd, or a TP shard of those (the
+    soft-cap is elementwise). Returns [..., V'] in the head's dtype: ``ForCausalLM(...).logits[..., rows]`` (bit for
+    bit with the model's whole lm_head weight in its dtype; with a subset of rows up to float summation order).
+    """
+    logits = torch.nn.functional.linear(hidden_NH.to(head_VH.dtype), head_VH)
+    return torch.tanh(logits / softcap) * softcap if softcap else logits

@@ -14,14 +14,12 @@ from typing import Callable, ClassVar, NamedTuple
 
 import torch
 from torch import nn
-
 from torch.utils.checkpoint import checkpoint
 
 from kernels.ttt_attention import TTTKVCache
 from recipe.model.chunked_loss import chunked_soft_ce
 from recipe.model.draft import Eagle3Draft
-from recipe.model.loss import soft_ce
-from recipe.model.target_head import target_logits
+from recipe.model.loss import soft_ce, target_logits
 
 
 @dataclass
@@ -120,7 +118,7 @@ def make_ttt_batch(input_ids_BS, loss_mask_BS, attention_mask_BS, aux_hidden_BSA
 def target_in_draft_vocab(argmax_BS: torch.Tensor, t2d: torch.Tensor) -> torch.Tensor:
     """``t2d[argmax z]`` per position: [B, S] bool on ``argmax_BS``'s device, whether the target's greedy token is in
     the draft vocabulary. ``argmax_BS`` [B, S] int: the target's argmax over its FULL vocabulary, computed once (the
-    store's ``target_argmax`` offline, ``TargetCapture.argmax_BS`` online; ``recipe.model.target_head.lm_head_argmax``).
+    store's ``target_argmax`` offline, ``TargetCapture.argmax_BS`` online; ``recipe.target.head.lm_head_argmax``).
     ``t2d`` [V] bool, best already on that device (a lookup, no host sync: ids are not range-checked; they come from
     the same target as ``t2d``, which ``HiddenStateStore.check_compatible`` ensures offline).
     """
@@ -134,7 +132,7 @@ def teacher_logits(target_hidden_BLH: torch.Tensor, target_row_KS: torch.Tensor,
 
     Args: target_hidden_BLH [B, L, H_t] target last hidden rows; target_row_KS [K, S] int64, step k's label row of
     anchor p (``TTTBatch.target_row_KS``); target_head_VdH [Vd (or the TP shard Vd/tp), H_t] target head rows;
-    target_softcap: the target's final logit soft-cap (``recipe.model.target_head.target_logits``).
+    target_softcap: the target's final logit soft-cap (``recipe.target.head.target_logits``).
     Returns ``(logits_BUV, index_KS)``: logits_BUV [B, U, Vd] in the head's dtype for the U distinct rows (sorted;
     about S + K of them, since step k reads rows p + 1 + k), and index_KS [K, S] int64 such that step k's target
     logits are ``logits_BUV[:, index_KS[k]]`` — the same rows ``target_hidden[:, target_row_KS[k]] @ head.T``
@@ -161,8 +159,8 @@ class TTTModel(nn.Module):
     ``target_head_d`` [Vd, H_t] is a non-persistent buffer: the target lm_head rows of the draft ids (a function of the
     target and the vocab map; refresh it with ``set_target_head`` after changing the map), kept in the dtype of the
     draft's lm_head weight (converted at the first forward after a cast, see ``_match_head_dtype``).
-    ``target_softcap``: the target's final logit soft-cap (``target_head.final_logit_softcap``; None: none); the
-    teacher logits are ``target_head.target_logits(last_hidden, target_head_d, target_softcap)``, the target's own
+    ``target_softcap``: the target's final logit soft-cap (``recipe.target.registry.final_logit_softcap``; None:
+    none); the teacher logits are ``target_logits(last_hidden, target_head_d, target_softcap)``, the target's own
     output logits on the draft vocabulary. ``loss_fn`` has the signature of ``loss.soft_ce`` (TP swaps in a
     vocab-parallel one).
 

@@ -24,7 +24,7 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-from recipe.bench.measure import DTYPES, BenchSpec
+from recipe.plan.spec import DTYPES, BenchSpec
 from recipe.plan import states
 from recipe.plan.states import GIB, gpu_bytes
 from recipe.plan.trace import ActivationFit, fit_activation, is_dense, trace_lengths, trace_step, traced_backend
@@ -154,11 +154,11 @@ def load_inputs(ds_config: Path, target: Path, gpu: str = "h200", world_size: in
                 offline: bool = False, freeze_lm_head: bool = False) -> PlanInputs:
     """Resolve a ds_config (``recipe.config.load_run_config``: parallelism, memory, target sections, batch, bf16,
     ZeRO stage) and a target config into :class:`PlanInputs`, the draft geometry derived as run.py derives it
-    (``Eagle3DraftConfig.from_target_config``, draft vocab capped at V). ``tp`` / ``cp`` override the JSON's
+    (``recipe.target.registry.draft_config_for``, draft vocab capped at V). ``tp`` / ``cp`` override the JSON's
     parallelism; ``world_size`` defaults to tp·cp (dp = 1). The attention backend is resolved for CUDA ("auto" →
     flex). Raises PlanError naming the input for a missing/bad file, layout or GPU name."""
     from recipe.config import ConfigError, load_run_config, read_ds_config
-    from recipe.model.draft_config import Eagle3DraftConfig
+    from recipe.target.registry import draft_config_for
 
     try:
         size = gpu_bytes(gpu)
@@ -176,7 +176,7 @@ def load_inputs(ds_config: Path, target: Path, gpu: str = "h200", world_size: in
         raise PlanError(f"--ds_config {ds_config}: {exc}") from None
     hf = _read_target_config(target)
     try:
-        draft = Eagle3DraftConfig.from_target_config(hf, min(draft_vocab_size, int(hf.vocab_size)))
+        draft = draft_config_for(hf, min(draft_vocab_size, int(hf.vocab_size)))
     except (ValueError, TypeError) as exc:
         raise PlanError(f"--target {target}: {exc}") from None
     mem = config.memory

@@ -39,7 +39,7 @@ def _ints(text: str) -> list[int]:
 
 
 def _lengths(text: str) -> list[int]:
-    from recipe.bench.memory import length_list
+    from recipe.plan.spec import length_list
 
     return length_list(text)
 

@@ -19,8 +19,8 @@ TP-split parameters are already 1/tp on the rank):
 The gradients also appear in the traced step (autograd creates them at the rank's full shard size); the plan
 subtracts them from the trace and counts them here, as ZeRO holds them.
 
-Online target (``recipe.model.target_partition.build_target``: bf16 on CUDA): weights replicated, or ZeRO-3
-partitioned over the world (the JSON's ``target.partition: "zero3"``, ``recipe.model.target_options``) plus the
+Online target (``recipe.target.partition.build_target``: bf16 on CUDA): weights replicated, or ZeRO-3
+partitioned over the world (the JSON's ``target.partition: "zero3"``, ``recipe.target.options``) plus the
 largest gathered piece (a decoder layer, the embedding or the lm_head) during its forward. Its no-grad forward at
 the rank's n = B·S/cp positions: one layer's larger live set, attention n·(3H + (Hq + 2Hkv)·D + Hq·D) or MLP
 n·(2H + 3I), in bf16, the argmax chunk [1024, V] fp32 (``TargetModel.capture``'s default chunk), plus the

@@ -38,7 +38,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from recipe.bench.measure import DTYPES, LAYOUTS, BenchSpec
+from recipe.plan.spec import DTYPES, LAYOUTS, BenchSpec
 from recipe.parallel.dims import seq_divisor
 
 CATEGORIES = ("Parameter", "Buffer", "Gradient", "Activation", "Temp", "Optstate", "Other")
@@ -133,7 +133,7 @@ def trace_patches(unique_rows: dict):
                 return original_teacher(target_hidden_BLH, target_row_KS, target_head_VdH, target_softcap)
             from torch._subclasses.fake_tensor import unset_fake_temporarily
 
-            from recipe.model.target_head import target_logits
+            from recipe.model.loss import target_logits
 
             with unset_fake_temporarily():
                 u = int(torch.unique(real).numel())
@@ -171,13 +171,13 @@ def cast_module(module: nn.Module, dtype: torch.dtype) -> nn.Module:
 def build_traced_model(spec: BenchSpec, pstate, backend: str):
     """``recipe.bench.measure.build_model`` under the active fake mode (same construction; ``cast_module`` instead
     of ``.to``); ``backend`` "flex" builds the CUDA flex path (device "cuda" is only named, never touched)."""
-    from recipe.bench.measure import draft_config_for
+    from recipe.plan.spec import spec_draft_config
     from recipe.config import MemoryOptions
     from recipe.model.draft import Eagle3Draft
     from recipe.model.ttt import TTTModel
     from recipe.parallel.parallelize import parallelize
 
-    draft = Eagle3Draft(draft_config_for(spec), seed=spec.seed)
+    draft = Eagle3Draft(spec_draft_config(spec), seed=spec.seed)
     head = torch.empty(spec.draft_vocab, spec.target_hidden)
     chunked, ckpt = LAYOUTS[spec.layout]
     model = TTTModel(draft, head, loss_chunk_size=spec.loss_chunk_size if chunked else None, checkpoint_steps=ckpt)

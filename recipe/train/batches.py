@@ -4,7 +4,7 @@ Every TTT shift is computed on the full, padded token sequence (``recipe.model.t
 has the tokens) and only then is the batch zigzag-split across context-parallel ranks (``recipe.parallel.cp_shard``),
 so no rank needs its neighbour's tokens. The hidden states are local: offline a cp rank reads only its rows of the
 store (``rows_needed``); online with cp > 1 the target itself runs context-parallel
-(``recipe.model.target_cp.CPTarget``): each cp rank computes the aux states of its zigzag positions and the last hidden
+(``recipe.target.cp.CPTarget``): each cp rank computes the aux states of its zigzag positions and the last hidden
 states of its label rows, never the full sequence's. Tensor-parallel ranks read the same samples.
 """
 from __future__ import annotations
@@ -71,7 +71,7 @@ class BatchBuilder:
     Args:
         examples: ``datasets.Dataset`` with ``input_ids``/``loss_mask`` columns (online) or None.
         store: ``recipe.data.store.HiddenStateStore`` (offline) or None.
-        target: online, a ``recipe.model.target.TargetModel`` (cp = 1) or a ``recipe.model.target_cp.CPTarget``
+        target: online, a ``recipe.target.capture.TargetModel`` (cp = 1) or a ``recipe.target.cp.CPTarget``
             over this rank's cp group (cp > 1); None offline.
         t2d: [V] bool draft-vocabulary mask; copied once to the target's device online (where the target's argmax
             is computed), kept on the CPU offline (where the store's ``target_argmax`` is read).
@@ -96,10 +96,10 @@ class BatchBuilder:
         if examples is not None and target is None:
             raise ValueError("online mode needs the target model")
         if examples is not None and cp_size > 1:
-            from recipe.model.target_cp import CPTarget
+            from recipe.target.cp import CPTarget
 
             if not isinstance(target, CPTarget):
-                raise ValueError(f"online training with cp_size={cp_size} needs a recipe.model.target_cp.CPTarget, "
+                raise ValueError(f"online training with cp_size={cp_size} needs a recipe.target.cp.CPTarget, "
                                  f"got {type(target).__name__}")
         self.examples, self.store, self.target = examples, store, target
         self.t2d = t2d.to(target.device) if target is not None else t2d

@@ -48,9 +48,9 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from safetensors import safe_open
 from safetensors.torch import save_file
 
+from recipe.export import DRAFT_CONFIG_FILE, DRAFT_FILE, LATEST, read_draft  # noqa: F401 (names used elsewhere)
 from recipe.io_errors import WriteError, writing
 from recipe.train import reshard
 from recipe.train.manifest import (MANIFEST, MANIFEST_FORMAT, _listing, file_sha256,  # noqa: F401
@@ -59,11 +59,8 @@ from recipe.train.rng_state import (RNG_FORMAT, legacy_rng_file, load_rng_file, 
                                     rng_state, save_rng_file, set_rng_state)
 
 PARTIAL = ".partial"
-LATEST = "latest"
 RUN_STATE = "run_state.json"
 VOCAB_FILE = "vocab_map.safetensors"
-DRAFT_FILE = "draft.safetensors"  # the full draft (ZeRO-gathered, TP-consolidated), what the export is made from
-DRAFT_CONFIG_FILE = "draft_config.json"  # the export config.json
 RECOVERY_SCRIPTS = ("zero_to_fp32.py", "zero_to_torch.py")  # what DeepSpeed copies into the save folder
 
 
@@ -291,21 +288,6 @@ def save(engine, comm, root: Path, step: int, run_state: dict, draft_state: dict
 
     _agree(comm, _attempt(update_latest) if rank == 0 else None, what, previous)
     return final
-
-
-def read_draft(checkpoint_dir: Path) -> tuple[dict[str, torch.Tensor], dict]:
-    """(full draft tensors, export config dict) of a checkpoint folder, or of the one a ``latest`` marker in it
-    names. Raises ValueError naming the missing file when the folder is not a checkpoint written by run.py."""
-    checkpoint_dir = Path(checkpoint_dir)
-    if (checkpoint_dir / LATEST).is_file():
-        checkpoint_dir = checkpoint_dir / (checkpoint_dir / LATEST).read_text().strip()
-    weights, cfg_file = checkpoint_dir / DRAFT_FILE, checkpoint_dir / DRAFT_CONFIG_FILE
-    for f in (weights, cfg_file):
-        if not f.is_file():
-            raise ValueError(f"{f}: missing — is {checkpoint_dir} a checkpoint folder written by run.py?")
-    with safe_open(str(weights), framework="pt") as f:
-        state = {k: f.get_tensor(k) for k in f.keys()}
-    return state, json.loads(cfg_file.read_text())
 
 
 def prune(root: Path, keep: int) -> None:

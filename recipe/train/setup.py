@@ -19,16 +19,17 @@ import torch
 import torch.distributed as dist
 from rich.console import Console
 
-from recipe.config import RunConfig, load_run_config
 from recipe.cli import TrainArgs
+from recipe.config import RunConfig, load_run_config
 from recipe.data.vocab import VocabMap, build_vocab_map, vocab_coverage_report
 from recipe.model.draft import Eagle3Draft
 from recipe.model.draft_config import Eagle3DraftConfig, load_draft_config_overrides
-from recipe.model.target import target_fingerprint
-from recipe.model.target_head import final_logit_softcap, load_embedding_and_head
 from recipe.model.ttt import TTTModel
 from recipe.parallel.parallelize import parallelize
 from recipe.parallel.topology import ParallelState
+from recipe.target.capture import target_fingerprint
+from recipe.target.head import load_embedding_and_head
+from recipe.target.registry import draft_config_for, final_logit_softcap
 from recipe.train import checkpoint, reshard, resume_checks
 from recipe.train.batches import BatchBuilder
 from recipe.train.sampler import StepSampler
@@ -218,7 +219,7 @@ def _data(args: TrainArgs, console: Console, comm):
             store = store.subset(range(min(args.limit, len(store))))
         return None, store, f"store:{store.fingerprint()}:{len(store)}"
     from recipe.data.examples import build_examples
-    from recipe.model.target import load_tokenizer
+    from recipe.target.capture import load_tokenizer
 
     tokenizer = load_tokenizer(args.target)
 
@@ -270,7 +271,7 @@ def build_run(args: TrainArgs, device: torch.device, console: Console) -> RunPar
         overrides["aux_layer_ids"] = list(args.aux_layer_ids)
     elif store is not None:
         overrides.setdefault("aux_layer_ids", list(store.aux_layer_ids))
-    draft_config = Eagle3DraftConfig.from_target_config(hf_config, draft_vocab, overrides)
+    draft_config = draft_config_for(hf_config, draft_vocab, overrides)
     identity = {"target_fingerprint": target_fingerprint(args.target),
                 "draft_config": json.loads(json.dumps(dataclasses.asdict(draft_config)))}  # as run_state.json holds it
     resharding = None
@@ -311,12 +312,12 @@ def build_run(args: TrainArgs, device: torch.device, console: Console) -> RunPar
 
     target = None
     if examples is not None:  # replicated, or ZeRO-3 partitioned over the world (the JSON's "target" section)
-        from recipe.model.target_partition import build_target
+        from recipe.target.partition import build_target
 
         target = build_target(args.target, config.target, aux_layer_ids=draft_config.aux_layer_ids,
                               dtype=torch.bfloat16 if device.type == "cuda" else torch.float32, device=device)
         if dims.cp > 1:
-            from recipe.model.target_cp import CPTarget
+            from recipe.target.cp import CPTarget
 
             target = CPTarget(target, pstate.comm, pstate.cp_group, dims.cp, pstate.cp_rank,
                               memory.attention_backend, memory.attention_tile_size)

@@ -68,7 +68,7 @@ def held_out_data(args, examples, store, console, comm):
         held.check_compatible(args.target, args.aux_layer_ids or list(store.aux_layer_ids))
         return None, store, None, held, f"eval-store:{held.fingerprint()}"
     from recipe.data.examples import build_examples
-    from recipe.model.target import load_tokenizer
+    from recipe.target.capture import load_tokenizer
     from recipe.train.setup import rank0_first
 
     tokenizer = load_tokenizer(args.target)

@@ -6,9 +6,18 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config,
-                          Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
-
+from transformers import (
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    Phi3Config,
+    Phi3ForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
 
 # config class, model class and architecture-specific settings of each tiny target architecture
 ARCHITECTURES = {
@@ -16,6 +25,8 @@ ARCHITECTURES = {
     "qwen2": (Qwen2Config, Qwen2ForCausalLM, {"use_sliding_window": False}),  # q/k/v biases
     "qwen3": (Qwen3Config, Qwen3ForCausalLM, {"head_dim": 16, "use_sliding_window": False}),  # q/k norms, wide heads
     "mistral": (MistralConfig, MistralForCausalLM, {"sliding_window": None}),
+    "phi3": (Phi3Config, Phi3ForCausalLM, {"sliding_window": None, "pad_token_id": 0, "bos_token_id": 1,
+                                           "eos_token_id": 2}),  # fused qkv and gate_up projections
 }
 
 
@@ -64,7 +75,7 @@ def dump_random_chats(target_dir: Path, store: Path, num_samples: int = 24, seed
     """An fp32 store at ``store`` of :func:`random_chats` run through the target at ``target_dir`` (max length 64,
     batches of 8); returns ``store``."""
     from recipe.dump import dump_hidden_states
-    from recipe.model.target import TargetModel
+    from recipe.target.capture import TargetModel
 
     target = TargetModel(target_dir, dtype=torch.float32, device="cpu")
     dump_hidden_states(target, random_chats(num_samples, seed), store, max_length=64, dtype="fp32", batch_size=8)

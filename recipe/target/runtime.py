@@ -1,6 +1,6 @@
 """The target at decoding time: a Hugging Face causal LM with a ``DynamicCache`` kept across calls and the EAGLE-3
 aux hidden states captured by forward hooks on the chosen decoder layers (the layers' outputs, as in
-``recipe.model.target``)."""
+``recipe.target.capture``)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 from transformers import DynamicCache
 
-from recipe.model.target import capture_layer_outputs
+from recipe.target.capture import capture_layer_outputs
 
 
 @dataclass

@@ -30,28 +30,13 @@ from typing import Callable
 import torch
 from transformers import AttentionInterface
 
-from recipe.model.target import TargetModel, capture_layer_outputs
-from recipe.model.target_head import lm_head_argmax
 from recipe.parallel.cp_shard import label_rows, zigzag_indices
+from recipe.target.capture import TargetModel, capture_layer_outputs
+from recipe.target.head import lm_head_argmax
+from recipe.target.registry import check_cp_target
 
 CP_ATTENTION = "recipe_cp_ring"
 """The name of the ring attention in transformers' ``AttentionInterface`` (registered on import of this module)."""
-
-CP_TARGET_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
-"""Target ``model_type``s whose attention calls the registry with plain causal attention, RoPE from
-``position_ids`` and the default 1/sqrt(head_dim) scale (transformers 5.23); tested in tests/test_target_cp.py."""
-
-
-def check_cp_target(config) -> None:
-    """Raise ValueError unless ``config.model_type`` is in ``CP_TARGET_MODEL_TYPES`` (naming it, the supported ones
-    and the offline alternative)."""
-    model_type = getattr(config, "model_type", None)
-    if model_type not in CP_TARGET_MODEL_TYPES:
-        raise ValueError(f"the context-parallel target forward does not support model_type {model_type!r} (supported: "
-                         f"{', '.join(CP_TARGET_MODEL_TYPES)}): its attention cannot be routed through the ring. "
-                         "Train offline instead: dump the hidden states with `python -m recipe.dump` and pass "
-                         "`--hidden-states <store>` to run.py (or train with cp_size = 1)")
-
 
 @dataclass
 class CPAttentionCall:
@@ -78,7 +63,7 @@ def cp_attention_forward(module, query, key, value, attention_mask, scaling=None
     """
     if recipe_cp is None:
         raise RuntimeError(f"attention {CP_ATTENTION!r} called without its recipe_cp argument; it runs only inside "
-                           "recipe.model.target_cp.CPTarget.capture")
+                           "recipe.target.cp.CPTarget.capture")
     if attention_mask is not None:
         raise RuntimeError(f"attention {CP_ATTENTION!r} got a {tuple(attention_mask.shape)} mask; the ring masks "
                            "by global positions and key validity itself")
@@ -129,7 +114,8 @@ class CPTarget:
     """A ``TargetModel`` run context-parallel over a cp group (module docstring).
 
     Args:
-        target: the loaded ``TargetModel`` (its ``model_type`` must be in ``CP_TARGET_MODEL_TYPES``).
+        target: the loaded ``TargetModel`` (its architecture's ``ring_attention`` must be true:
+            ``recipe.target.registry``).
         comm: the run's ``recipe.parallel.collectives.Collectives`` (``ParallelState.comm``).
         cp_group, cp_size, cp_rank: the context-parallel group of this rank, its size and this rank's index in it.
         attention_backend, tile_size: the causal block's kernel and tile (``make_causal_attention``; the run's

@@ -1,15 +1,15 @@
 """The target's head: its input embedding and lm_head read from its folder (without the decoder layers), and the
-one function that turns the target's last hidden states into its output logits.
+greedy-token argmax over the full vocabulary in chunks of positions.
 
 The draft needs both tensors (its frozen ``embed_tokens`` and the target's lm_head rows of the draft vocabulary that
 turn the target's last hidden state into labels); in offline mode nothing else of the target is needed, and for an
 8B target reading 2 of ~300 tensors matters. Parameter names are found by building the model on the meta device, so
 any architecture transformers knows (Llama, Qwen, Mistral, Gemma, …) works, tied embeddings included.
 
-Teacher logits (:func:`target_logits`) are what the target's causal LM outputs, restricted to the rows given: for
-targets with a final logit soft-cap (Gemma 2/3: ``final_logit_softcapping``, applied by their ``ForCausalLM.forward``
-after ``lm_head``) that is the soft-capped distribution, the one speculative decoding verifies against, so the draft
-is trained on it too.
+Teacher logits (``recipe.model.loss.target_logits``) are what the target's causal LM outputs, restricted to the
+rows given: for targets with a final logit soft-cap (``recipe.target.registry``: Gemma 2/3, applied by their
+``ForCausalLM.forward`` after ``lm_head``) that is the soft-capped distribution, the one speculative decoding
+verifies against, so the draft is trained on it too.
 """
 from __future__ import annotations
 
@@ -19,26 +19,6 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 from transformers import AutoConfig, AutoModelForCausalLM
-
-
-def final_logit_softcap(config) -> float | None:
-    """The target's final logit soft-cap ``c`` (``final_logit_softcapping`` of its text config), None without one."""
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    cap = getattr(text, "final_logit_softcapping", None)
-    return float(cap) if cap else None
-
-
-def target_logits(hidden_NH: torch.Tensor, head_VH: torch.Tensor, softcap: float | None = None) -> torch.Tensor:
-    """The target's output logits over the rows of ``head_VH``: ``z = hidden @ head.T``, then ``c · tanh(z / c)``
-    with a soft-cap ``c`` (as transformers' Gemma-2 ``Gemma2ForCausalLM.forward`` applies it).
-
-    hidden_NH: [..., H_t] final-norm hidden states (``TargetCapture.last_hidden_BSH`` or rows of it), cast to the
-    head's dtype. head_VH: [V', H_t] lm_head rows: all V rows, the draft vocabulary's Vd, or a TP shard of those (the
-    soft-cap is elementwise). Returns [..., V'] in the head's dtype: ``ForCausalLM(...).logits[..., rows]`` (bit for
-    bit with the model's whole lm_head weight in its dtype; with a subset of rows up to float summation order).
-    """
-    logits = torch.nn.functional.linear(hidden_NH.to(head_VH.dtype), head_VH)
-    return torch.tanh(logits / softcap) * softcap if softcap else logits
 
 
 def _weight_files(folder: Path) -> dict[str, Path]:

@@ -9,7 +9,7 @@ Conventions (transformers 5.23, Llama-family decoders):
 - aux layer id ``i`` is the *output* of decoder layer ``i`` (0-based), i.e. ``output_hidden_states[i + 1]`` for
   ``i < L - 1``. (For ``i = L - 1`` HF returns the final-norm output at index ``L``; the hook keeps the raw output.)
 - ``last_hidden`` is the decoder's ``last_hidden_state``: the final RMSNorm output, the input of ``lm_head``, so
-  ``target_head.target_logits(last_hidden, lm_head_weight, final_logit_softcap(config)) == CausalLM(...).logits``
+  ``loss.target_logits(last_hidden, lm_head_weight, registry.final_logit_softcap(config)) == CausalLM(...).logits``
   (``hidden_states[-1]`` is tied to the same tensor).
 """
 from __future__ import annotations
@@ -25,8 +25,9 @@ import torch
 from safetensors import safe_open
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
 
-from recipe.model.aux_layers import default_aux_layer_ids, validate_aux_layer_ids
-from recipe.model.target_head import lm_head_argmax
+from recipe.target.aux_layers import validate_aux_layer_ids
+from recipe.target.head import lm_head_argmax
+from recipe.target.registry import arch_facts
 
 # Config keys that change with how a model was saved/loaded, not with which model it is.
 _VOLATILE_CONFIG_KEYS = {"_name_or_path", "transformers_version", "dtype", "torch_dtype", "architectures",
@@ -242,9 +243,9 @@ class TargetCapture:
 
     aux_hidden_BSA:  [B, S, 3·H_t], the aux layers' outputs concatenated in ``aux_layer_ids`` order (target dtype).
     last_hidden_BSH: [B, S, H_t], the final-norm output (input of ``lm_head``); the target's logits are
-        ``recipe.model.target_head.target_logits(last_hidden, lm_head_weight, final_logit_softcap(config))``.
+        ``recipe.model.loss.target_logits(last_hidden, lm_head_weight, final_logit_softcap(config))``.
     argmax_BS:       [B, S] int64, the target's greedy token ``argmax lm_head(last_hidden)`` over its full vocabulary
-                     (computed on the target's device in its dtype, ``recipe.model.target_head.lm_head_argmax``).
+                     (computed on the target's device in its dtype, ``recipe.target.head.lm_head_argmax``).
     All on the target's device.
     """
 
@@ -258,7 +259,8 @@ class TargetModel:
 
     Args:
         path: a HF model folder (config, weights, tokenizer) or a ``*.gguf`` file.
-        aux_layer_ids: decoder layers to capture; default ``default_aux_layer_ids(num_layers)``.
+        aux_layer_ids: decoder layers to capture; default: its architecture's ``default_aux_layer_ids(num_layers)``
+            (``recipe.target.registry``).
         dtype: parameter dtype; default fp32 on CPU, bf16 on CUDA.
         device: default ``cuda`` when available, else ``cpu``.
     Raises FileNotFoundError for a missing path, ValueError for aux layer ids outside the model.
@@ -273,11 +275,11 @@ class TargetModel:
         self.model = self._load_model(folder, kwargs).eval().requires_grad_(False)
         self.decoder = self.model.get_decoder()
         self.layers = self.decoder.layers
-        ids = default_aux_layer_ids(self.num_layers) if aux_layer_ids is None else aux_layer_ids
+        ids = arch_facts(self.config).default_aux_layer_ids(self.num_layers) if aux_layer_ids is None else aux_layer_ids
         self.aux_layer_ids = validate_aux_layer_ids(ids, self.num_layers)
         self._fingerprint: str | None = None
 
-    # True when ``capture`` is a collective over all ranks (``recipe.model.target_partition``): every rank must then
+    # True when ``capture`` is a collective over all ranks (``recipe.target.partition``): every rank must then
     # call it equally often.
     partitioned = False
 

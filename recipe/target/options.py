@@ -3,9 +3,9 @@ config, recorded in ``run_config.json``).
 
     "target": {"partition": "zero3", "zero_optimization": {"stage3_prefetch_bucket_size": 50000000}}
 
-``partition``: ``"none"`` (default: every rank loads the whole target, ``recipe.model.target.TargetModel``) or
+``partition``: ``"none"`` (default: every rank loads the whole target, ``recipe.target.capture.TargetModel``) or
 ``"zero3"`` (the target's weights are partitioned over all ranks of the job with DeepSpeed ZeRO-3 and gathered layer
-by layer during its forward, ``recipe.model.target_partition.PartitionedTargetModel``). ``zero_optimization``:
+by layer during its forward, ``recipe.target.partition.PartitionedTargetModel``). ``zero_optimization``:
 settings of DeepSpeed's ZeRO config (``deepspeed.runtime.zero.config.DeepSpeedZeroConfig``, e.g.
 ``stage3_param_persistence_threshold``, ``stage3_max_live_parameters``, ``offload_param``) for the target's own
 ZeRO-3 engine, validated by DeepSpeed; ``stage`` may only be 3. The draft's ``zero_optimization`` is unaffected.

@@ -12,7 +12,7 @@ hooks that all-gather each layer's weights just before the layer runs and free t
 embedding) is gathered whole for the argmax of each capture (:meth:`PartitionedTargetModel.full_lm_head`).
 
 Every rank runs the forward on its own inputs, but each layer's all-gather is a collective over the world: **every
-rank must call** :meth:`~recipe.model.target.TargetModel.capture` **the same number of times**, in the same order.
+rank must call** :meth:`~recipe.target.capture.TargetModel.capture` **the same number of times**, in the same order.
 The training loop does (each rank builds ``gradient_accumulation_steps`` micro-batches per optimizer step, one
 capture each, for the same number of steps); ``recipe.dump`` pads the ranks with fewer batches with one-token
 forwards. Memory per rank: ``P · bytes / world`` of weights plus the largest gathered layer(s) (up to DeepSpeed's
@@ -27,8 +27,8 @@ import torch
 import torch.distributed as dist
 from transformers import AutoModelForCausalLM
 
-from recipe.model.target import TargetModel, target_fingerprint
-from recipe.model.target_options import TargetOptions
+from recipe.target.capture import TargetModel, target_fingerprint
+from recipe.target.options import TargetOptions
 
 
 class PartitionedTargetModel(TargetModel):
@@ -93,7 +93,7 @@ class PartitionedTargetModel(TargetModel):
     @property
     def embed_tokens_weight(self) -> torch.Tensor:
         raise RuntimeError("a partitioned target holds 1/world of its embedding; read it from the folder "
-                           "(recipe.model.target_head.load_embedding_and_head)")
+                           "(recipe.target.head.load_embedding_and_head)")
 
     @property
     def vocab_size(self) -> int:

@@ -1,0 +1,93 @@
+"""The one draft training step that ``recipe.bench`` measures and ``recipe.plan`` predicts: its geometry, length,
+layout, parallel degrees and dtype (:class:`BenchSpec`), the draft config it stands for, and the length syntax of both
+command lines ("4k" = 4096 tokens)."""
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+
+import torch
+
+from recipe.parallel.dims import check_tp_divides, seq_divisor
+
+LAYOUTS = {"full": (False, False), "chunked": (True, False), "ckpt": (False, True), "chunked+ckpt": (True, True)}
+"""Layout name -> (chunked loss, checkpointed TTT steps)."""
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+@dataclass(frozen=True)
+class BenchSpec:
+    """One measurement: draft geometry (hidden, heads, KV heads, head dim, MLP width, draft vocab Vd, target vocab
+    V, target hidden H_t), sequence length, TTT steps K, batch, layout (``LAYOUTS``), parallel degrees tp/cp, dtype,
+    device, loss chunk and attention tile sizes, and the causal-block backend (``kernels.attention_backends``;
+    "tiled" is the reference). ``recipe.plan.predict_step`` predicts its memory."""
+
+    seq_len: int
+    layout: str = "full"
+    hidden: int = 256
+    heads: int = 4
+    kv_heads: int = 4
+    head_dim: int = 64
+    intermediate: int = 896
+    draft_vocab: int = 32000
+    vocab: int = 32000
+    target_hidden: int = 256
+    ttt_steps: int = 7
+    batch: int = 1
+    tp: int = 1
+    cp: int = 1
+    dtype: str = "fp32"
+    device: str = "cpu"
+    loss_chunk_size: int = 1024
+    attention_tile: int | None = 1024
+    attention_backend: str = "tiled"
+    steps: int = 1
+    seed: int = 0
+
+    def __post_init__(self):
+        if self.layout not in LAYOUTS:
+            raise ValueError(f"unknown layout {self.layout!r}; choose from {sorted(LAYOUTS)}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"unknown dtype {self.dtype!r}; choose from {sorted(DTYPES)}")
+        check_tp_divides(self.tp, {"num_attention_heads": self.heads, "num_key_value_heads": self.kv_heads,
+                                   "intermediate_size": self.intermediate, "draft_vocab_size": self.draft_vocab})
+        divisor = seq_divisor(self.cp, self.tp)
+        if self.seq_len % divisor:
+            raise ValueError(f"length {self.seq_len} is not a multiple of {divisor} (2·cp·tp with cp={self.cp}, "
+                             f"tp={self.tp})")
+
+    @property
+    def world_size(self) -> int:
+        return self.tp * self.cp
+
+
+def spec_draft_config(spec: BenchSpec):
+    """The ``Eagle3DraftConfig`` of ``spec``'s draft geometry (aux layers [1, 2, 3], RoPE table covering the length)."""
+    from recipe.model.draft_config import Eagle3DraftConfig
+
+    return Eagle3DraftConfig(
+        hidden_size=spec.hidden, intermediate_size=spec.intermediate, num_attention_heads=spec.heads,
+        num_key_value_heads=spec.kv_heads, head_dim=spec.head_dim, vocab_size=spec.vocab,
+        draft_vocab_size=spec.draft_vocab, target_hidden_size=spec.target_hidden, aux_layer_ids=[1, 2, 3],
+        max_position_embeddings=max(2048, spec.seq_len + spec.ttt_steps))
+
+
+def parse_length(text: str) -> int:
+    """``"4k"`` -> 4096, ``"1.5k"`` -> 1536, ``"512"`` -> 512; ValueError naming the text otherwise."""
+    t = text.strip().lower()
+    try:
+        value = float(t[:-1]) * 1024 if t.endswith("k") else float(t)
+    except ValueError:
+        raise ValueError(f"bad length {text!r}: expected an integer or a number followed by k (e.g. 4k)") from None
+    if value < 1 or value != int(value):
+        raise ValueError(f"bad length {text!r}: must be a positive whole number of tokens")
+    return int(value)
+
+
+def length_list(text: str) -> list[int]:
+    """argparse type: ``"2k,4k,512"`` -> sorted distinct lengths in tokens (k = 1024); ArgumentTypeError otherwise."""
+    try:
+        return sorted({parse_length(x) for x in text.split(",") if x.strip()})
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None

@@ -1,0 +1,133 @@
+"""What the recipe needs to know about each target architecture, in one place.
+
+Everything else in ``recipe.target`` is architecture-agnostic (transformers' ``AutoModelForCausalLM``,
+``get_decoder().layers``, the chat template); the facts that differ between architectures live in
+:data:`ARCHITECTURES`, keyed by the Hugging Face ``model_type`` of the target's (text) config:
+
+- ``ring_attention``: the target's attention can be routed through the context-parallel ring
+  (``recipe.target.cp``): it calls transformers' ``AttentionInterface`` with plain causal attention, RoPE from
+  ``position_ids``, no attention-logit soft-cap, no sliding window shorter than the sequence, and a scale the ring
+  handles (``scaling`` is applied to the queries). Established per architecture by
+  ``tests/test_target_cp.py`` (the CP forward equals the plain model's) and
+  ``tests/test_target_archs_training.py`` (online cp = 2 trains the dp = 2 curve).
+- ``logit_softcap_field``: the config field of the final logit soft-cap ``c`` that the target's ``ForCausalLM``
+  applies after ``lm_head`` (``c · tanh(z / c)``; Gemma 2/3), so the teacher distribution is the soft-capped one.
+- ``rope``: reads the draft's RoPE fields (``rope_theta``, ``rope_scaling``) from the target config; the draft is a
+  full-rotary Llama layer, so an architecture with partial rotary embeddings checks it is 1.
+- ``default_aux_layer_ids``: EAGLE-3's low/mid/high layers for a target of ``L`` decoder layers.
+
+An unknown ``model_type`` gets :data:`GENERIC`: offline training, the head, the capture and the evaluation work for
+any causal LM transformers loads; the online cp > 1 forward refuses it (:func:`check_cp_target`). Adding an
+architecture is one entry here plus its tiny config in ``tests/helpers/tiny_target.py``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping
+
+from recipe.model.draft_config import Eagle3DraftConfig, rope_fields
+from recipe.target.aux_layers import default_aux_layer_ids
+
+
+def _full_rotary_rope(get) -> tuple[float, dict | None]:
+    """:func:`rope_fields` after checking ``partial_rotary_factor`` (top level or in ``rope_parameters``) is 1.
+    Raises ValueError otherwise: the draft applies RoPE to the whole head."""
+    params = get("rope_parameters", None)
+    factor = (params or {}).get("partial_rotary_factor") if isinstance(params, Mapping) else None
+    factor = factor if factor is not None else get("partial_rotary_factor", None)
+    if factor is not None and float(factor) != 1.0:
+        raise ValueError(f"target partial_rotary_factor={factor}: the EAGLE-3 draft is a full-rotary Llama layer; "
+                         "set rope fields explicitly with --draft-config")
+    return rope_fields(get)
+
+
+@dataclass(frozen=True)
+class TargetArch:
+    """The per-architecture facts of one target ``model_type`` (module docstring)."""
+
+    model_type: str
+    ring_attention: bool
+    logit_softcap_field: str | None = None
+    rope: Callable[[Callable], tuple[float, dict | None]] = rope_fields
+    default_aux_layer_ids: Callable[[int], list[int]] = default_aux_layer_ids
+
+
+ARCHITECTURES: dict[str, TargetArch] = {a.model_type: a for a in (
+    TargetArch("llama", ring_attention=True),
+    TargetArch("mistral", ring_attention=True),
+    TargetArch("qwen2", ring_attention=True),
+    TargetArch("qwen3", ring_attention=True),
+    TargetArch("phi3", ring_attention=True, rope=_full_rotary_rope),
+    # attention-logit soft-cap and alternating sliding windows: not plain causal, so not through the ring
+    TargetArch("gemma2", ring_attention=False, logit_softcap_field="final_logit_softcapping"),
+    TargetArch("gemma3_text", ring_attention=False, logit_softcap_field="final_logit_softcapping"),
+)}
+"""Every architecture the recipe has facts for, by ``model_type``."""
+
+GENERIC = TargetArch("generic", ring_attention=False, logit_softcap_field="final_logit_softcapping")
+"""The facts of an architecture not in :data:`ARCHITECTURES` (the soft-cap read where the field exists)."""
+
+
+def _getter(config: Any) -> Callable:
+    """``get(key, default)`` over an HF config object or a dict (the text config of a multimodal one)."""
+    if hasattr(config, "get_text_config"):
+        config = config.get_text_config()
+    if isinstance(config, Mapping):
+        return lambda key, default=None: config.get(key, default)
+    return lambda key, default=None: getattr(config, key, default)
+
+
+def arch_facts(config: Any) -> TargetArch:
+    """The :class:`TargetArch` of a target's HF config (object or dict), :data:`GENERIC` for an unknown type."""
+    return ARCHITECTURES.get(_getter(config)("model_type", None), GENERIC)
+
+
+def final_logit_softcap(config: Any) -> float | None:
+    """The target's final logit soft-cap ``c`` (its architecture's ``logit_softcap_field``), None without one."""
+    field = arch_facts(config).logit_softcap_field
+    cap = _getter(config)(field, None) if field else None
+    return float(cap) if cap else None
+
+
+def check_cp_target(config: Any) -> None:
+    """Raise ValueError unless the target's attention can run through the ring (``ring_attention``), naming its
+    ``model_type``, the supported ones and the offline alternative."""
+    model_type = _getter(config)("model_type", None)
+    if not arch_facts(config).ring_attention:
+        supported = ", ".join(name for name, arch in ARCHITECTURES.items() if arch.ring_attention)
+        raise ValueError(f"the context-parallel target forward does not support model_type {model_type!r} (supported: "
+                         f"{supported}): its attention cannot be routed through the ring. Train offline instead: "
+                         "dump the hidden states with `python -m recipe.dump` and pass `--hidden-states <store>` to "
+                         "run.py (or train with cp_size = 1)")
+
+
+def draft_config_for(config: Any, draft_vocab_size: int,
+                     overrides: Mapping[str, Any] | None = None) -> Eagle3DraftConfig:
+    """The draft geometry derived from the target's HF config (object or dict), then ``overrides`` applied.
+
+    Taken from the target: hidden size (as both H and H_t), intermediate size, attention and KV heads, head dim
+    (``head_dim`` or H / heads), RMSNorm eps, activation, RoPE (its architecture's ``rope`` reader), max positions,
+    vocab size; ``aux_layer_ids`` defaults to its architecture's ``default_aux_layer_ids(L)``. Raises ValueError for
+    an unknown override key (named), a target too shallow for the default aux ids without an ``aux_layer_ids``
+    override, or RoPE the draft cannot represent.
+    """
+    overrides = dict(overrides or {})
+    unknown = sorted(set(overrides) - set(Eagle3DraftConfig.field_names()))
+    if unknown:
+        raise ValueError(f"unknown draft config override(s) {unknown}; known fields: {Eagle3DraftConfig.field_names()}")
+    arch, get = arch_facts(config), _getter(config)
+    hidden, heads = int(get("hidden_size")), int(get("num_attention_heads"))
+    rope_theta, rope_scaling = arch.rope(get)
+    derived = dict(
+        hidden_size=hidden, intermediate_size=int(get("intermediate_size")), num_attention_heads=heads,
+        num_key_value_heads=int(get("num_key_value_heads", None) or heads),
+        head_dim=int(get("head_dim", None) or hidden // heads), vocab_size=int(get("vocab_size")),
+        draft_vocab_size=int(draft_vocab_size), target_hidden_size=hidden,
+        rms_norm_eps=float(get("rms_norm_eps", 1e-6)), rope_theta=rope_theta, rope_scaling=rope_scaling,
+        max_position_embeddings=int(get("max_position_embeddings", 2048)),
+        hidden_act=str(get("hidden_act", "silu")),
+    )
+    if "aux_layer_ids" not in overrides:
+        derived["aux_layer_ids"] = arch.default_aux_layer_ids(int(get("num_hidden_layers")))
+    derived.update(overrides)
+    return Eagle3DraftConfig(**derived)
