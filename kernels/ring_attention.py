@@ -43,7 +43,7 @@ from kernels.tiled_attention import (DENSE_KERNEL, BlockKernel, backward_queries
 
 @dataclass
 class RingCounts:
-    """Cumulative counters of one ``RingComm``: point-to-point ops, ring hops by kind, and block pairs computed."""
+    """Cumulative counters of one ``RingExchange``: point-to-point ops, ring hops by kind, and block pairs computed."""
 
     sends: int = 0
     recvs: int = 0
@@ -69,7 +69,7 @@ class _Hop:
         return self._received
 
 
-class RingComm:
+class RingExchange:
     """Ring neighbours of this rank in ``group`` (as GLOBAL ranks, which torch's P2P ops take) and hop counters.
 
     ``group=None`` uses the default group when torch.distributed is initialised, else a single-rank ring (no
@@ -96,7 +96,7 @@ class RingComm:
         ``kind`` is "kv" or "grad" (counted separately, distinct tags). Raises RuntimeError on a single-rank ring.
         """
         if self.size == 1:
-            raise RuntimeError("RingComm.start called on a single-rank ring (nothing to exchange)")
+            raise RuntimeError("RingExchange.start called on a single-rank ring (nothing to exchange)")
         tag = self._TAGS[kind]
         sent = [t.contiguous() for t in tensors]
         received = [torch.empty_like(t) for t in sent]
@@ -117,24 +117,24 @@ def _pack_keys_meta(k_pos_BS: torch.Tensor, k_valid_BS: torch.Tensor | None) -> 
     return torch.stack([k_pos_BS.long(), keys_valid(k_pos_BS, k_valid_BS).long()])
 
 
-def _ring_host_keys(q_pos_BS, k_pos_BS, k_valid_BS, comm: RingComm) -> bool:
+def _ring_host_keys(q_pos_BS, k_pos_BS, k_valid_BS, exchange: RingExchange) -> bool:
     """Whether the local tensors carry host copies of every cp rank's key positions/validity, attached for this
     ring (same size, this rank's entry), and of the query positions."""
     ok = host_copy(q_pos_BS) is not None
     for t in (k_pos_BS, k_valid_BS):
         copies = host_copies(t) if t is not None else None
-        ok = ok and (t is None or (copies is not None and len(copies.per_rank) == comm.size
-                                   and copies.rank == comm.rank))
+        ok = ok and (t is None or (copies is not None and len(copies.per_rank) == exchange.size
+                                   and copies.rank == exchange.rank))
     return ok
 
 
-def ring_attention_forward(q_BHSD, k_BHkvSD, v_BHkvSD, q_pos_BS, k_pos_BS, k_valid_BS, comm: RingComm,
+def ring_attention_forward(q_BHSD, k_BHkvSD, v_BHkvSD, q_pos_BS, k_pos_BS, k_valid_BS, exchange: RingExchange,
                            scale: float | None = None, num_chunks: int = 2, tile_size: int | None = None,
                            kernel: BlockKernel = DENSE_KERNEL):
     """Causal attention of the local queries over all ranks' keys, passing K/V blocks around the ring.
 
     Args: local shards q [B, H, Sq, D]; k, v [B, Hkv, Sk, D]; q_pos [B, Sq], k_pos [B, Sk] int64 global positions;
-    k_valid [B, Sk] bool or None (all valid); ``comm`` the ring; ``scale`` default 1/sqrt(D); the local shard and
+    k_valid [B, Sk] bool or None (all valid); ``exchange`` the ring; ``scale`` default 1/sqrt(D); the local shard and
     each received block are cut into ``num_chunks`` equal chunks (2 = the two zigzag chunks), each into tiles of at
     most ``tile_size`` positions (None: one tile per chunk), for work skipping and bounded score memory
     (``kernels.tiled_attention``); ``kernel`` computes each (query tile, key tile) pair. Every rank must have the
@@ -149,33 +149,33 @@ def ring_attention_forward(q_BHSD, k_BHkvSD, v_BHkvSD, q_pos_BS, k_pos_BS, k_val
     kv = torch.stack([k_BHkvSD, v_BHkvSD])  # [2, B, Hkv, Sk, D]
     compute = kernel.compute_dtype(kv.dtype)
     meta = _pack_keys_meta(k_pos_BS, k_valid_BS)
-    host = _ring_host_keys(q_pos_BS, k_pos_BS, k_valid_BS, comm)
+    host = _ring_host_keys(q_pos_BS, k_pos_BS, k_valid_BS, exchange)
     key_meta, needed = [], []
-    for step in range(comm.size):
-        hop = comm.start([kv, meta], "kv") if step + 1 < comm.size else None  # overlaps the compute below
+    for step in range(exchange.size):
+        hop = exchange.start([kv, meta], "kv") if step + 1 < exchange.size else None  # overlaps the compute below
         key_meta.append(meta)
         if host:  # the block of group rank (r - step) mod cp, from the local tensors' host copies
             needed.append(block_pairs(q_pos_BS, k_pos_BS, k_valid_BS, tile_size, num_chunks,
-                                      key_rank=(comm.rank - step) % comm.size))
+                                      key_rank=(exchange.rank - step) % exchange.size))
         else:
             needed.append(block_pairs(q_pos_BS, meta[0], meta[1].bool(), tile_size, num_chunks))
         keys = key_tiles(kv[0].to(compute), kv[1].to(compute), meta[0], meta[1].bool(), tile_size, num_chunks)
-        comm.counts.forward_pairs += forward_tiles(queries, keys, outs, lses, scale, kernel, needed[-1])
+        exchange.counts.forward_pairs += forward_tiles(queries, keys, outs, lses, scale, kernel, needed[-1])
         if hop is not None:
             kv, meta = hop.wait()
     return torch.cat(outs, dim=2).to(q_BHSD.dtype), torch.cat(lses, dim=2), key_meta, needed
 
 
-def _backward_one_block(kv, meta, needed, queries, dq_tiles, comm, scale, num_chunks, tile_size, kernel):
+def _backward_one_block(kv, meta, needed, queries, dq_tiles, exchange, scale, num_chunks, tile_size, kernel):
     """dK/dV [2, B, Hkv, Sk, D] (fp32+) of one key block from the local queries; adds into dq_tiles in place."""
     dkv, pairs = key_block_gradients(queries, dq_tiles, kv[0], kv[1], meta[0], meta[1].bool(), scale, tile_size,
                                      num_chunks, kernel, needed)
-    comm.counts.backward_pairs += pairs
+    exchange.counts.backward_pairs += pairs
     return dkv
 
 
 def ring_attention_backward(dout_BHSD, dlse_BHS, q_BHSD, k_BHkvSD, v_BHkvSD, out_BHSD, lse_BHS, q_pos_BS,
-                            key_meta, comm: RingComm, scale: float | None = None, num_chunks: int = 2,
+                            key_meta, exchange: RingExchange, scale: float | None = None, num_chunks: int = 2,
                             tile_size: int | None = None, kernel: BlockKernel = DENSE_KERNEL, needed=None):
     """Gradients (dq, dk, dv) of the local shards for the loss gradients ``dout`` [B, H, Sq, D] and ``dlse`` [B, H, Sq].
 
@@ -188,80 +188,81 @@ def ring_attention_backward(dout_BHSD, dlse_BHS, q_BHSD, k_BHkvSD, v_BHkvSD, out
     scale = 1.0 / math.sqrt(q_BHSD.shape[-1]) if scale is None else scale
     queries, dq, dq_tiles = backward_queries(dout_BHSD, dlse_BHS, q_BHSD, q_pos_BS, out_BHSD, lse_BHS, tile_size,
                                              num_chunks, kernel)
-    args = (queries, dq_tiles, comm, scale, num_chunks, tile_size, kernel)
-    needed = [None] * comm.size if needed is None else needed
+    args = (queries, dq_tiles, exchange, scale, num_chunks, tile_size, kernel)
+    needed = [None] * exchange.size if needed is None else needed
     kv = torch.stack([k_BHkvSD, v_BHkvSD])
-    kv_hop = comm.start([kv], "kv") if comm.size > 1 else None
+    kv_hop = exchange.start([kv], "kv") if exchange.size > 1 else None
     dkv_own = _backward_one_block(kv, key_meta[0], needed[0], *args)
     grad_hop = None
-    for step in range(1, comm.size):
+    for step in range(1, exchange.size):
         (kv,) = kv_hop.wait()  # block of rank (r - step)
-        kv_hop = comm.start([kv], "kv") if step + 1 < comm.size else None
+        kv_hop = exchange.start([kv], "kv") if step + 1 < exchange.size else None
         dkv = _backward_one_block(kv, key_meta[step], needed[step], *args)
         if grad_hop is not None:  # the accumulator of the same block, from rank r-1
             dkv += grad_hop.wait()[0]
-        grad_hop = comm.start([dkv], "grad")  # on the last step this goes to the block's owner
+        grad_hop = exchange.start([dkv], "grad")  # on the last step this goes to the block's owner
     if grad_hop is not None:
         dkv_own += grad_hop.wait()[0]
     return dq.to(q_BHSD.dtype), dkv_own[0].to(k_BHkvSD.dtype), dkv_own[1].to(v_BHkvSD.dtype)
 
 
 class RingAttention(torch.autograd.Function):
-    """Thin autograd wrapper: ``RingAttention.apply(q, k, v, q_pos, k_pos, k_valid, comm, scale, num_chunks,
+    """Thin autograd wrapper: ``RingAttention.apply(q, k, v, q_pos, k_pos, k_valid, exchange, scale, num_chunks,
     tile_size, kernel)`` -> (out, lse). Gradients flow to q, k, v (lse's gradient included)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, q_pos, k_pos, k_valid, comm, scale, num_chunks, tile_size, kernel):
-        out, lse, key_meta, needed = ring_attention_forward(q, k, v, q_pos, k_pos, k_valid, comm, scale, num_chunks,
+    def forward(ctx, q, k, v, q_pos, k_pos, k_valid, exchange, scale, num_chunks, tile_size, kernel):
+        out, lse, key_meta, needed = ring_attention_forward(q, k, v, q_pos, k_pos, k_valid, exchange, scale, num_chunks,
                                                             tile_size, kernel)
         ctx.save_for_backward(q, k, v, out, lse, q_pos, *key_meta)
-        ctx.comm, ctx.scale, ctx.num_chunks, ctx.tile_size, ctx.kernel = comm, scale, num_chunks, tile_size, kernel
+        ctx.exchange, ctx.scale, ctx.num_chunks = exchange, scale, num_chunks
+        ctx.tile_size, ctx.kernel = tile_size, kernel
         ctx.needed = needed
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, dlse):
         q, k, v, out, lse, q_pos, *key_meta = ctx.saved_tensors
-        dq, dk, dv = ring_attention_backward(dout, dlse, q, k, v, out, lse, q_pos, key_meta, ctx.comm,
+        dq, dk, dv = ring_attention_backward(dout, dlse, q, k, v, out, lse, q_pos, key_meta, ctx.exchange,
                                              ctx.scale, ctx.num_chunks, ctx.tile_size, ctx.kernel, ctx.needed)
         return dq, dk, dv, None, None, None, None, None, None, None, None
 
 
 def ring_block_attention(q_BHSD, k_BHkvSD, v_BHkvSD, q_pos_BS, k_pos_BS, k_valid_BS=None, group=None, *,
-                         scale: float | None = None, comm: RingComm | None = None, num_chunks: int = 2,
+                         scale: float | None = None, exchange: RingExchange | None = None, num_chunks: int = 2,
                          tile_size: int | None = None, kernel: BlockKernel = DENSE_KERNEL):
     """Drop-in for ``block_attention`` under CP: local zigzag shards in, local (out, lse) out.
 
-    Same shapes as ``block_attention``; ``group`` the cp group (or pass a ``comm`` to read its counters);
+    Same shapes as ``block_attention``; ``group`` the cp group (or pass a ``exchange`` to read its counters);
     ``num_chunks``/``tile_size``/``kernel`` as ``ring_attention_forward``. Raises ValueError when shard shapes
     disagree within the rank (naming them) or ``tile_size`` is not a positive integer or None.
     """
     check_block_shapes(q_BHSD, k_BHkvSD, v_BHkvSD, q_pos_BS, k_pos_BS, k_valid_BS, "ring_block_attention")
     check_tile_size(tile_size)
-    comm = RingComm(group) if comm is None else comm
-    return RingAttention.apply(q_BHSD, k_BHkvSD, v_BHkvSD, q_pos_BS, k_pos_BS, k_valid_BS, comm, scale, num_chunks,
+    exchange = RingExchange(group) if exchange is None else exchange
+    return RingAttention.apply(q_BHSD, k_BHkvSD, v_BHkvSD, q_pos_BS, k_pos_BS, k_valid_BS, exchange, scale, num_chunks,
                                tile_size, kernel)
 
 
 class RingCausalAttention:
     """Callable with the draft's causal-block signature ``(q, k, v, q_pos, k_pos, k_valid) -> (out, lse)``.
 
-    Owns one ``RingComm`` (``.comm.counts`` accumulate over calls; ``reset()`` them per step if wanted).
+    Owns one ``RingExchange`` (``.exchange.counts`` accumulate over calls; ``reset()`` them per step if wanted).
     """
 
     def __init__(self, group=None, num_chunks: int = 2, tile_size: int | None = None,
                  kernel: BlockKernel = DENSE_KERNEL):
-        self.comm = RingComm(group)
+        self.exchange = RingExchange(group)
         self.num_chunks, self.tile_size, self.kernel = num_chunks, tile_size, kernel
 
     def __call__(self, q_BHSD, k_BHkvSD, v_BHkvSD, q_pos_BS, k_pos_BS, k_valid_BS=None):
         return ring_block_attention(q_BHSD, k_BHkvSD, v_BHkvSD, q_pos_BS, k_pos_BS, k_valid_BS,
-                                    comm=self.comm, num_chunks=self.num_chunks, tile_size=self.tile_size,
+                                    exchange=self.exchange, num_chunks=self.num_chunks, tile_size=self.tile_size,
                                     kernel=self.kernel)
 
     def __repr__(self) -> str:
-        return (f"RingCausalAttention(cp={self.comm.size}, num_chunks={self.num_chunks}, tile_size={self.tile_size}, "
-                f"kernel={self.kernel.name!r})")
+        return (f"RingCausalAttention(cp={self.exchange.size}, num_chunks={self.num_chunks}, "
+                f"tile_size={self.tile_size}, kernel={self.kernel.name!r})")
 
 
 def make_ring_causal_attention(group=None, num_chunks: int = 2, tile_size: int | None = None,

@@ -96,7 +96,7 @@ def _cp_worker(rank, world_size):
         draft.midlayer.self_attn.causal_attention = make_ring_causal_attention(group)
         model = TTTModel(draft, head_VH, loss_chunk_size=chunk, checkpoint_steps=checkpoint_steps)
         out, grads, aux_grad = run_model(model, shard_ttt_batch(batch, world_size, rank))
-        hops = draft.midlayer.self_attn.causal_attention.comm.counts.kv_hops
+        hops = draft.midlayer.self_attn.causal_attention.exchange.counts.kv_hops
         for tensor in [out.loss_sum_K, out.correct_K, out.valid_K, *grads.values()]:
             dist.all_reduce(tensor, group=group)
         results[(checkpoint_steps, chunk)] = (out, grads, aux_grad, hops)

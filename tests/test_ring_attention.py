@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 from helpers.ranks import run_ranks
 from kernels.block_attention import block_attention, expand_kv, merge_lse
-from kernels.ring_attention import RingComm, make_ring_causal_attention, ring_block_attention
+from kernels.ring_attention import RingExchange, make_ring_causal_attention, ring_block_attention
 from kernels.tiled_attention import attention_block_backward
 from recipe.parallel.cp_shard import contiguous_indices, pad_to_multiple, zigzag_indices
 
@@ -102,16 +102,17 @@ def _rank_worker(rank, cp, seq_len):
 
 
 def _basic(x, idx, group, tile_size=None):
-    """Ring out/lse/grads of the local shard ``idx`` over ``group``, with the comm counts of forward and backward."""
+    """Ring out/lse/grads of the local shard ``idx`` over ``group``, with the exchange counts of forward and
+    backward."""
     q, k, v = (_split(x[n], idx, 2).requires_grad_() for n in "qkv")
     pos, valid = x["pos"][:, idx], x["valid"][:, idx]
     ring = make_ring_causal_attention(group, tile_size=tile_size)
     out, lse = ring(q, k, v, pos, pos, valid)
-    fwd_counts = dict(vars(ring.comm.counts))
-    ring.comm.counts.reset()
+    fwd_counts = dict(vars(ring.exchange.counts))
+    ring.exchange.counts.reset()
     _loss(out, lse, x["w"][:, :, idx], x["u"][:, :, idx]).backward()
     return dict(idx=idx, out=out.detach(), lse=lse.detach(), dq=q.grad, dk=k.grad, dv=v.grad,
-                fwd_counts=fwd_counts, bwd_counts=dict(vars(ring.comm.counts)))
+                fwd_counts=fwd_counts, bwd_counts=dict(vars(ring.exchange.counts)))
 
 
 def _rank_results(rank, cp, seq_len):
@@ -133,11 +134,11 @@ def _rank_results(rank, cp, seq_len):
     for name, layout in (("zigzag", zigzag_indices), ("contiguous", contiguous_indices)):
         lidx = layout(seq_len, cp, rank)
         q2, k2, v2 = (_split(x[n], lidx, 2).requires_grad_() for n in "qkv")
-        comm = RingComm(None)
-        out2, lse2 = ring_block_attention(q2, k2, v2, x["pos"][:, lidx], x["pos"][:, lidx], None, comm=comm)
+        exchange = RingExchange(None)
+        out2, lse2 = ring_block_attention(q2, k2, v2, x["pos"][:, lidx], x["pos"][:, lidx], None, exchange=exchange)
         (out2.sum() + lse2.sum()).backward()
-        res[name] = dict(idx=lidx, out=out2.detach(), dq=q2.grad, fwd=comm.counts.forward_pairs,
-                         bwd=comm.counts.backward_pairs)
+        res[name] = dict(idx=lidx, out=out2.detach(), dq=q2.grad, fwd=exchange.counts.forward_pairs,
+                         bwd=exchange.counts.backward_pairs)
     return res
 
 
@@ -198,7 +199,7 @@ def test_ttt_composition_matches_dense(ring_run, steps):
 
 
 @pytest.mark.slow
-def test_comm_counts(ring_run):
+def test_exchange_counts(ring_run):
     """Per rank per call: forward cp-1 K/V hops (2 tensors each), backward cp-1 K/V + cp-1 dK/dV hops (1 each);
     tiling changes the work per block, not the traffic."""
     cp, seq_len, results = ring_run
@@ -242,8 +243,8 @@ def test_single_rank_ring_equals_block_attention_and_skips_future_chunks():
     ring_in = [x[n].clone().requires_grad_() for n in "qkv"]
     out, lse = block_attention(*ref_in, x["pos"], x["pos"], x["valid"])
     _loss(out, lse, x["w"], x["u"]).backward()
-    comm = RingComm(None)
-    out_r, lse_r = ring_block_attention(*ring_in, x["pos"], x["pos"], x["valid"], comm=comm, num_chunks=4)
+    exchange = RingExchange(None)
+    out_r, lse_r = ring_block_attention(*ring_in, x["pos"], x["pos"], x["valid"], exchange=exchange, num_chunks=4)
     _loss(out_r, lse_r, x["w"], x["u"]).backward()
     _close(out_r, out, "out")
     _close(lse_r, lse, "lse")
@@ -251,8 +252,8 @@ def test_single_rank_ring_equals_block_attention_and_skips_future_chunks():
         _close(a.grad, b.grad, f"d{n}")
     # 4 chunks of 4 positions: causal pairs (i, j <= i) = 10; chunk 3 is positions 12..15 (13..15 padding) and
     # still readable by chunk 3 itself via key 12.
-    assert comm.counts.forward_pairs == comm.counts.backward_pairs == 10
-    assert comm.counts.sends == comm.counts.kv_hops == 0
+    assert exchange.counts.forward_pairs == exchange.counts.backward_pairs == 10
+    assert exchange.counts.sends == exchange.counts.kv_hops == 0
 
 
 def test_attention_block_backward_matches_autograd_with_dlse():

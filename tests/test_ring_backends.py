@@ -43,7 +43,7 @@ def _rank_results(rank, cp, seq_len):
     res = {name: _ring_case(x, idx, make_ring_causal_attention(group, chunks, tile, kernel))
            for name, (kernel, chunks, tile) in RINGS.items()}
     auto = make_causal_attention("auto", 2, "cpu", group)
-    assert isinstance(auto, RingCausalAttention) and auto.kernel is SDPA_KERNEL and auto.comm.size == cp
+    assert isinstance(auto, RingCausalAttention) and auto.kernel is SDPA_KERNEL and auto.exchange.size == cp
     res["auto"] = _ring_case(x, idx, auto)
     flex = make_ring_causal_attention(group, 1, None, FLEX_KERNEL)  # forward only: flex has no CPU backward
     with torch.no_grad():

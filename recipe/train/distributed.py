@@ -198,3 +198,24 @@ def release_shm_buffer() -> None:
         os.unlink(os.path.join("/dev/shm", name))
     except OSError:
         pass
+
+
+def rank0_first(fn, comm):
+    """Run ``fn`` on global rank 0, then on the others (so caches written by rank 0 are hits elsewhere); the
+    agreement goes through ``comm`` (the run's ``recipe.parallel.collectives.Collectives``). When ``fn`` raises on
+    rank 0, the other ranks raise a ValueError with its message instead of running ``fn`` (rather than waiting for
+    rank 0 forever)."""
+    import torch.distributed as dist
+
+    if dist.get_rank() == 0:
+        try:
+            out = fn()
+        except Exception as exc:
+            comm.all_gather_object(exc.args[0] if isinstance(exc, KeyError) and exc.args else str(exc))
+            raise
+        comm.all_gather_object(None)
+        return out
+    failure = comm.all_gather_object(None)[0]
+    if failure is not None:
+        raise ValueError(failure)
+    return fn()

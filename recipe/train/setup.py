@@ -32,6 +32,7 @@ from recipe.target.head import load_embedding_and_head
 from recipe.target.registry import draft_config_for, final_logit_softcap
 from recipe.train import checkpoint, reshard, resume_checks
 from recipe.train.batches import BatchBuilder
+from recipe.train.distributed import rank0_first
 from recipe.train.sampler import StepSampler
 from recipe.train.validation import Validator, held_out_data
 
@@ -57,25 +58,6 @@ class RunParts:
     run_identity: dict = field(default_factory=dict)
     # the run-plan line when the checkpoint resumed from is of another layout (recipe.train.reshard), else None
     resharding: str | None = None
-
-
-def rank0_first(fn, comm):
-    """Run ``fn`` on global rank 0, then on the others (so caches written by rank 0 are hits elsewhere); the
-    agreement goes through ``comm`` (the run's ``recipe.parallel.collectives.Collectives``). When ``fn`` raises on
-    rank 0, the other ranks raise a ValueError with its message instead of running ``fn`` (rather than waiting for
-    rank 0 forever)."""
-    if dist.get_rank() == 0:
-        try:
-            out = fn()
-        except Exception as exc:
-            comm.all_gather_object(exc.args[0] if isinstance(exc, KeyError) and exc.args else str(exc))
-            raise
-        comm.all_gather_object(None)
-        return out
-    failure = comm.all_gather_object(None)[0]
-    if failure is not None:
-        raise ValueError(failure)
-    return fn()
 
 
 # What a run writes into --output that a new run (without --resume) would overwrite, and --overwrite deletes; the
@@ -321,17 +303,17 @@ def build_run(args: TrainArgs, device: torch.device, console: Console) -> RunPar
 
             target = CPTarget(target, pstate.comm, pstate.cp_group, dims.cp, pstate.cp_rank,
                               memory.attention_backend, memory.attention_tile_size)
-    builder = BatchBuilder(examples=examples, store=store, target=target, t2d=vocab.t2d,
-                           ttt_steps=args.ttt_steps, seq_divisor=dims.seq_divisor, cp_size=dims.cp,
-                           cp_rank=pstate.cp_rank, device=device, dtype=config.dtype)
+    def batch_builder(rows, hidden_states) -> BatchBuilder:  # training and held-out samples alike
+        return BatchBuilder(examples=rows, store=hidden_states, target=target, t2d=vocab.t2d,
+                            ttt_steps=args.ttt_steps, seq_divisor=dims.seq_divisor, cp_size=dims.cp,
+                            cp_rank=pstate.cp_rank, device=device, dtype=config.dtype)
+
+    builder = batch_builder(examples, store)
     sampler = StepSampler(len(builder), config.plan.global_batch, args.seed)
     validator = None
     if eval_examples is not None or eval_store is not None:
-        eval_builder = BatchBuilder(examples=eval_examples, store=eval_store, target=target, t2d=vocab.t2d,
-                                    ttt_steps=args.ttt_steps, seq_divisor=dims.seq_divisor, cp_size=dims.cp,
-                                    cp_rank=pstate.cp_rank, device=device, dtype=config.dtype)
-        validator = Validator(eval_builder, args.eval_every, config.plan.micro_batch, pstate,
-                              args.ttt_steps)
+        validator = Validator(batch_builder(eval_examples, eval_store), args.eval_every, config.plan.micro_batch,
+                              pstate, args.ttt_steps)
     config = config.with_total_steps(sampler.total_steps(args.epochs, args.max_steps))
 
     params = [p for p in model.parameters() if p.requires_grad]

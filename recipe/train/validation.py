@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
+from recipe.train.distributed import rank0_first
 from recipe.train.metrics import ttt_metrics
 
 
@@ -69,7 +70,6 @@ def held_out_data(args, examples, store, console, comm):
         return None, store, None, held, f"eval-store:{held.fingerprint()}"
     from recipe.data.examples import build_examples
     from recipe.target.capture import load_tokenizer
-    from recipe.train.setup import rank0_first
 
     tokenizer = load_tokenizer(args.target)
     held, _ = rank0_first(lambda: build_examples(eval_data, tokenizer, args.max_length, num_proc=args.num_proc,

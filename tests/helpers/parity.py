@@ -77,7 +77,7 @@ def run_layout(rank: int, world: int, tp: int, cp: int, K: int, seed: int, seq_l
         local = shard_ttt_batch(batch, cp, pstate.cp_rank)
     loss_K, correct_K, valid_K = forward_backward(par_model, local, n_valid)
     if cp > 1:
-        counts = dict(vars(par_model.draft.midlayer.self_attn.causal_attention.comm.counts))
+        counts = dict(vars(par_model.draft.midlayer.self_attn.causal_attention.exchange.counts))
     par = (_sum(loss_K, pstate.cp_group), _sum(correct_K, pstate.cp_group), _sum(valid_K, pstate.cp_group),
            full_grads(par_model, pstate.cp_group, pstate.tp_group))
     return {"ref": (*ref, ref_grads), "par": par, "counts": counts, "cp_rank": pstate.cp_rank,
