@@ -27,8 +27,8 @@ from pathlib import Path
 from recipe.config_keys import (  # noqa: F401
     MEMORY_SECTION,
     ConfigError,
-    _did_you_mean,
-    _field_model,
+    did_you_mean,
+    field_model,
     check_config_keys,
     check_section_keys,
     deepspeed_top_level_keys,
@@ -101,7 +101,7 @@ class MemoryOptions:
         known = ("loss_chunk_size", "checkpoint_ttt_steps", "attention_tile_size", "attention_backend")
         unknown = sorted(k for k in set(section) - set(known) if not k.startswith("_"))
         if unknown:
-            hint = _did_you_mean(unknown[0], known)
+            hint = did_you_mean(unknown[0], known)
             raise ConfigError(f"{path}: unknown key(s) {unknown} in '{MEMORY_SECTION}'"
                               f"{'; did you mean ' + hint + '?' if hint else ''}; known keys: {list(known)}")
         sizes = {}
@@ -147,8 +147,8 @@ def pop_monitor_sections(cfg: dict, path: Path | str) -> dict:
         def problem(e) -> str:
             text = f"{'.'.join(map(str, e['loc']))}: {e['msg']}"
             if e.get("type") == "extra_forbidden" and len(e["loc"]) == 2 and e["loc"][0] in sections:
-                known = model_keys(_field_model(DeepSpeedMonitorConfig.model_fields[e["loc"][0]].annotation))
-                hint = _did_you_mean(str(e["loc"][1]), known)
+                known = model_keys(field_model(DeepSpeedMonitorConfig.model_fields[e["loc"][0]].annotation))
+                hint = did_you_mean(str(e["loc"][1]), known)
                 text += f"; did you mean {hint}?" if hint else f"; known keys: {sorted(known)}"
             return text
 

@@ -25,14 +25,14 @@ class ConfigError(ValueError):
 OUR_SECTIONS = (PARALLEL_SECTION, MEMORY_SECTION, TARGET_SECTION)
 
 
-def _did_you_mean(key: str, known) -> str | None:
+def did_you_mean(key: str, known) -> str | None:
     """The nearest name of ``known`` to ``key`` (difflib), quoted, or None when nothing is close."""
     close = difflib.get_close_matches(key, sorted(known), n=1, cutoff=0.6)
     return f"'{close[0]}'" if close else None
 
 
 def _unknown_key(path, where: str, key: str, known, listed: bool = True) -> ConfigError:
-    hint = _did_you_mean(key, known)
+    hint = did_you_mean(key, known)
     name = f"{where}.{key}" if where else key
     if hint:
         return ConfigError(f"{path}: '{name}': unknown key; did you mean {hint}?")
@@ -115,7 +115,7 @@ def deepspeed_top_level_keys() -> frozenset[str]:
     return frozenset(keys | {"sequence_parallel_size"})
 
 
-def _field_model(annotation):
+def field_model(annotation):
     """The pydantic model class inside a field annotation (``Optional[Model]``, ``Model``), else None."""
     from pydantic import BaseModel
 
@@ -129,7 +129,7 @@ def model_keys(model) -> dict[str, object]:
     """Known key -> nested pydantic model (or None) of a DeepSpeed config model: its field names and aliases."""
     out = {}
     for name, info in model.model_fields.items():
-        nested = _field_model(info.annotation)
+        nested = field_model(info.annotation)
         for key in (name, info.alias, info.validation_alias if isinstance(info.validation_alias, str) else None):
             if key:
                 out[key] = nested
@@ -146,7 +146,7 @@ def check_section_keys(section: dict, model, where: str, path, only_close: bool 
         if not isinstance(key, str) or key.startswith("_"):
             continue
         if key not in known:
-            if only_close and _did_you_mean(key, known) is None:
+            if only_close and did_you_mean(key, known) is None:
                 continue
             raise _unknown_key(path, where, key, known)
         if isinstance(value, dict) and known[key] is not None:
@@ -200,7 +200,7 @@ def check_config_keys(cfg: dict, path) -> None:
             continue
         if key in removed:
             raise ConfigError(f"{path}: '{key}': {str(removed[key]).strip()}")
-        hint = _did_you_mean(key, known | set(OUR_SECTIONS))
+        hint = did_you_mean(key, known | set(OUR_SECTIONS))
         raise ConfigError(f"{path}: '{key}': unknown key; " + (f"did you mean {hint}?" if hint else
                           "neither a DeepSpeed config key nor one of this recipe's sections "
                           f"{list(OUR_SECTIONS)}"))

@@ -10,9 +10,10 @@ training loop calls it at the end of a finished run (rank 0).
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
+
+from recipe.jsonl import read_jsonl
 
 CURVES_FILE = "curves.png"
 METRICS_FILE = "metrics.jsonl"
@@ -25,20 +26,7 @@ def read_metrics(path: Path) -> list[dict]:
     Raises ValueError naming the file (and line) when it is missing, empty of steps, or holds invalid JSON.
     """
     path = Path(path)
-    try:
-        lines = path.read_text().splitlines()
-    except OSError as exc:
-        raise ValueError(f"{path}: cannot read the metrics ({exc.strerror or exc})") from None
-    records = []
-    for n, line in enumerate(lines, start=1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"{path}: line {n} is not valid JSON ({exc.msg})") from None
-        if isinstance(record, dict) and "loss" in record:
-            records.append(record)
+    records = [record for _, record in read_jsonl(path) if isinstance(record, dict) and "loss" in record]
     if not records:
         raise ValueError(f"{path}: no training step with a loss to plot")
     return records

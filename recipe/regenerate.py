@@ -38,6 +38,7 @@ from pathlib import Path
 import torch
 
 from recipe.cli import add_data_arguments, check_data_arguments
+from recipe.jsonl import read_jsonl
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
@@ -73,11 +74,7 @@ def finished_ids(output: Path) -> set[str]:
     for file in [output, *sorted(output.parent.glob(f"{output.stem}.rank*{output.suffix}"))]:
         if not file.is_file():
             continue
-        for line in file.read_text(encoding="utf-8").splitlines():
-            try:
-                ids.add(json.loads(line)["id"])
-            except (json.JSONDecodeError, KeyError, TypeError):
-                continue
+        ids.update(row["id"] for _, row in read_jsonl(file, skip_bad=True) if isinstance(row, dict) and "id" in row)
     return ids
 
 

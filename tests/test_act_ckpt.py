@@ -11,7 +11,8 @@ from helpers.ranks import run_ranks
 from kernels.ring_attention import make_ring_causal_attention
 from kernels.ttt_attention import TTTKVCache
 from recipe.model.ttt import TTTModel
-from recipe.parallel.cp_shard import shard_ttt_batch, zigzag_unsplit
+from helpers.tp_reference import zigzag_unsplit
+from recipe.parallel.cp_shard import shard_ttt_batch
 
 K = 4
 

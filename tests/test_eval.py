@@ -191,7 +191,7 @@ def test_read_prompts(tmp_path):
     with pytest.raises(ValueError, match=f"{f}:2"):
         read_prompts(f)
     f.write_text('{"prompt": "c"}\n{bad\n')
-    with pytest.raises(ValueError, match=f"{f}:2: invalid JSON"):
+    with pytest.raises(ValueError, match=f"{f}: line 2: not valid JSON"):
         read_prompts(f)
 
 

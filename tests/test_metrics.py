@@ -33,3 +33,16 @@ def test_no_lines_on_other_ranks_and_bad_cadence_refused():
     assert out.getvalue() == ""
     with pytest.raises(ValueError, match="log_every must be a positive integer, got 0"):
         TrainProgress(3, 0, False, log_every=0)
+
+
+def test_the_jsonl_reader_names_file_and_line_or_skips_cut_lines(tmp_path):
+    from recipe.jsonl import read_jsonl
+
+    f = tmp_path / "x.jsonl"
+    f.write_text('{"a": 1}\n\n[2]\n{"cut')
+    assert list(read_jsonl(f, skip_bad=True)) == [(1, {"a": 1}), (3, [2])]
+    assert list(read_jsonl(f, skip_bad=True, raw=True))[1] == (3, [2], "[2]")
+    with pytest.raises(KeyError, match=rf"{f}: line 4: not valid JSON"):
+        list(read_jsonl(f, error=KeyError))
+    with pytest.raises(ValueError, match=rf"{tmp_path / 'none.jsonl'}: cannot read"):
+        list(read_jsonl(tmp_path / "none.jsonl"))

@@ -15,7 +15,8 @@ from helpers.ranks import run_ranks
 from kernels.block_attention import block_attention, expand_kv, merge_lse
 from kernels.ring_attention import RingExchange, make_ring_causal_attention, ring_block_attention
 from kernels.tiled_attention import attention_block_backward
-from recipe.parallel.cp_shard import contiguous_indices, pad_to_multiple, zigzag_indices
+from helpers.tp_reference import pad_to_multiple
+from recipe.parallel.cp_shard import contiguous_indices, zigzag_indices
 
 B, H, HKV, D, S_TRUE = 2, 4, 2, 8, 13
 DT = torch.float64

@@ -6,6 +6,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from helpers.ranks import run_ranks
+from helpers.tp_reference import group_rank_lists
 from recipe.parallel.parallelize import gather_full_tensors
 from recipe.parallel.dims import ParallelDims
 from recipe.parallel.topology import ParallelState
@@ -47,7 +48,7 @@ def test_parallel_state_groups_match_rank_grid():
             coord, seen, facts = per_layout[i]
             assert coord == tuple(dims.coords(rank))
             for axis, (members, ranks, idx, size) in seen.items():
-                expected = next(g for g in dims.group_ranks(axis) if rank in g)
+                expected = next(g for g in group_rank_lists(axis, dims.dp, dims.cp, dims.tp) if rank in g)
                 assert members == ranks == expected, (axis, dims, rank)
                 assert (idx, size) == (expected.index(rank), len(expected))
             tp_ranks = seen["tp"][1]

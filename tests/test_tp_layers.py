@@ -16,8 +16,8 @@ from torch import nn
 from helpers.ranks import run_ranks
 from recipe.parallel.apply_tp import apply_tensor_parallel
 from recipe.parallel.parallelize import gather_full_tensors
-from recipe.parallel.mappings import (copy_to_tp_region, gather_from_tp_region, reduce_from_tp_region,
-                                      scatter_to_tp_region)
+from helpers.tp_reference import gather_from_tp_region, scatter_to_tp_region
+from recipe.parallel.mappings import copy_to_tp_region, reduce_from_tp_region
 from recipe.parallel.tp_layers import (ColumnParallelLinear, RowParallelLinear, VocabParallelLMHead, gather_tensor,
                                        vocab_parallel_soft_ce)
 
@@ -398,3 +398,20 @@ def ranks(world_dtype):
     results = run_ranks(world, _run_all, dtype)
     assert all(set(r) == set(CHECKS) for r in results)
     return results
+
+
+def test_tp_plan_names_every_module_the_model_lacks():
+    from recipe.parallel.apply_tp import _check_plan
+
+    class Bare(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.draft = nn.Module()
+            self.draft.lm_head = nn.Linear(4, 8, bias=False)
+
+    with pytest.raises(ValueError) as err:
+        _check_plan(Bare())
+    message = str(err.value)
+    assert "midlayer.self_attn.q_proj" in message and "midlayer.mlp.down_proj" in message
+    assert "draft.config.num_attention_heads" in message and "target_head_d" in message and "loss_fn" in message
+    assert "lm_head," not in message  # present, so not named

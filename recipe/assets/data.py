@@ -12,6 +12,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from recipe.jsonl import read_jsonl
+
 
 class AssetDataError(ValueError):
     """A packaged data file is not in the expected form (names the file, and the line or byte offset)."""
@@ -89,17 +91,10 @@ def copy_mt_bench(source: Path, out_file: Path) -> dict:
     of str ``turns``. Returns counts: ``questions``, ``categories`` ({category: questions}), ``turns``.
     Raises AssetDataError naming the file and line otherwise.
     """
-    lines = source.read_text(encoding="utf-8").splitlines()
     categories: dict[str, int] = {}
     questions = turns = 0
     kept = []
-    for number, line in enumerate(lines, start=1):
-        if not line.strip():
-            continue
-        try:
-            question = json.loads(line)
-        except json.JSONDecodeError as error:
-            raise AssetDataError(f"{source}: line {number}: not JSON ({error})") from error
+    for number, question, line in read_jsonl(source, AssetDataError, raw=True):
         ok = (
             isinstance(question, dict)
             and isinstance(question.get("question_id"), int)

@@ -23,7 +23,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from recipe.bench.common import MIB, write_json
+from recipe.bench.common import MIB, add_draft_shape_arguments, write_json
 from recipe.bench.memory import parse_length
 from recipe.bench.measure import DTYPES, MALLOC_ENV, CpuPeak, CudaPeak
 
@@ -183,9 +183,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--backends", type=lambda t: _names(t, BACKENDS, "backend"),
                    help=f"subset of {','.join(BACKENDS)} (default: those that run on the device)")
     p.add_argument("--tile", type=int, default=1024, help="attention_tile_size (0: none)")
-    p.add_argument("--heads", type=int, default=8)
-    p.add_argument("--kv-heads", type=int, default=4)
-    p.add_argument("--head-dim", type=int, default=64)
+    add_draft_shape_arguments(p, heads=8, kv_heads=4, head_dim=64)
     p.add_argument("--repeats", type=int, default=2, help="timed runs per measurement (median)")
     p.add_argument("--device", choices=["cpu", "cuda"], help="default: cuda when available")
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds per (backend, dtype) process")

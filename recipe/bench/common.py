@@ -20,3 +20,28 @@ def write_json(path: Path | None, payload: dict) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(payload, indent=2) + "\n")
+
+
+DRAFT_SHAPE_HELP = {
+    "hidden": "draft hidden size H",
+    "heads": "attention heads",
+    "kv_heads": "key/value heads",
+    "head_dim": "head dim",
+    "intermediate": "MLP width",
+    "draft_vocab": "draft vocabulary Vd",
+    "vocab": "target vocabulary V (the frozen embedding rows)",
+    "target_hidden": "target hidden size H_t",
+    "ttt_steps": "TTT steps K",
+}
+"""The draft-shape flags every benchmark shares (``--hidden``, ``--kv-heads``, …) and what they mean."""
+
+
+def add_draft_shape_arguments(parser, **defaults) -> None:
+    """Add the draft-shape flags named by ``defaults``' keys (those of :data:`DRAFT_SHAPE_HELP`, e.g.
+    ``hidden=256``) to ``parser``: ``--hidden``, ``--kv-heads``, … as ints with that default. A value
+    ``(default, note)`` appends ``note`` to the help (e.g. ``(None, "default H/64")``). Raises KeyError for a name
+    that is not a draft-shape flag."""
+    for name, value in defaults.items():
+        default, note = value if isinstance(value, tuple) else (value, None)
+        text = DRAFT_SHAPE_HELP[name] + (f" ({note})" if note else "")
+        parser.add_argument("--" + name.replace("_", "-"), type=int, default=default, help=text)

@@ -22,7 +22,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from recipe.bench.common import GIB, MIB, write_json
+from recipe.bench.common import GIB, MIB, add_draft_shape_arguments, write_json
 from recipe.bench.measure import BenchSpec, run_measurement
 from recipe.cli import positive_int_list
 from recipe.parallel.cp_shard import contiguous_indices, zigzag_indices
@@ -168,14 +168,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--budget-gib", type=float, default=0.25, help="per-rank activation budget of the length search")
     p.add_argument("--search-step", type=int, default=256, help="length granularity of the search")
     p.add_argument("--max-length", type=int, default=32768, help="stop the search here")
-    p.add_argument("--hidden", type=int, default=256)
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--kv-heads", type=int, default=2)
-    p.add_argument("--head-dim", type=int, default=64)
-    p.add_argument("--intermediate", type=int, default=768)
-    p.add_argument("--draft-vocab", type=int, default=4096)
-    p.add_argument("--vocab", type=int, default=8192)
-    p.add_argument("--ttt-steps", type=int, default=3)
+    add_draft_shape_arguments(p, hidden=256, heads=4, kv_heads=2, head_dim=64, intermediate=768, draft_vocab=4096,
+                              vocab=8192, ttt_steps=3)
     p.add_argument("--layout", default="full", help="loss/checkpointing layout of recipe.bench.measure (full, "
                                                     "chunked, ckpt, chunked+ckpt)")
     p.add_argument("--json", type=Path, help="write the results here")

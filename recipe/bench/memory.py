@@ -20,6 +20,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
+from recipe.bench.common import add_draft_shape_arguments
 from recipe.bench.measure import LAYOUTS, BenchSpec, run_measurement
 from recipe.plan.spec import length_list, parse_length  # noqa: F401 (parse_length: the benchmarks' name)
 
@@ -53,15 +54,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--layouts", type=layout_list, default=list(LAYOUTS), help=f"subset of {','.join(LAYOUTS)}")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (spawned, gloo on CPU)")
     p.add_argument("--cp", type=int, default=1, help="context-parallel ranks (spawned, gloo on CPU)")
-    p.add_argument("--hidden", type=int, default=256, help="draft hidden size H")
-    p.add_argument("--heads", type=int, help="attention heads (default H/64)")
-    p.add_argument("--kv-heads", type=int, help="key/value heads (default = heads)")
-    p.add_argument("--head-dim", type=int, help="head dim (default H/heads)")
-    p.add_argument("--intermediate", type=int, help="MLP width (default 3.5·H)")
-    p.add_argument("--draft-vocab", type=int, default=32000, help="draft vocabulary Vd")
-    p.add_argument("--vocab", type=int, help="target vocabulary V (embedding rows; default Vd)")
-    p.add_argument("--target-hidden", type=int, help="target hidden size H_t (default H)")
-    p.add_argument("--ttt-steps", type=int, default=7, help="TTT steps K")
+    add_draft_shape_arguments(p, hidden=256, heads=(None, "default H/64"), kv_heads=(None, "default = heads"),
+                              head_dim=(None, "default H/heads"), intermediate=(None, "default 3.5·H"),
+                              draft_vocab=32000, vocab=(None, "default Vd"), target_hidden=(None, "default H"),
+                              ttt_steps=7)
     p.add_argument("--batch", type=int, default=1, help="sequences per micro-batch")
     p.add_argument("--loss-chunk-size", type=int, default=1024, help="positions per loss chunk (chunked layouts)")
     p.add_argument("--attention-tile", type=int, default=1024,

@@ -20,7 +20,7 @@ from rich.console import Console
 from rich.table import Table
 
 from recipe.bench.attention import lengths_arg
-from recipe.bench.common import GIB, write_json
+from recipe.bench.common import GIB, add_draft_shape_arguments, write_json
 from recipe.bench.measure import DTYPES, LAYOUTS, BenchSpec, run_measurement
 
 
@@ -38,15 +38,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--backends", type=names, help="default: every backend that runs on the device")
     p.add_argument("--rounds", type=int, default=3, help="interleaved measurements per (backend, length)")
     p.add_argument("--steps", type=int, default=2, help="steps per measurement (time: mean after the first)")
-    p.add_argument("--hidden", type=int, default=576)
-    p.add_argument("--heads", type=int, default=8)
-    p.add_argument("--kv-heads", type=int, default=4)
-    p.add_argument("--head-dim", type=int, default=64)
-    p.add_argument("--intermediate", type=int, default=1536)
-    p.add_argument("--vocab", type=int, default=49152)
-    p.add_argument("--draft-vocab", type=int, default=4096)
-    p.add_argument("--target-hidden", type=int, default=576)
-    p.add_argument("--ttt-steps", type=int, default=7)
+    add_draft_shape_arguments(p, hidden=576, heads=8, kv_heads=4, head_dim=64, intermediate=1536, vocab=49152,
+                              draft_vocab=4096, target_hidden=576, ttt_steps=7)
     p.add_argument("--layout", choices=list(LAYOUTS), default="full")
     p.add_argument("--attention-tile", type=int, default=1024, help="0: one tile")
     p.add_argument("--dtype", choices=list(DTYPES), default="fp32")

@@ -25,7 +25,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from recipe.bench.common import MIB, tensor_bytes, write_json
+from recipe.bench.common import MIB, add_draft_shape_arguments, tensor_bytes, write_json
 from recipe.cli import positive_int_list
 
 SMOLLM2_SHAPE = dict(hidden_size=576, intermediate_size=1536, num_attention_heads=9, num_key_value_heads=3,
@@ -148,7 +148,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch", type=int, default=1, help="sequences per forward")
     p.add_argument("--layers", type=int, default=30, help="decoder layers of the random SmolLM2-shaped target")
     p.add_argument("--target", type=Path, help="a HF target folder instead of the random one")
-    p.add_argument("--ttt-steps", type=int, default=7, help="K: label rows beyond each chunk")
+    add_draft_shape_arguments(p, ttt_steps=(7, "the label rows beyond each chunk"))
     p.add_argument("--attention-backend", default="auto", help="the ring's kernel (kernels.attention_backends)")
     p.add_argument("--tile", type=int, default=1024, help="the ring's attention tile (positions)")
     p.add_argument("--argmax-chunk", type=int, default=1024,

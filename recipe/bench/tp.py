@@ -23,7 +23,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from recipe.bench.common import GIB, MIB, tensor_bytes, write_json
+from recipe.bench.common import GIB, MIB, add_draft_shape_arguments, tensor_bytes, write_json
 from recipe.bench.measure import BenchSpec, CpuPeak, build_model, random_batch
 from recipe.bench.ranks import spawn_gloo_ranks
 from recipe.cli import positive_int_list
@@ -99,15 +99,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m recipe.bench tp", description=__doc__.split("\n\n")[0])
     p.add_argument("--tp", type=positive_int_list, default=[1, 2, 4], help="tensor-parallel sizes (default 1,2,4)")
     p.add_argument("--length", type=int, default=1024, help="sequence length (tokens, default 1024)")
-    p.add_argument("--hidden", type=int, default=512)
-    p.add_argument("--heads", type=int, default=8)
-    p.add_argument("--kv-heads", type=int, default=4)
-    p.add_argument("--head-dim", type=int, default=64)
-    p.add_argument("--intermediate", type=int, default=1536)
-    p.add_argument("--draft-vocab", type=int, default=8192)
-    p.add_argument("--vocab", type=int, default=32000, help="target vocabulary (frozen embedding rows)")
-    p.add_argument("--target-hidden", type=int, default=512)
-    p.add_argument("--ttt-steps", type=int, default=3)
+    add_draft_shape_arguments(p, hidden=512, heads=8, kv_heads=4, head_dim=64, intermediate=1536, draft_vocab=8192,
+                              vocab=32000, target_hidden=512, ttt_steps=3)
     p.add_argument("--json", type=Path, help="write the results here")
     return p
 

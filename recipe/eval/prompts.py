@@ -2,9 +2,10 @@
 MT-Bench first-turn evaluation) and an optional ``"category"``; rendered with the target's chat template."""
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
+
+from recipe.jsonl import read_jsonl
 
 
 @dataclass(frozen=True)
@@ -25,16 +26,10 @@ def read_prompts(path: str | Path, limit: int | None = None) -> list[Prompt]:
     if not path.is_file():
         raise FileNotFoundError(f"prompts file {path} does not exist")
     prompts: list[Prompt] = []
-    for lineno, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+    for lineno, row in read_jsonl(path):
         if limit is not None and len(prompts) >= limit:
             break
-        if not line.strip():
-            continue
         where = f"{path}:{lineno}"
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"{where}: invalid JSON ({exc.msg})") from None
         if not isinstance(row, dict):
             raise ValueError(f"{where}: expected a JSON object, got {type(row).__name__}")
         text = row.get("prompt")

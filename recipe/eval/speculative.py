@@ -66,7 +66,7 @@ class MismatchError(RuntimeError):
     """Speculative output differs from greedy decoding (the decoder is not lossless)."""
 
 
-def _stop_index(tokens: list[int], budget: int, eos_token_id: int | None) -> int:
+def stop_index(tokens: list[int], budget: int, eos_token_id: int | None) -> int:
     """How many of ``tokens`` to emit: up to ``budget``, and up to and including the first EOS."""
     n = min(len(tokens), budget)
     if eos_token_id is not None and eos_token_id in tokens[:n]:
@@ -172,7 +172,7 @@ def speculative_generate(target: CachedTarget, drafter: Drafter, prompt_ids: lis
         a = 0
         while a < k and proposal[a] == greedy[a]:
             a += 1
-        emitted = _stop_index(proposal[:a] + [greedy[a]], max_new_tokens - len(tokens), eos_token_id)
+        emitted = stop_index(proposal[:a] + [greedy[a]], max_new_tokens - len(tokens), eos_token_id)
         accepted.append(emitted - 1)
         # Positions cached..cached+a hold tokens[-1], d_1..d_a: they are now anchors with target features.
         target.crop(cached + a + 1)

@@ -25,7 +25,7 @@ from typing import Protocol
 
 import torch
 
-from recipe.eval.speculative import Generation, _stop_index, prefill
+from recipe.eval.speculative import Generation, stop_index, prefill
 from recipe.target.runtime import CachedTarget
 
 
@@ -151,7 +151,7 @@ def tree_speculative_generate(target: CachedTarget, drafter: TreeDrafter, prompt
         path = accepted_path(tree, greedy)
         rows = [0] + [i + 1 for i in path]  # the root and the accepted nodes, as inputs of this forward
         new = [tree.tokens[i] for i in path] + [greedy[rows[-1]]]
-        emitted = _stop_index(new, max_new_tokens - len(tokens), eos_token_id)
+        emitted = stop_index(new, max_new_tokens - len(tokens), eos_token_id)
         accepted.append(emitted - 1)
         target.keep(list(range(cached)) + [cached + r for r in rows])
         new_aux = step.aux_SA[rows]

@@ -1,11 +1,11 @@
 """Apply tensor parallelism to a single-device TTT model from the outside (the way back to full tensors is
 ``recipe.parallel.parallelize.gather_full_tensors``).
 
-Module names relied on (recipe.model.ttt / recipe.model.draft): ``draft.midlayer.self_attn.{q,k,v,o}_proj``,
-``draft.midlayer.mlp.{gate,up,down}_proj``, ``draft.lm_head``, the frozen buffer ``target_head_d`` [Vd, H_t] and the
-attribute ``loss_fn`` (``soft_ce(logits_BSV, target_logits_BSV, valid_BS) -> (loss_sum, correct)``) on the TTT
-wrapper. Head counts come from ``draft.config`` (``num_attention_heads``, ``num_key_value_heads``) when present,
-otherwise from ``self_attn.num_heads`` / ``self_attn.num_key_value_heads``.
+The plan names these modules of ``recipe.model.draft.Eagle3Draft`` (``ttt_model.draft``):
+``midlayer.self_attn.{q,k,v,o}_proj``, ``midlayer.mlp.{gate,up,down}_proj`` and ``lm_head``; and of the TTT
+wrapper (``recipe.model.ttt.TTTModel``) the frozen buffer ``target_head_d`` [Vd, H_t] and the attribute ``loss_fn``
+(``soft_ce(logits_BSV, target_logits_BSV, valid_BS) -> (loss_sum, correct)``). Head counts come from
+``draft.config`` (the attention reshapes with ``-1`` heads, so no attribute of it changes with tp).
 """
 from __future__ import annotations
 
@@ -15,26 +15,39 @@ from torch import nn
 
 from recipe.parallel.dims import check_tp_divides
 from recipe.parallel.mappings import group_size
-from recipe.parallel.tp_layers import (ColumnParallelLinear, RowParallelLinear, VocabParallelLMHead, mark_tp,
-                                       shard_tensor, vocab_parallel_soft_ce)
+from recipe.parallel.tp_layers import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    VocabParallelLMHead,
+    mark_tp,
+    shard_tensor,
+    vocab_parallel_soft_ce,
+)
 
 COLUMN = ("midlayer.self_attn.q_proj", "midlayer.self_attn.k_proj", "midlayer.self_attn.v_proj",
           "midlayer.mlp.gate_proj", "midlayer.mlp.up_proj")
 ROW = ("midlayer.self_attn.o_proj", "midlayer.mlp.down_proj")
 LM_HEAD = "lm_head"
-_HEAD_ATTRS = ("num_heads", "num_attention_heads", "num_key_value_heads")
 
 
-def _head_counts(draft: nn.Module) -> tuple[int, int]:
-    config = getattr(draft, "config", None)
-    attn = draft.get_submodule("midlayer.self_attn")
-    for source in (config, attn):
-        heads = getattr(source, "num_attention_heads", None) or getattr(source, "num_heads", None)
-        kv_heads = getattr(source, "num_key_value_heads", None)
-        if heads and kv_heads:
-            return int(heads), int(kv_heads)
-    raise ValueError("cannot find the draft's head counts: expected draft.config.num_attention_heads and "
-                     "num_key_value_heads (or self_attn.num_heads and num_key_value_heads)")
+def _check_plan(ttt_model: nn.Module) -> None:
+    """ValueError naming every module or attribute of the TP plan that ``ttt_model`` lacks."""
+    draft = getattr(ttt_model, "draft", None)
+    names = (*COLUMN, *ROW, LM_HEAD)
+    missing = ["draft"] if draft is None else [n for n in names if not isinstance(_find(draft, n), nn.Linear)]
+    missing += [f"draft.config.{a}" for a in ("num_attention_heads", "num_key_value_heads")
+                if draft is not None and not isinstance(getattr(getattr(draft, "config", None), a, None), int)]
+    missing += [a for a in ("target_head_d", "loss_fn") if not hasattr(ttt_model, a)]
+    if missing:
+        raise ValueError(f"the tensor-parallel plan needs {', '.join(missing)}, which {type(ttt_model).__name__} "
+                         "lacks (nn.Linear modules of an Eagle3Draft inside a TTTModel)")
+
+
+def _find(root: nn.Module, name: str) -> nn.Module | None:
+    try:
+        return root.get_submodule(name)
+    except AttributeError:
+        return None
 
 
 def _replace(root: nn.Module, name: str, new: nn.Module) -> None:
@@ -48,16 +61,17 @@ def apply_tensor_parallel(ttt_model: nn.Module, group) -> nn.Module:
     q/k/v and gate/up become :class:`ColumnParallelLinear` (heads, KV heads and intermediate split), o_proj and
     down :class:`RowParallelLinear`, lm_head :class:`VocabParallelLMHead`; the buffer ``target_head_d`` is split
     along Vd like lm_head (and marked ``tensor_model_parallel``); ``loss_fn`` becomes
-    :func:`vocab_parallel_soft_ce` bound to ``group``. Integer head-count attributes on ``self_attn``
-    (``num_heads``, ``num_attention_heads``, ``num_key_value_heads``) are divided by tp. The weights present before
-    the call must be the full single-device weights (identical on every rank). A group of size 1 leaves the model
-    unchanged. Raises ValueError when tp does not divide the heads, KV heads, intermediate size or draft vocab.
+    :func:`vocab_parallel_soft_ce` bound to ``group``. The weights present before the call must be the full
+    single-device weights (identical on every rank). A group of size 1 leaves the model unchanged. Raises
+    ValueError when the model lacks a module or attribute of the plan (all named), or tp does not divide the heads,
+    KV heads, intermediate size or draft vocab.
     """
     tp = group_size(group)
     if tp == 1:
         return ttt_model
+    _check_plan(ttt_model)
     draft = ttt_model.draft
-    heads, kv_heads = _head_counts(draft)
+    heads, kv_heads = draft.config.num_attention_heads, draft.config.num_key_value_heads
     sizes = {"num_attention_heads": heads, "num_key_value_heads": kv_heads,
              "intermediate_size": draft.get_submodule("midlayer.mlp.gate_proj").out_features,
              "draft_vocab_size": draft.get_submodule(LM_HEAD).out_features}
@@ -67,12 +81,6 @@ def apply_tensor_parallel(ttt_model: nn.Module, group) -> nn.Module:
     for name in ROW:
         _replace(draft, name, RowParallelLinear.from_linear(draft.get_submodule(name), group))
     _replace(draft, LM_HEAD, VocabParallelLMHead.from_linear(draft.get_submodule(LM_HEAD), group))
-    attn = draft.get_submodule("midlayer.self_attn")
-    for attr in _HEAD_ATTRS:
-        if isinstance(getattr(attn, attr, None), int):
-            setattr(attn, attr, getattr(attn, attr) // tp)
-    head_d = getattr(ttt_model, "target_head_d", None)
-    if head_d is not None:
-        ttt_model.target_head_d = mark_tp(shard_tensor(head_d, 0, group), 0)  # re-registers the buffer
+    ttt_model.target_head_d = mark_tp(shard_tensor(ttt_model.target_head_d, 0, group), 0)  # re-registers the buffer
     ttt_model.loss_fn = functools.partial(vocab_parallel_soft_ce, group=group)
     return ttt_model

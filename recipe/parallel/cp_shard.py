@@ -1,6 +1,6 @@
 """Zigzag sharding of sequences (and of a whole TTT batch) over context-parallel ranks.
 
-The sequence (length a multiple of 2·cp, see ``pad_to_multiple``) is cut into 2·cp equal chunks; rank r holds
+The sequence (length a multiple of 2·cp: the batch builder pads to it) is cut into 2·cp equal chunks; rank r holds
 chunks r and 2·cp−1−r, in that order. Under causal attention the early chunk's cheap rows and the late chunk's
 expensive rows balance, so every rank does the same work (docs/algorithm.md, "Context parallelism (zigzag) and the
 LSE merge"; the layout of Megatron-LM/ring-flash-attention's zigzag CP). All TTT shifts are done on the full
@@ -11,7 +11,6 @@ from __future__ import annotations
 import dataclasses
 
 import torch
-import torch.nn.functional as F
 
 
 def _check(seq_len: int, cp_size: int, cp_rank: int) -> None:
@@ -19,7 +18,7 @@ def _check(seq_len: int, cp_size: int, cp_rank: int) -> None:
         raise ValueError(f"cp_rank={cp_rank} is not in [0, cp_size={cp_size})")
     if seq_len % (2 * cp_size):
         raise ValueError(f"sequence length {seq_len} is not a multiple of 2*cp_size={2 * cp_size}; "
-                         "pad it first with pad_to_multiple")
+                         "pad it to a multiple first")
 
 
 def zigzag_indices(seq_len: int, cp_size: int, cp_rank: int) -> torch.Tensor:
@@ -57,37 +56,10 @@ def contiguous_indices(seq_len: int, cp_size: int, cp_rank: int) -> torch.Tensor
     return torch.arange(cp_rank * n, (cp_rank + 1) * n)
 
 
-def pad_to_multiple(x: torch.Tensor, multiple: int, dim: int, value=0) -> torch.Tensor:
-    """Pad ``x`` at the end of ``dim`` with ``value`` to the next multiple of ``multiple`` (unchanged if already one)."""
-    if multiple < 1:
-        raise ValueError(f"multiple must be >= 1, got {multiple}")
-    dim = dim % x.dim()
-    extra = -x.shape[dim] % multiple
-    if extra == 0:
-        return x
-    pad = [0, 0] * (x.dim() - 1 - dim) + [0, extra]
-    if x.dtype == torch.bool:
-        return F.pad(x.to(torch.uint8), pad, value=int(value)).bool()
-    return F.pad(x, pad, value=value)
-
-
 def zigzag_split(tensor: torch.Tensor, cp_size: int, cp_rank: int, dim: int) -> torch.Tensor:
     """This rank's zigzag shard of ``tensor`` along ``dim`` (an exact ``index_select``; length S → S/cp)."""
     idx = zigzag_indices(tensor.shape[dim], cp_size, cp_rank).to(tensor.device)
     return tensor.index_select(dim, idx)
-
-
-def zigzag_unsplit(shards: list[torch.Tensor], cp_size: int, dim: int) -> torch.Tensor:
-    """Inverse of ``zigzag_split``: the full tensor from all ranks' shards (in rank order). Exact.
-
-    Raises ValueError if the number of shards is not cp_size.
-    """
-    if len(shards) != cp_size:
-        raise ValueError(f"zigzag_unsplit got {len(shards)} shards for cp_size={cp_size}")
-    stacked = torch.cat(shards, dim=dim)
-    seq_len = stacked.shape[dim]
-    order = torch.cat([zigzag_indices(seq_len, cp_size, r) for r in range(cp_size)]).to(stacked.device)
-    return torch.empty_like(stacked).index_copy_(dim, order, stacked)
 
 
 _TARGET_FIELDS = ("target_hidden_BLH", "target_row_KS")
@@ -96,11 +68,11 @@ _TARGET_FIELDS = ("target_hidden_BLH", "target_row_KS")
 def shard_ttt_batch(batch, cp_size: int, cp_rank: int):
     """This cp rank's part of a TTT batch (``TTTBatch`` or a dataclass subclass of it), as a new instance of its type.
 
-    Sequence fields (the class's ``per_position_fields`` {name: seq dim}) are zigzag-split. Target rows: the rank keeps only the rows of ``target_hidden_BLH`` [B, L, H_t] that its
-    anchors use, ``rows = unique(target_row_KS[:, mine])`` (sorted), and ``target_row_KS`` [K, S/cp] is remapped
-    to indices into those rows — exact, no communication. Fields that are None stay None.
-    Raises ValueError for a field it does not know how to split (naming it), target rows out of range, or a bad
-    sequence length.
+    Sequence fields (the class's ``per_position_fields`` {name: seq dim}) are zigzag-split. Target rows: the rank
+    keeps only the rows of ``target_hidden_BLH`` [B, L, H_t] that its anchors use, ``rows = unique(target_row_KS[:,
+    mine])`` (sorted), and ``target_row_KS`` [K, S/cp] is remapped to indices into those rows — exact, no
+    communication. Fields that are None stay None. Raises ValueError for a field it does not know how to split
+    (naming it), target rows out of range, or a bad sequence length.
     """
     if not dataclasses.is_dataclass(batch) or not hasattr(type(batch), "per_position_fields"):
         raise TypeError(f"shard_ttt_batch expects a TTTBatch dataclass, got {type(batch).__name__}")

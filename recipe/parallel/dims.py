@@ -46,25 +46,6 @@ def check_tp_divides(tp: int, sizes: Mapping[str, int]) -> None:
                          f"{', '.join(bad)}")
 
 
-def group_rank_lists(axis: str, dp: int, cp: int, tp: int) -> list[list[int]]:
-    """Global rank lists of every group along ``axis``, ordered by their smallest rank.
-
-    ``axis``: ``"tp"``, ``"cp"``, ``"dp"`` (ranks differing only in that coordinate) or ``"dp_cp"`` (ranks sharing the
-    tp coordinate: the group ZeRO partitions and averages over). Each list is ascending. Raises ValueError for an
-    unknown axis.
-    """
-    world = dp * cp * tp
-    varying = {"tp": ("tp",), "cp": ("cp",), "dp": ("dp",), "dp_cp": ("dp", "cp")}
-    if axis not in varying:
-        raise ValueError(f"unknown axis {axis!r}; expected one of {sorted(varying)}")
-    groups: dict[tuple, list[int]] = {}
-    for rank in range(world):
-        coord = rank_coords(rank, dp, cp, tp)
-        key = tuple(getattr(coord, a) for a in AXES if a not in varying[axis])
-        groups.setdefault(key, []).append(rank)
-    return sorted(groups.values())
-
-
 @dataclass(frozen=True)
 class ParallelDims:
     """The single source of truth for the parallel degrees of a run.
@@ -110,10 +91,6 @@ class ParallelDims:
     def coords(self, rank: int) -> RankCoord:
         """Grid coordinates of global ``rank``."""
         return rank_coords(rank, self.dp, self.cp, self.tp)
-
-    def group_ranks(self, axis: str) -> list[list[int]]:
-        """Rank lists of every group along ``axis`` ("tp", "cp", "dp" or "dp_cp"); see :func:`group_rank_lists`."""
-        return group_rank_lists(axis, self.dp, self.cp, self.tp)
 
     # ---- config --------------------------------------------------------------------------------------------------
     @classmethod

@@ -1,15 +1,14 @@
 """Tensor-parallel collectives as autograd pairs, named by region (the convention of Megatron-LM's mappings).
 
-Each function takes the tensor-parallel ``group`` explicitly. A group of size 1 returns the input untouched, so one
-code path serves tp=1 and tp>1. Collectives run inside ``torch.autograd.Function`` (grad mode off, on a copy), never
-as an in-place ``dist.all_reduce`` on a tensor that requires grad.
+The two pairs the TP layers use (``tests/helpers/tp_reference.py`` holds the gather/scatter pair the tests compare
+against). Each function takes the tensor-parallel ``group`` explicitly. A group of size 1 returns the input
+untouched, so one code path serves tp=1 and tp>1. Collectives run inside ``torch.autograd.Function`` (grad mode off,
+on a copy), never as an in-place ``dist.all_reduce`` on a tensor that requires grad.
 
 | function                 | forward                       | backward                      |
 |--------------------------|-------------------------------|-------------------------------|
 | ``copy_to_tp_region``    | identity                      | all-reduce (sum)              |
 | ``reduce_from_tp_region``| all-reduce (sum)              | identity                      |
-| ``gather_from_tp_region``| all-gather along the last dim | keep this rank's last-dim part|
-| ``scatter_to_tp_region`` | keep this rank's last-dim part| all-gather along the last dim |
 """
 from __future__ import annotations
 
@@ -33,20 +32,6 @@ def _all_reduce(x: torch.Tensor, group) -> torch.Tensor:
     return out
 
 
-def _split_last(x: torch.Tensor, group) -> torch.Tensor:
-    size = group_size(group)
-    if x.shape[-1] % size:
-        raise ValueError(f"last dim {x.shape[-1]} is not divisible by the tensor-parallel size {size}")
-    return x.chunk(size, dim=-1)[group_rank(group)].contiguous()
-
-
-def _gather_last(x: torch.Tensor, group) -> torch.Tensor:
-    x = x.contiguous()
-    parts = [torch.empty_like(x) for _ in range(group_size(group))]
-    dist.all_gather(parts, x, group=group)
-    return torch.cat(parts, dim=-1)
-
-
 class _CopyToRegion(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):
@@ -68,28 +53,6 @@ class _ReduceFromRegion(torch.autograd.Function):
         return grad, None
 
 
-class _GatherFromRegion(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _gather_last(x, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _split_last(grad, ctx.group), None
-
-
-class _ScatterToRegion(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _split_last(x, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _gather_last(grad, ctx.group), None
-
-
 def copy_to_tp_region(x: torch.Tensor, group) -> torch.Tensor:
     """Enter a TP region with a replicated input. Forward: identity. Backward: sum the gradient over ``group``."""
     return x if group_size(group) == 1 else _CopyToRegion.apply(x, group)
@@ -98,15 +61,3 @@ def copy_to_tp_region(x: torch.Tensor, group) -> torch.Tensor:
 def reduce_from_tp_region(x: torch.Tensor, group) -> torch.Tensor:
     """Leave a TP region by summing partial results. Forward: all-reduce over ``group``. Backward: identity."""
     return x if group_size(group) == 1 else _ReduceFromRegion.apply(x, group)
-
-
-def gather_from_tp_region(x: torch.Tensor, group) -> torch.Tensor:
-    """Leave a TP region sharded on the last dim. Forward: all-gather, concatenated along the last dim in rank
-    order ([..., n/tp] → [..., n]). Backward: keep this rank's slice of the gradient ([..., n] → [..., n/tp])."""
-    return x if group_size(group) == 1 else _GatherFromRegion.apply(x, group)
-
-
-def scatter_to_tp_region(x: torch.Tensor, group) -> torch.Tensor:
-    """Enter a TP region sharded on the last dim. Forward: keep this rank's contiguous slice ([..., n] →
-    [..., n/tp]; ValueError unless tp divides n). Backward: all-gather the gradient ([..., n/tp] → [..., n])."""
-    return x if group_size(group) == 1 else _ScatterToRegion.apply(x, group)

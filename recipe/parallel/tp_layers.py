@@ -2,8 +2,8 @@
 
 Every layer is built from the FULL single-device ``nn.Linear`` and keeps this rank's contiguous shard, so all layouts
 start from the same weights for the same seed. Sharded parameters carry ``tensor_model_parallel = True`` (read by
-DeepSpeed's ``is_model_parallel_parameter`` so the global grad norm sums each shard once), ``partition_dim`` and
-``partition_stride = 1`` (Megatron's names, for export).
+DeepSpeed's ``is_model_parallel_parameter`` so the global grad norm sums each shard once), and ``partition_dim``
+(the dim our export and the layout-free checkpoint gather along).
 
 Shapes: ``tp`` = size of the tensor-parallel group, ``r`` = this rank in it; shard ``r`` of a dim of size n is
 ``[r·n/tp, (r+1)·n/tp)``.
@@ -30,7 +30,6 @@ def mark_tp(tensor: torch.Tensor, partition_dim: int) -> torch.Tensor:
     """Tag ``tensor`` as a TP shard along ``partition_dim`` (the attributes DeepSpeed and our export read)."""
     tensor.tensor_model_parallel = True
     tensor.partition_dim = partition_dim
-    tensor.partition_stride = 1
     return tensor
 
 

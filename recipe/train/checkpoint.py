@@ -53,7 +53,7 @@ from safetensors.torch import save_file
 from recipe.export import DRAFT_CONFIG_FILE, DRAFT_FILE, LATEST, read_draft  # noqa: F401 (names used elsewhere)
 from recipe.io_errors import WriteError, writing
 from recipe.train import reshard
-from recipe.train.manifest import (MANIFEST, MANIFEST_FORMAT, _listing, file_sha256,  # noqa: F401
+from recipe.train.manifest import (MANIFEST, MANIFEST_FORMAT, manifest_listing, file_sha256,  # noqa: F401
                                    manifest_dict, verify)
 from recipe.train.rng_state import (RNG_FORMAT, legacy_rng_file, load_rng_file, rng_file,  # noqa: F401
                                     rng_state, save_rng_file, set_rng_state)
@@ -165,7 +165,7 @@ def _write_manifest(comm, folder: Path, tag: str, what: str, previous: str | Non
     writes ``manifest.json`` (temp + ``os.replace``). CheckpointError on every rank when any of it fails."""
     rank, world = dist.get_rank(), dist.get_world_size()
     names: list[str] = []
-    error = _attempt(lambda: names.extend(_listing(folder))) if rank == 0 else None
+    error = _attempt(lambda: names.extend(manifest_listing(folder))) if rank == 0 else None
     _agree(comm, error, what, previous)
     names = comm.all_gather_object(names if rank == 0 else None)[0]
     entries: dict[str, dict] = {}

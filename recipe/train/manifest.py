@@ -20,7 +20,7 @@ def file_sha256(path: Path) -> str:
         return hashlib.file_digest(f, "sha256").hexdigest()
 
 
-def _listing(folder: Path) -> list[str]:
+def manifest_listing(folder: Path) -> list[str]:
     """Every file under ``folder`` (relative POSIX paths, sorted), the manifest and temporary files excluded."""
     return sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*")
                   if p.is_file() and p.name != MANIFEST and not p.name.endswith(".tmp"))
@@ -31,7 +31,7 @@ def manifest_dict(tag: str, files: dict[str, dict] | None = None, folder: Path |
     ``folder`` instead, every file in it hashed here (one process)."""
     if files is None:
         files = {name: {"size": (folder / name).stat().st_size, "sha256": file_sha256(folder / name)}
-                 for name in _listing(folder)}
+                 for name in manifest_listing(folder)}
     return {"format": MANIFEST_FORMAT, "version": 1, "tag": tag, "algorithm": "sha256",
             "files": {name: files[name] for name in sorted(files)}}
 

@@ -16,7 +16,7 @@ import torch
 from recipe.model.draft import Eagle3Draft
 from recipe.model.draft_config import Eagle3DraftConfig
 from recipe.model.ttt import TTTBatch, TTTModel, make_ttt_batch, target_in_draft_vocab
-from recipe.parallel.cp_shard import pad_to_multiple
+from helpers.tp_reference import pad_to_multiple
 from recipe.target.head import lm_head_argmax
 
 H, HT = 32, 24  # draft hidden, target hidden
