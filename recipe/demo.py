@@ -14,9 +14,9 @@ Stages (each skips work already done): ``recipe.assets.prepare_assets`` (cached)
 level: ``tau`` at the first k, ``tau_tree`` of the dynamic tree, ``num_draft_tokens``, ``num_prompts``, ``per_k``,
 ``runs``, ``tree_runs``, ``stage_seconds`` — a stage skipped because its output was there keeps the seconds the earlier
 run recorded, ``stages_skipped`` names those, ``total`` is this run's wall time —, ``settings``) and the training
-curves ``OUTPUT/curves.png`` (``recipe.plot``, with matplotlib). The seed-initialised draft is not evaluated: it
-measured τ = 1.00 in every earlier run (it never proposes the target's greedy token).
-The defaults fit about 25 minutes on 2 CPU cores, setup included.
+curves ``OUTPUT/curves.png`` (``recipe.plot``, with matplotlib). The seed-initialised draft is not evaluated: a
+random draft does not propose the target's greedy token, so its τ is 1. The defaults are sized for about 25 minutes
+on 2 CPU cores, setup included (docs/results/demo_cpu.md).
 """
 from __future__ import annotations
 

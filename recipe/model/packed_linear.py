@@ -4,18 +4,16 @@ Speculative decoding runs the target over a handful of rows at a time (1 for gre
 verification, the tree's budget + 1), and each forward reads all of the model's weights. At such row counts a plain
 ``F.linear`` (the BLAS's general matmul, given the weight in PyTorch's [out, in] layout) runs far from what the
 memory allows; a weight reordered once into oneDNN's own blocked layout (``torch.ops.mkldnn._reorder_linear_weight``
-then ``torch.ops.mkldnn._linear_pointwise``) is read as is. Measured on the demo's 2-core CPU with SmolLM2-135M in
-float32 (``python -m recipe.bench decode``, docs/results/decode_cpu.json): a cached target forward over 1, 6 and 17
-new tokens 1.14x, 1.39x and 1.29x faster (an earlier run of the same command: 1.08x, 1.33x, 1.60x; the machine is
-noisy).
+then ``torch.ops.mkldnn._linear_pointwise``) is read as is. ``python -m recipe.bench decode`` measures the gain
+(docs/results/decode_cpu.json).
 
 The packed layers compute the same products in another summation order, so logits differ from ``F.linear``'s by
 float32 rounding (about 1e-4 on the target's logits); greedy, chain and tree decoding all run through the same packed
-layers, so the lossless check still compares like with like. The hidden-state dump and training keep ``nn.Linear``
-(a dump sends thousands of rows per forward, where packing was not measured to pay, and its store must match the
-online target's numbers). Only for inference: the packed weight is a snapshot taken at packing time (later changes
-to ``weight`` do not reach it) and no gradient flows through it. Off the CPU, or where this PyTorch build lacks the
-ops, nothing is replaced.
+layers, so the lossless check still compares like with like. The hidden-state dump and training keep ``nn.Linear`` (a
+dump's forwards are thousands of rows, not the handful this layer is for, and its store must match the online
+target's numbers). Only for inference: the packed weight is a snapshot taken at packing time (later changes to
+``weight`` do not reach it) and no gradient flows through it. Off the CPU, or where this PyTorch build lacks the ops,
+nothing is replaced.
 """
 from __future__ import annotations
 

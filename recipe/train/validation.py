@@ -16,7 +16,7 @@ a training step's (``recipe.train.loop.Trainer.train_step``). One ``metrics.json
 Two accuracies per TTT step k, named apart on purpose:
 
 - ``acc[k]``: correct / valid positions, the positions whose target argmax is in the draft vocabulary (the
-  training loss's positions; what the training records' ``acc`` always was);
+  training loss's positions, as in the training records' ``acc``);
 - ``acc_all_supervised[k]``: correct / all supervised positions (loss-mask ones at step k's label), an
   out-of-vocabulary target token counting as a miss: the accuracy EAGLE and SpecForge report.
 """
