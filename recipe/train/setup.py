@@ -200,7 +200,7 @@ def _data(args: TrainArgs, console: Console, comm):
         if args.limit:
             store = store.subset(range(min(args.limit, len(store))))
         return None, store, f"store:{store.fingerprint()}:{len(store)}"
-    from recipe.data.examples import build_examples
+    from recipe.data.examples import build_examples, examples_fingerprint
     from recipe.target.capture import load_tokenizer
 
     tokenizer = load_tokenizer(args.target)
@@ -212,7 +212,7 @@ def _data(args: TrainArgs, console: Console, comm):
     examples, report = rank0_first(build, comm)
     if dist.get_rank() == 0:
         console.print(report.table())
-    return examples, None, f"examples:{examples._fingerprint}:{len(examples)}"
+    return examples, None, f"examples:{examples_fingerprint(examples)}:{len(examples)}"
 
 
 def _token_rows(examples, store):

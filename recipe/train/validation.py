@@ -68,14 +68,14 @@ def held_out_data(args, examples, store, console, comm):
         held.validate()
         held.check_compatible(args.target, args.aux_layer_ids or list(store.aux_layer_ids))
         return None, store, None, held, f"eval-store:{held.fingerprint()}"
-    from recipe.data.examples import build_examples
+    from recipe.data.examples import build_examples, examples_fingerprint
     from recipe.target.capture import load_tokenizer
 
     tokenizer = load_tokenizer(args.target)
     held, _ = rank0_first(lambda: build_examples(eval_data, tokenizer, args.max_length, num_proc=args.num_proc,
                                                  cache_dir=args.cache_dir or args.output / "cache",
                                                  columns=args.data_column, seed=args.seed), comm)
-    return examples, None, held, None, f"eval-examples:{held._fingerprint}"
+    return examples, None, held, None, f"eval-examples:{examples_fingerprint(held)}"
 
 
 @dataclass
