@@ -158,6 +158,13 @@ def token_counts(dataset: datasets.Dataset) -> tuple[int, int]:
     return total, supervised
 
 
+def examples_fingerprint(examples: datasets.Dataset) -> str:
+    """The identity of a ``build_examples`` result: the ``datasets`` fingerprint this module chains through every
+    step (source files' content, pipeline version, tokenizer, max length), the same for the same inputs on
+    any machine. What a checkpoint records as its data identity (with the sample count)."""
+    return examples._fingerprint
+
+
 def main(argv: list[str] | None = None) -> None:
     from rich.console import Console
     from transformers import AutoTokenizer
@@ -196,9 +203,3 @@ def main(argv: list[str] | None = None) -> None:
 if __name__ == "__main__":
     main()
 
-
-def examples_fingerprint(examples: datasets.Dataset) -> str:
-    """The identity of a ``build_examples`` result: the ``datasets`` fingerprint this module chains through every
-    step (source files' content, pipeline version, tokenizer, max length), the same for the same inputs on
-    any machine. What a checkpoint records as its data identity (with the sample count)."""
-    return examples._fingerprint
