@@ -1,13 +1,14 @@
 """The DeepSpeed JSON of a training run (the flags of ``run.py`` are ``recipe.cli``).
 
-:func:`load_run_config` reads the JSON once, removes our sections (``parallelism``, ``memory``, ``target``) and
-DeepSpeed's monitor sections (written by the training loop, see :func:`pop_monitor_sections`) before DeepSpeed sees
-the rest, and resolves them into a :class:`RunConfig`: the parallel layout, the batch plan, the dtype, the memory
-switches, how the target is held (``recipe.target.options``) and the monitors. The scheduler's ``"auto"``
-values need the run's optimizer steps, which only the data determines; :meth:`RunConfig.with_total_steps` fills
-them, and :meth:`RunConfig.deepspeed_config` refuses to hand DeepSpeed a config before that. Unknown keys are
-refused with the nearest valid name (:func:`check_config_keys`; the known keys come from DeepSpeed's own parser and
-pydantic models); keys starting with "_" are comments, allowed anywhere and removed before DeepSpeed sees the dict.
+:func:`load_run_config` reads the JSON once, removes our sections (``parallelism``, ``memory``, ``kernels``,
+``target``) and DeepSpeed's monitor sections (written by the training loop, see :func:`pop_monitor_sections`) before
+DeepSpeed sees the rest, and resolves them into a :class:`RunConfig`: the parallel layout, the batch plan, the dtype,
+the memory switches, the kernel choices, how the target is held (``recipe.target.options``) and the
+monitors. The scheduler's ``"auto"`` values need the run's optimizer steps, which only the data determines;
+:meth:`RunConfig.with_total_steps` fills them, and :meth:`RunConfig.deepspeed_config` refuses to hand DeepSpeed a
+config before that. Unknown keys are refused with the nearest valid name (:func:`check_config_keys`; the known keys
+come from DeepSpeed's own parser and pydantic models); keys starting with "_" are comments, allowed anywhere and
+removed before DeepSpeed sees the dict.
 
 Batch sizes in the JSON are in **samples**: ``train_batch_size`` is the global batch of one optimizer step and
 ``train_micro_batch_size_per_gpu`` the samples one data-parallel rank reads per micro-batch. Context-parallel ranks
@@ -25,13 +26,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from recipe.config_keys import (  # noqa: F401
+    KERNELS_SECTION,
     MEMORY_SECTION,
     ConfigError,
-    did_you_mean,
-    field_model,
     check_config_keys,
     check_section_keys,
     deepspeed_top_level_keys,
+    did_you_mean,
+    field_model,
     model_keys,
     strip_comments,
 )
@@ -76,18 +78,15 @@ class MemoryOptions:
     tile of the causal block attention (``kernels.tiled_attention``; under CP, tiles within each zigzag chunk of the
     ring); score memory is O(H·tile²) and nothing of size S² is kept for backward. Absent: 1024;
     null: no tiling: on one cp rank the dense block (O(H·S²) scores kept for backward; short sequences only), under
-    CP one tile per zigzag chunk of the ring. ``attention_backend``: which kernel computes the causal block
-    (``kernels.attention_backends``): ``"auto"`` (default: flex on CUDA, the fused CPU kernel sdpa on CPU),
-    ``"tiled"`` (pure PyTorch, the reference), ``"sdpa"`` (CPU only) or ``"flex"`` (CUDA only); the run resolves
-    it for its device (:meth:`RunConfig.for_device`) and records the choice. DeepSpeed's own
-    ``activation_checkpointing`` section configures ``deepspeed.checkpointing`` only, which this recipe does not
-    use, so it is not read.
+    CP one tile per zigzag chunk of the ring. Which kernel computes the causal block is not a memory trade-off:
+    it is the ``kernels`` section (:class:`KernelOptions`); a ``memory.attention_backend`` key (its place before)
+    is refused naming the new one. DeepSpeed's own ``activation_checkpointing`` section configures
+    ``deepspeed.checkpointing`` only, which this recipe does not use, so it is not read.
     """
 
     loss_chunk_size: int | None = None
     checkpoint_ttt_steps: bool = False
     attention_tile_size: int | None = 1024
-    attention_backend: str = "auto"
 
     @classmethod
     def pop_from(cls, cfg: dict, path: Path | str) -> "MemoryOptions":
@@ -96,9 +95,13 @@ class MemoryOptions:
         section = {} if section is None else section
         if not isinstance(section, dict):
             raise ConfigError(f"{path}: '{MEMORY_SECTION}' must be an object like "
-                              '{"loss_chunk_size": 4096, "checkpoint_ttt_steps": true, "attention_tile_size": 1024, '
-                              '"attention_backend": "auto"}')
-        known = ("loss_chunk_size", "checkpoint_ttt_steps", "attention_tile_size", "attention_backend")
+                              '{"loss_chunk_size": 4096, "checkpoint_ttt_steps": true, "attention_tile_size": 1024}')
+        if "attention_backend" in section:
+            moved = json.dumps({KERNELS_SECTION: {"attention": section["attention_backend"]}})
+            raise ConfigError(f"{path}: '{MEMORY_SECTION}.attention_backend' has moved: the attention kernel is chosen "
+                              f"in the '{KERNELS_SECTION}' section, as '{KERNELS_SECTION}.attention' ({moved}); "
+                              f"remove it from '{MEMORY_SECTION}'")
+        known = ("loss_chunk_size", "checkpoint_ttt_steps", "attention_tile_size")
         unknown = sorted(k for k in set(section) - set(known) if not k.startswith("_"))
         if unknown:
             hint = did_you_mean(unknown[0], known)
@@ -113,14 +116,45 @@ class MemoryOptions:
         ckpt = section.get("checkpoint_ttt_steps", False)
         if not isinstance(ckpt, bool):
             raise ConfigError(f"{path}: '{MEMORY_SECTION}.checkpoint_ttt_steps' must be true or false, got {ckpt!r}")
+        return cls(checkpoint_ttt_steps=ckpt, **sizes)
+
+
+@dataclass(frozen=True)
+class KernelOptions:
+    """Our ``"kernels"`` section of the DeepSpeed JSON (removed before DeepSpeed sees the config): which kernel
+    computes what, where the choice changes speed and not the numbers (every kernel computes the same function).
+
+    ``attention``: the kernel of the draft's causal block attention, on one rank and in every ring hop, and of the
+    online target's ring under CP (``kernels.attention_backends``): ``"auto"`` (default: flex on CUDA, the fused CPU
+    kernel sdpa on CPU), ``"tiled"`` (pure PyTorch, the reference), ``"sdpa"`` (CPU only) or ``"flex"`` (CUDA only).
+    The run resolves it for its device (:meth:`RunConfig.for_device`) and records the choice in ``run_config.json``
+    (``kernels.attention``). The tile size stays a memory switch (``memory.attention_tile_size``).
+    """
+
+    attention: str = "auto"
+
+    @classmethod
+    def pop_from(cls, cfg: dict, path: Path | str) -> "KernelOptions":
+        """Remove and parse the ``kernels`` section of ``cfg``. Raises ConfigError naming the file and field for a
+        section that is not an object, an unknown key (with the nearest valid name) or an unknown kernel name."""
+        section = cfg.pop(KERNELS_SECTION, None)
+        section = {} if section is None else section
+        if not isinstance(section, dict):
+            raise ConfigError(f"{path}: '{KERNELS_SECTION}' must be an object like {{\"attention\": \"auto\"}}")
+        known = ("attention",)
+        unknown = sorted(k for k in set(section) - set(known) if not k.startswith("_"))
+        if unknown:
+            hint = did_you_mean(unknown[0], known)
+            raise ConfigError(f"{path}: unknown key(s) {unknown} in '{KERNELS_SECTION}'"
+                              f"{'; did you mean ' + hint + '?' if hint else ''}; known keys: {list(known)}")
         from kernels.attention_backends import BACKENDS
 
-        backend = section.get("attention_backend", cls.attention_backend)
+        attention = section.get("attention", cls.attention)
         names = ("auto", *BACKENDS)
-        if backend not in names:
-            raise ConfigError(f"{path}: '{MEMORY_SECTION}.attention_backend' must be one of {list(names)}, "
-                              f"got {backend!r}")
-        return cls(checkpoint_ttt_steps=ckpt, attention_backend=backend, **sizes)
+        if attention not in names:
+            raise ConfigError(f"{path}: '{KERNELS_SECTION}.attention' must be one of {list(names)}, "
+                              f"got {attention!r}")
+        return cls(attention=attention)
 
 
 def pop_monitor_sections(cfg: dict, path: Path | str) -> dict:
@@ -219,6 +253,8 @@ class RunConfig:
         dims: the parallel layout (``parallelism`` section and the ``--tp-size``/``--cp-size`` overrides).
         plan: samples per optimizer step and how they are read (:func:`resolve_batch`).
         memory: the ``memory`` section (:class:`MemoryOptions`).
+        kernels: the ``kernels`` section (:class:`KernelOptions`); after :meth:`for_device`, a kernel name for
+            the device instead of "auto".
         bf16: ``bf16.enabled`` of the JSON; the draft's inputs are then bfloat16 (:attr:`dtype`).
         deepspeed: the dict DeepSpeed receives: the JSON without our sections, batch sizes in DeepSpeed's view
             (``train_batch_size · cp``), scheduler ``"auto"`` values filled by :meth:`with_total_steps`.
@@ -237,6 +273,7 @@ class RunConfig:
     total_steps: int | None = None
     monitor: dict = field(default_factory=dict)
     target: TargetOptions = field(default_factory=TargetOptions)
+    kernels: KernelOptions = field(default_factory=KernelOptions)
 
     @property
     def dtype(self):
@@ -255,16 +292,16 @@ class RunConfig:
         return dataclasses.replace(self, deepspeed=ds_cfg, total_steps=total_steps)
 
     def for_device(self, device) -> "RunConfig":
-        """A copy whose ``memory.attention_backend`` is what the configured name stands for on ``device``
+        """A copy whose ``kernels.attention`` is what the configured name stands for on ``device``
         (``kernels.attention_backends.resolve_attention_backend``: "auto" becomes a backend name). Raises
-        ConfigError naming the file when the configured backend cannot run on ``device``."""
+        ConfigError naming the file when the configured kernel cannot run on ``device``."""
         from kernels.attention_backends import resolve_attention_backend
 
         try:
-            backend = resolve_attention_backend(self.memory.attention_backend, device)
+            backend = resolve_attention_backend(self.kernels.attention, device)
         except ValueError as exc:
-            raise ConfigError(f"{self.path}: '{MEMORY_SECTION}.attention_backend': {exc}") from None
-        return dataclasses.replace(self, memory=dataclasses.replace(self.memory, attention_backend=backend))
+            raise ConfigError(f"{self.path}: '{KERNELS_SECTION}.attention': {exc}") from None
+        return dataclasses.replace(self, kernels=dataclasses.replace(self.kernels, attention=backend))
 
     def deepspeed_config(self) -> dict:
         """The dict for ``deepspeed.initialize(config=...)``. Raises ValueError before :meth:`with_total_steps`
@@ -275,10 +312,11 @@ class RunConfig:
 
     def record(self) -> dict:
         """The resolved settings as JSON-able values (the ``run_config.json`` keys ``deepspeed``, ``parallelism``,
-        ``batch``, ``memory``, ``dtype``, ``total_steps``, ``monitor``, ``target``)."""
+        ``batch``, ``memory``, ``kernels``, ``dtype``, ``total_steps``, ``monitor``, ``target``)."""
         d = self.dims
         return {"deepspeed": self.deepspeed, "parallelism": {"tp": d.tp, "cp": d.cp, "dp": d.dp},
                 "batch": dataclasses.asdict(self.plan), "memory": dataclasses.asdict(self.memory),
+                "kernels": dataclasses.asdict(self.kernels),
                 "dtype": "bfloat16" if self.bf16 else "float32", "total_steps": self.total_steps,
                 "monitor": self.monitor, "target": self.target.record()}
 
@@ -287,15 +325,16 @@ def load_run_config(path: Path, world_size: int, overrides: dict | None = None) 
     """Read the DeepSpeed JSON at ``path`` once and resolve it for ``world_size`` processes.
 
     ``overrides``: parallelism keys from the command line (``{"tp_size": 2, "cp_size": None}``; None values are
-    ignored). Removes our ``parallelism``, ``memory`` and ``target`` sections and the monitor sections, resolves the
-    layout (:class:`ParallelDims`), the batch plan (:func:`resolve_batch`) and the dtype; the scheduler's ``"auto"``
-    values wait for :meth:`RunConfig.with_total_steps`. Raises ConfigError naming the file (and the field) for an
-    unreadable file, invalid JSON, an unknown key (:func:`check_config_keys`, with the nearest valid name), a bad
-    section (or a monitor whose package is missing), a layout that does not fit
-    ``world_size`` or inconsistent batch sizes.
+    ignored). Removes our ``parallelism``, ``memory``, ``kernels`` and ``target`` sections and the monitor
+    sections, resolves the layout (:class:`ParallelDims`), the batch plan (:func:`resolve_batch`) and the dtype; the
+    scheduler's ``"auto"`` values wait for :meth:`RunConfig.with_total_steps`. Raises ConfigError naming the file
+    (and the field) for an unreadable file, invalid JSON, an unknown key (:func:`check_config_keys`, with the
+    nearest valid name), a bad section (or a monitor whose package is missing; a ``memory.attention_backend`` key,
+    which moved to ``kernels.attention``), a layout that does not fit ``world_size`` or inconsistent batch sizes.
     """
     ds_cfg, section = read_ds_config(path)
     memory = MemoryOptions.pop_from(ds_cfg, path)
+    kernels = KernelOptions.pop_from(ds_cfg, path)
     monitor = pop_monitor_sections(ds_cfg, path)
     target_section = ds_cfg.pop(TARGET_SECTION, None)
     check_config_keys(ds_cfg, path)
@@ -316,4 +355,4 @@ def load_run_config(path: Path, world_size: int, overrides: dict | None = None) 
     plan = resolve_batch(ds_cfg, dims.dp, dims.cp, path)
     bf16 = bool((ds_cfg.get("bf16") or {}).get("enabled"))
     return RunConfig(path=Path(path), dims=dims, plan=plan, memory=memory, bf16=bf16, deepspeed=ds_cfg,
-                     monitor=monitor, target=target)
+                     monitor=monitor, target=target, kernels=kernels)

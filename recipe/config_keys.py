@@ -16,13 +16,14 @@ from recipe.parallel.dims import PARALLEL_SECTION
 from recipe.target.options import TARGET_SECTION
 
 MEMORY_SECTION = "memory"
+KERNELS_SECTION = "kernels"
 
 
 class ConfigError(ValueError):
     """A configuration problem; the message names the file and field."""
 
 
-OUR_SECTIONS = (PARALLEL_SECTION, MEMORY_SECTION, TARGET_SECTION)
+OUR_SECTIONS = (PARALLEL_SECTION, MEMORY_SECTION, KERNELS_SECTION, TARGET_SECTION)
 
 
 def did_you_mean(key: str, known) -> str | None:

@@ -1,7 +1,9 @@
-"""Run configuration: our JSON sections (parallelism, memory), batch arithmetic and scheduler 'auto' values."""
+"""Run configuration: our JSON sections (parallelism, memory, kernels), batch arithmetic and scheduler 'auto'
+values."""
 import pytest
 
-from recipe.config import BatchPlan, ConfigError, MemoryOptions, load_run_config, resolve_batch, resolve_scheduler
+from recipe.config import (BatchPlan, ConfigError, KernelOptions, MemoryOptions, load_run_config, resolve_batch,
+                           resolve_scheduler)
 from recipe.parallel.dims import ParallelDims
 
 
@@ -14,8 +16,46 @@ def test_memory_section_parsed_and_removed():
     dense = MemoryOptions.pop_from({"memory": {"attention_tile_size": None}}, "x.json")
     assert dense.attention_tile_size is None
     assert MemoryOptions.pop_from({"memory": {"attention_tile_size": 256}}, "x.json").attention_tile_size == 256
-    assert MemoryOptions.pop_from({}, "x.json").attention_backend == "auto"
-    assert MemoryOptions.pop_from({"memory": {"attention_backend": "sdpa"}}, "x.json").attention_backend == "sdpa"
+
+
+def test_kernels_section_parsed_and_removed():
+    cfg = {"train_batch_size": 4, "kernels": {"attention": "sdpa", "_comment": "the fused CPU kernel"}}
+    assert KernelOptions.pop_from(cfg, "x.json") == KernelOptions(attention="sdpa")
+    assert "kernels" not in cfg
+    assert KernelOptions.pop_from({}, "x.json").attention == "auto"
+    assert KernelOptions.pop_from({"kernels": None}, "x.json").attention == "auto"
+
+
+@pytest.mark.parametrize("section, message", [
+    ({"attention": "flash"}, "'kernels.attention' must be one of ['auto', 'tiled', 'sdpa', 'flex'], got 'flash'"),
+    ({"atention": "flex"}, "unknown key(s) ['atention'] in 'kernels'; did you mean 'attention'?"),
+    ({"attention_backend": "flex"}, "unknown key(s) ['attention_backend'] in 'kernels'; did you mean 'attention'?"),
+    (["flex"], "'kernels' must be an object like {\"attention\": \"auto\"}"),
+])
+def test_kernels_section_errors_name_file_and_field(section, message):
+    with pytest.raises(ConfigError) as err:
+        KernelOptions.pop_from({"kernels": section}, "cfg.json")
+    assert str(err.value).startswith("cfg.json: ") and message in str(err.value)
+
+
+def test_attention_backend_under_memory_is_refused_naming_its_new_place(tmp_path):
+    """The kernel choice moved from ``memory.attention_backend`` to ``kernels.attention``: an old JSON is refused
+    (never silently run on the default kernel), naming the file, the old key and the new place with its value."""
+    import json
+
+    path = tmp_path / "old.json"
+    path.write_text(json.dumps({"train_batch_size": 1, "memory": {"attention_tile_size": 512,
+                                                                  "attention_backend": "tiled"}}))
+    with pytest.raises(ConfigError) as err:
+        load_run_config(path, world_size=1)
+    assert str(err.value) == (f"{path}: 'memory.attention_backend' has moved: the attention kernel is chosen in the "
+                              "'kernels' section, as 'kernels.attention' ({\"kernels\": {\"attention\": \"tiled\"}}); "
+                              "remove it from 'memory'")
+    path.write_text(json.dumps({"train_batch_size": 1, "memory": {"attention_tile_size": 512},
+                                "kernels": {"attention": "tiled"}}))
+    config = load_run_config(path, world_size=1)
+    assert config.kernels.attention == "tiled" and config.memory.attention_tile_size == 512
+    assert "kernels" not in config.deepspeed and "memory" not in config.deepspeed
 
 
 @pytest.mark.parametrize("section, message", [
@@ -25,7 +65,8 @@ def test_memory_section_parsed_and_removed():
     ({"checkpoint_ttt_steps": "yes"}, "memory.checkpoint_ttt_steps' must be true or false"),
     ({"attention_tile_size": 0}, "memory.attention_tile_size' must be a positive integer or null"),
     ({"attention_tile_size": 1.5}, "memory.attention_tile_size' must be a positive integer or null"),
-    ({"attention_backend": "flash"}, "memory.attention_backend' must be one of ['auto', 'tiled', 'sdpa', 'flex']"),
+    ({"attention_backend": "flash"}, "'memory.attention_backend' has moved: the attention kernel is chosen in the "
+                                     "'kernels' section"),
     ([1], "'memory' must be an object"),
     (0, "'memory' must be an object"),
     ("", "'memory' must be an object"),
@@ -108,19 +149,20 @@ def test_run_config_resolves_layout_batch_dtype_memory_and_scheduler(tmp_path):
         load_run_config(path, world_size=3)
 
 
-def test_attention_backend_is_resolved_for_the_device_and_recorded(tmp_path):
+def test_attention_kernel_is_resolved_for_the_device_and_recorded(tmp_path):
     import json
 
     from kernels.sdpa_attention import sdpa_available
 
     path = tmp_path / "run.json"
-    path.write_text(json.dumps({"train_batch_size": 1, "memory": {"attention_backend": "auto"}}))
+    path.write_text(json.dumps({"train_batch_size": 1, "kernels": {"attention": "auto"}}))
     config = load_run_config(path, world_size=1)
-    assert config.memory.attention_backend == "auto"
+    assert config.kernels.attention == "auto"
     on_cpu = config.for_device("cpu").with_total_steps(1)
-    assert on_cpu.memory.attention_backend == ("sdpa" if sdpa_available() else "tiled")
-    assert on_cpu.record()["memory"]["attention_backend"] == on_cpu.memory.attention_backend
-    assert config.for_device("cuda").memory.attention_backend == "flex"  # a name only: nothing runs on CUDA here
-    path.write_text(json.dumps({"train_batch_size": 1, "memory": {"attention_backend": "flex"}}))
-    with pytest.raises(ConfigError, match=r"run.json: 'memory.attention_backend': .*'flex' needs a CUDA device"):
+    assert on_cpu.kernels.attention == ("sdpa" if sdpa_available() else "tiled")
+    assert on_cpu.record()["kernels"] == {"attention": on_cpu.kernels.attention}
+    assert "attention_backend" not in on_cpu.record()["memory"]
+    assert config.for_device("cuda").kernels.attention == "flex"  # a name only: nothing runs on CUDA here
+    path.write_text(json.dumps({"train_batch_size": 1, "kernels": {"attention": "flex"}}))
+    with pytest.raises(ConfigError, match=r"run.json: 'kernels.attention': .*'flex' needs a CUDA device"):
         load_run_config(path, world_size=1).for_device("cpu")

@@ -127,15 +127,16 @@ def test_ttt_draft_with_tiled_attention_matches_dense(K, memory_switches):
 
 def test_parallelize_installs_the_configured_attention_or_refuses():
     from kernels.sdpa_attention import sdpa_available
-    from recipe.config import MemoryOptions
+    from recipe.config import KernelOptions, MemoryOptions
     from recipe.parallel.parallelize import parallelize
 
+    tiled = KernelOptions(attention="tiled")
     draft, _, head_VH, _ = model_pair(seed=1, K=1)
     model = TTTModel(draft, head_VH)
-    parallelize(model, None, MemoryOptions(attention_tile_size=256, attention_backend="tiled"))
+    parallelize(model, None, MemoryOptions(attention_tile_size=256), kernel_options=tiled)
     attention = draft.midlayer.self_attn.causal_attention
     assert isinstance(attention, TiledCausalAttention) and attention.tile_size == 256
-    parallelize(model, None, MemoryOptions(attention_tile_size=None, attention_backend="tiled"))
+    parallelize(model, None, MemoryOptions(attention_tile_size=None), kernel_options=tiled)
     assert draft.midlayer.self_attn.causal_attention is block_attention
     if sdpa_available():  # "auto" on the CPU is the fused kernel inside the same tile loops
         parallelize(model, None, MemoryOptions(attention_tile_size=128))
@@ -145,7 +146,7 @@ def test_parallelize_installs_the_configured_attention_or_refuses():
     with pytest.raises(ValueError, match="tile_size must be a positive"):
         parallelize(model, None, MemoryOptions(attention_tile_size=0))
     with pytest.raises(ValueError, match="'flex' needs a CUDA device"):
-        parallelize(model, None, MemoryOptions(attention_backend="flex"))
+        parallelize(model, None, MemoryOptions(), kernel_options=KernelOptions(attention="flex"))
 
 
 def test_mismatched_positions_or_validity_are_refused_naming_the_shapes():

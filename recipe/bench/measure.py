@@ -21,7 +21,7 @@ from contextlib import contextmanager
 
 import torch
 
-from recipe.config import MemoryOptions
+from recipe.config import KernelOptions, MemoryOptions
 from recipe.parallel.parallelize import parallelize
 from recipe.plan.spec import DTYPES, LAYOUTS, BenchSpec, spec_draft_config  # noqa: F401 (the benchmarks' names)
 from recipe.train.distributed import free_port
@@ -85,8 +85,8 @@ def build_model(spec: BenchSpec, device: torch.device, pstate=None):
     head = torch.randn(spec.draft_vocab, spec.target_hidden, generator=torch.Generator().manual_seed(spec.seed + 1))
     chunked, ckpt = LAYOUTS[spec.layout]
     model = TTTModel(draft, head, loss_chunk_size=spec.loss_chunk_size if chunked else None, checkpoint_steps=ckpt)
-    parallelize(model, pstate, MemoryOptions(attention_tile_size=spec.attention_tile,
-                                             attention_backend=spec.attention_backend), device)
+    parallelize(model, pstate, MemoryOptions(attention_tile_size=spec.attention_tile), device,
+                KernelOptions(attention=spec.attention_backend))
     return model.to(device=device, dtype=DTYPES[spec.dtype])
 
 

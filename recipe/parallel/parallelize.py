@@ -3,7 +3,7 @@
 In: :func:`parallelize` takes a single-device ``TTTModel`` holding the full weights (the same on every rank for the
 same seed) and applies the layout from outside: the tensor-parallel plan (``recipe.parallel.apply_tp``) and the
 causal-block attention (the ring under context parallelism, else the single-device block, each with the kernel
-the ``memory`` section's ``attention_backend`` names), chosen by the ``memory`` section of the run config.
+the ``kernels`` section's ``attention`` names), tiled as the ``memory`` section of the run config says.
 
 Out: :func:`gather_full_state` turns whatever the layout holds (ZeRO-3 partitions, TP shards) back into the full
 draft tensors that checkpoints and the export write; :func:`gather_full_tensors` is the same for any module.
@@ -18,18 +18,20 @@ from recipe.parallel.apply_tp import apply_tensor_parallel
 from recipe.parallel.tp_layers import gather_tensor
 
 
-def parallelize(model: nn.Module, pstate, memory, device=None) -> nn.Module:
+def parallelize(model: nn.Module, pstate, memory, device=None, kernel_options=None) -> nn.Module:
     """Apply the layout of ``pstate`` to the single-device TTT ``model`` in place and return it.
 
     ``pstate``: a ``recipe.parallel.topology.ParallelState`` (None: one process, tp = cp = 1). TP (tp > 1): q/k/v,
     gate/up column-parallel, o/down row-parallel, lm_head and the target head vocab-parallel
     (``apply_tensor_parallel``). Attention: ``draft.midlayer.self_attn.causal_attention`` (the function the draft's
     attention calls for the causal block, ``(q, k, v, q_pos, k_pos, k_valid) -> (out, lse)``) becomes
-    ``kernels.attention_backends.make_causal_attention(memory.attention_backend, memory.attention_tile_size,
+    ``kernels.attention_backends.make_causal_attention(kernel_options.attention, memory.attention_tile_size,
     device, cp_group)``: the ring over the cp group under context parallelism, else the single-device block.
-    ``memory``: the run's ``recipe.config.MemoryOptions`` (read: ``attention_backend``, ``attention_tile_size``);
-    ``device`` (where the model will run) defaults to ``pstate.device``, else the CPU. Raises ValueError when tp does not divide a split draft dimension (every one named), the tile size is
-    invalid, or the backend is unknown or cannot run on ``device``.
+    ``memory``: the run's ``recipe.config.MemoryOptions`` (read: ``attention_tile_size``); ``kernel_options``: its
+    ``recipe.config.KernelOptions`` (read: ``attention``; None: "auto", resolved for ``device``); ``device`` (where
+    the model will run) defaults to ``pstate.device``, else the CPU. Raises ValueError when tp does not divide a
+    split draft dimension (every one named), the tile size is invalid, or the kernel is unknown or cannot run on
+    ``device``.
     """
     from kernels.attention_backends import make_causal_attention
 
@@ -39,7 +41,7 @@ def parallelize(model: nn.Module, pstate, memory, device=None) -> nn.Module:
         apply_tensor_parallel(model, pstate.tp_group)
     cp_group = pstate.cp_group if pstate is not None and pstate.cp_size > 1 else None
     model.draft.get_submodule("midlayer.self_attn").causal_attention = make_causal_attention(
-        memory.attention_backend, memory.attention_tile_size, device, cp_group)
+        "auto" if kernel_options is None else kernel_options.attention, memory.attention_tile_size, device, cp_group)
     return model
 
 

@@ -190,7 +190,7 @@ def load_inputs(ds_config: Path, target: Path, gpu: str = "h200", world_size: in
                          vocab=draft.vocab_size, target_hidden=draft.target_hidden_size, ttt_steps=ttt_steps,
                          batch=config.plan.micro_batch, tp=dims.tp, cp=dims.cp,
                          dtype="bf16" if config.bf16 else "fp32", loss_chunk_size=mem.loss_chunk_size or 1024,
-                         attention_tile=mem.attention_tile_size, attention_backend=mem.attention_backend)
+                         attention_tile=mem.attention_tile_size, attention_backend=config.kernels.attention)
     except ValueError as exc:
         raise PlanError(f"--ds_config {ds_config} with --target {target}: {exc}") from None
     zero = config.deepspeed.get("zero_optimization") or {}

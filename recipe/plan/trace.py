@@ -171,8 +171,8 @@ def cast_module(module: nn.Module, dtype: torch.dtype) -> nn.Module:
 def build_traced_model(spec: BenchSpec, pstate, backend: str):
     """``recipe.bench.measure.build_model`` under the active fake mode (same construction; ``cast_module`` instead
     of ``.to``); ``backend`` "flex" builds the CUDA flex path (device "cuda" is only named, never touched)."""
+    from recipe.config import KernelOptions, MemoryOptions
     from recipe.plan.spec import spec_draft_config
-    from recipe.config import MemoryOptions
     from recipe.model.draft import Eagle3Draft
     from recipe.model.ttt import TTTModel
     from recipe.parallel.parallelize import parallelize
@@ -181,8 +181,8 @@ def build_traced_model(spec: BenchSpec, pstate, backend: str):
     head = torch.empty(spec.draft_vocab, spec.target_hidden)
     chunked, ckpt = LAYOUTS[spec.layout]
     model = TTTModel(draft, head, loss_chunk_size=spec.loss_chunk_size if chunked else None, checkpoint_steps=ckpt)
-    parallelize(model, pstate, MemoryOptions(attention_tile_size=spec.attention_tile, attention_backend=backend),
-                "cuda" if backend == "flex" else "cpu")
+    parallelize(model, pstate, MemoryOptions(attention_tile_size=spec.attention_tile),
+                "cuda" if backend == "flex" else "cpu", KernelOptions(attention=backend))
     return cast_module(model, DTYPES[spec.dtype])
 
 

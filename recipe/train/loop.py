@@ -405,6 +405,6 @@ def plan_summary(parts: RunParts) -> str:
     return (f"layout dp={d.dp} cp={d.cp} tp={d.tp} (world {d.world_size}); ZeRO stage "
             f"{parts.engine.zero_optimization_stage()}; global batch {p.global_batch} = micro {p.micro_batch} × "
             f"accum {p.grad_accum} × dp {p.dp}; {config.total_steps} steps over {len(parts.builder)} samples; "
-            f"dtype {str(config.dtype).removeprefix('torch.')}; attention {config.memory.attention_backend} "
+            f"dtype {str(config.dtype).removeprefix('torch.')}; attention {config.kernels.attention} "
             f"(tile {config.memory.attention_tile_size}); batch {asdict(p)}; collectives {dist.get_backend()} on "
             f"{parts.pstate.device}" + (f"; {parts.resharding}" if parts.resharding else ""))

@@ -288,7 +288,7 @@ def build_run(args: TrainArgs, device: torch.device, console: Console) -> RunPar
                      checkpoint_steps=memory.checkpoint_ttt_steps, target_softcap=final_logit_softcap(hf_config))
     if resharding is not None:  # the layout is cut from the saved masters, as a fresh run's from its initial weights
         reshard.load_master_weights(model, resume_from)
-    parallelize(model, pstate, memory, device)
+    parallelize(model, pstate, memory, device, config.kernels)
     if args.freeze_lm_head:  # whichever module holds lm_head now (vocab-parallel under tp)
         model.draft.lm_head.weight.requires_grad_(False)
 
@@ -302,7 +302,8 @@ def build_run(args: TrainArgs, device: torch.device, console: Console) -> RunPar
             from recipe.target.cp import CPTarget
 
             target = CPTarget(target, pstate.comm, pstate.cp_group, dims.cp, pstate.cp_rank,
-                              memory.attention_backend, memory.attention_tile_size)
+                              config.kernels.attention, memory.attention_tile_size)
+
     def batch_builder(rows, hidden_states) -> BatchBuilder:  # training and held-out samples alike
         return BatchBuilder(examples=rows, store=hidden_states, target=target, t2d=vocab.t2d,
                             ttt_steps=args.ttt_steps, seq_divisor=dims.seq_divisor, cp_size=dims.cp,
@@ -335,9 +336,10 @@ def layout_state(config: RunConfig) -> dict:
 
 def write_resolved_config(args: TrainArgs, parts: RunParts, console: Console | None = None) -> None:
     """OUTPUT/run_config.json (rank 0): ``args`` (the flags), the resolved settings (``RunConfig.record``:
-    ``deepspeed``, ``parallelism``, ``batch``, ``memory``, ``dtype``, ``total_steps``, ``monitor``, ``target``) and
-    ``draft_config``. Call it once every check has passed (after the ``Trainer`` is built: a refused resume leaves
-    the folder as it was). With ``--overwrite`` it first deletes the previous run's :data:`RUN_ARTEFACTS`."""
+    ``deepspeed``, ``parallelism``, ``batch``, ``memory``, ``kernels``, ``dtype``, ``total_steps``, ``monitor``,
+    ``target``) and ``draft_config``. Call it once every check has passed (after the ``Trainer`` is built: a refused
+    resume leaves the folder as it was). With ``--overwrite`` it first deletes the previous run's
+    :data:`RUN_ARTEFACTS`."""
     if dist.get_rank() != 0:
         return
     if getattr(args, "overwrite", False):

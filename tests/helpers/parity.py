@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from helpers.cases import PARITY, build_case
-from recipe.config import MemoryOptions
+from recipe.config import KernelOptions, MemoryOptions
 from recipe.model.ttt import TTTModel, ttt_objective
 from recipe.parallel.parallelize import parallelize
 from recipe.parallel.cp_shard import shard_ttt_batch
@@ -69,8 +69,9 @@ def run_layout(rank: int, world: int, tp: int, cp: int, K: int, seed: int, seq_l
     ref_grads = {n: p.grad.clone() for n, p in ref_model.named_parameters() if p.requires_grad}
 
     pstate = ParallelState(ParallelDims(world_size=world, tp=tp, cp=cp))
-    memory = MemoryOptions(attention_tile_size=None, attention_backend=attention_backend or "tiled")
-    par_model = parallelize(copy.deepcopy(model), pstate, memory)
+    memory = MemoryOptions(attention_tile_size=None)
+    par_model = parallelize(copy.deepcopy(model), pstate, memory,
+                            kernel_options=KernelOptions(attention=attention_backend or "tiled"))
     counts = None
     local = batch
     if cp > 1:
