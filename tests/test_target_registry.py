@@ -49,11 +49,11 @@ def test_rope_scaling_and_soft_cap_are_read_from_the_config():
     assert final_logit_softcap({"model_type": "somenewlm", "final_logit_softcapping": 7.0}) == 7.0  # GENERIC
 
 
-def test_partial_rotary_phi3_is_refused_and_full_rotary_accepted():
-    config = Phi3Config(num_hidden_layers=8, partial_rotary_factor=0.5)
-    with pytest.raises(ValueError, match="partial_rotary_factor=0.5"):
-        draft_config_for(config, 64)
-    assert draft_config_for(Phi3Config(num_hidden_layers=8), 64).rope_scaling is None
+def test_a_partial_rotary_phi3_gives_a_full_rotary_draft_with_its_rope_base():
+    config = Phi3Config(num_hidden_layers=8, partial_rotary_factor=0.5, rope_theta=250000.0)
+    draft = draft_config_for(config, 64)
+    assert draft.rope_theta == 250000.0 and draft.rope_scaling is None
+    assert draft.to_llama_config().head_dim == config.hidden_size // config.num_attention_heads  # whole head rotated
 
 
 def test_architectures_outside_the_ring_are_refused_at_cp_with_the_offline_way():

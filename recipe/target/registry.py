@@ -13,7 +13,7 @@ Everything else in ``recipe.target`` is architecture-agnostic (transformers' ``A
 - ``logit_softcap_field``: the config field of the final logit soft-cap ``c`` that the target's ``ForCausalLM``
   applies after ``lm_head`` (``c · tanh(z / c)``; Gemma 2/3), so the teacher distribution is the soft-capped one.
 - ``rope``: reads the draft's RoPE fields (``rope_theta``, ``rope_scaling``) from the target config; the draft is a
-  full-rotary Llama layer, so an architecture with partial rotary embeddings checks it is 1.
+  full-rotary Llama layer, so an architecture with partial rotary embeddings (Phi-3) leaves that fraction out.
 - ``default_aux_layer_ids``: EAGLE-3's low/mid/high layers for a target of ``L`` decoder layers.
 
 An unknown ``model_type`` gets :data:`GENERIC`: offline training, the head, the capture and the evaluation work for
@@ -30,15 +30,17 @@ from recipe.target.aux_layers import default_aux_layer_ids
 
 
 def _full_rotary_rope(get) -> tuple[float, dict | None]:
-    """:func:`rope_fields` after checking ``partial_rotary_factor`` (top level or in ``rope_parameters``) is 1.
-    Raises ValueError otherwise: the draft applies RoPE to the whole head."""
-    params = get("rope_parameters", None)
-    factor = (params or {}).get("partial_rotary_factor") if isinstance(params, Mapping) else None
-    factor = factor if factor is not None else get("partial_rotary_factor", None)
-    if factor is not None and float(factor) != 1.0:
-        raise ValueError(f"target partial_rotary_factor={factor}: the EAGLE-3 draft is a full-rotary Llama layer; "
-                         "set rope fields explicitly with --draft-config")
-    return rope_fields(get)
+    """:func:`rope_fields` without the target's ``partial_rotary_factor`` (Phi-3/Phi-4: top level or in
+    ``rope_parameters``): the draft is its own full-rotary Llama layer (what SGLang and vLLM load), so it takes the
+    target's RoPE base and scaling but rotates its whole head. A scaling whose factor lists are sized for the rotated
+    part only (Phi-4-mini's ``longrope``) does not fit a full head: such a target needs ``rope_scaling`` set with
+    ``--draft-config``."""
+    def without_partial(key, default=None):
+        value = get(key, default)
+        if key == "rope_parameters" and isinstance(value, Mapping):
+            value = {k: v for k, v in value.items() if k != "partial_rotary_factor"}
+        return value
+    return rope_fields(without_partial)
 
 
 @dataclass(frozen=True)

@@ -26,7 +26,7 @@ ARCHITECTURES = {
     "qwen3": (Qwen3Config, Qwen3ForCausalLM, {"head_dim": 16, "use_sliding_window": False}),  # q/k norms, wide heads
     "mistral": (MistralConfig, MistralForCausalLM, {"sliding_window": None}),
     "phi3": (Phi3Config, Phi3ForCausalLM, {"sliding_window": None, "pad_token_id": 0, "bos_token_id": 1,
-                                           "eos_token_id": 2}),  # fused qkv and gate_up projections
+                                           "eos_token_id": 2, "partial_rotary_factor": 0.5}),  # fused qkv, gate_up
 }
 
 
