@@ -82,9 +82,9 @@ def held_out_data(args, examples, store, console, comm):
 class Validator:
     """Evaluates the held-out ``builder`` (a ``recipe.train.batches.BatchBuilder``) with the run's engine.
 
-    ``every``: evaluate after every ``every``-th step (0: only after the last); ``micro_batch``, ``dp``: the
-    run's micro-batch and data-parallel size; ``pstate``: the run's ``ParallelState`` (collectives through
-    ``pstate.comm``); ``ttt_steps``: K.
+    ``every``: evaluate after every ``every``-th step (0: only after the last); ``micro_batch``: the run's
+    micro-batch; ``pstate``: the run's ``ParallelState`` (its dp size and rank choose each rank's samples; collectives
+    through ``pstate.comm``); ``ttt_steps``: K.
     """
 
     builder: object
