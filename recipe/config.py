@@ -44,6 +44,8 @@ from recipe.target.options import TARGET_SECTION, TargetOptions
 MONITOR_PACKAGES = {"tensorboard": "tensorboard", "csv_monitor": None, "wandb": "wandb", "comet": "comet_ml"}
 MONITOR_INSTALL = {"tensorboard": "pip install -e '.[monitor]' (or pip install tensorboard)",
                    "wandb": "pip install wandb", "comet": "pip install 'comet_ml>=3.41.0'"}
+ARGMAX_LOGITS_BYTES = 128 * 1024 ** 2
+"""The default budget of one argmax chunk's [chunk, V] target logits (``MemoryOptions.argmax_positions``)."""
 
 
 def read_ds_config(path: Path) -> tuple[dict, dict]:
@@ -78,7 +80,13 @@ class MemoryOptions:
     tile of the causal block attention (``kernels.tiled_attention``; under CP, tiles within each zigzag chunk of the
     ring); score memory is O(H·tile²) and nothing of size S² is kept for backward. Absent: 1024;
     null: no tiling: on one cp rank the dense block (O(H·S²) scores kept for backward; short sequences only), under
-    CP one tile per zigzag chunk of the ring. Which kernel computes the causal block is not a memory trade-off:
+    CP one tile per zigzag chunk of the ring. ``mlp_tile_size``: positions per sequence tile of the draft's MLP
+    and the norm before it (``recipe.model.tiled_mlp``): each tile's [tile, I/tp] intermediates and fp32 norm copy
+    exist one tile at a time, in forward and again (recomputed) in backward; None (absent): the whole sequence at
+    once. ``argmax_chunk_size``: positions per lm_head matmul of the online target's argmax
+    (``recipe.target.head.lm_head_argmax``); None (absent): sized from the target's vocabulary and dtype, the most
+    positions whose [chunk, V] logits fit :data:`ARGMAX_LOGITS_BYTES` (:meth:`argmax_positions`).
+    Which kernel computes the causal block is not a memory trade-off:
     it is the ``kernels`` section (:class:`KernelOptions`); a ``memory.attention_backend`` key (its place before)
     is refused naming the new one. DeepSpeed's own ``activation_checkpointing`` section configures
     ``deepspeed.checkpointing`` only, which this recipe does not use, so it is not read.
@@ -87,6 +95,16 @@ class MemoryOptions:
     loss_chunk_size: int | None = None
     checkpoint_ttt_steps: bool = False
     attention_tile_size: int | None = 1024
+    mlp_tile_size: int | None = None
+    argmax_chunk_size: int | None = None
+
+    def argmax_positions(self, vocab_size: int, dtype: torch.dtype) -> int:
+        """Positions per argmax matmul for a target of ``vocab_size`` logits of ``dtype``: ``argmax_chunk_size`` if
+        set, else ``max(1, ARGMAX_LOGITS_BYTES // (vocab_size · itemsize))`` (e.g. 682 for SmolLM2's 49152 fp32
+        logits, 523 for a 128256-token vocabulary in bf16)."""
+        if self.argmax_chunk_size is not None:
+            return self.argmax_chunk_size
+        return max(1, ARGMAX_LOGITS_BYTES // (vocab_size * dtype.itemsize))
 
     @classmethod
     def pop_from(cls, cfg: dict, path: Path | str) -> "MemoryOptions":
@@ -101,14 +119,15 @@ class MemoryOptions:
             raise ConfigError(f"{path}: '{MEMORY_SECTION}.attention_backend' has moved: the attention kernel is chosen "
                               f"in the '{KERNELS_SECTION}' section, as '{KERNELS_SECTION}.attention' ({moved}); "
                               f"remove it from '{MEMORY_SECTION}'")
-        known = ("loss_chunk_size", "checkpoint_ttt_steps", "attention_tile_size")
+        known = ("loss_chunk_size", "checkpoint_ttt_steps", "attention_tile_size", "mlp_tile_size",
+                 "argmax_chunk_size")
         unknown = sorted(k for k in set(section) - set(known) if not k.startswith("_"))
         if unknown:
             hint = did_you_mean(unknown[0], known)
             raise ConfigError(f"{path}: unknown key(s) {unknown} in '{MEMORY_SECTION}'"
                               f"{'; did you mean ' + hint + '?' if hint else ''}; known keys: {list(known)}")
         sizes = {}
-        for key in ("loss_chunk_size", "attention_tile_size"):
+        for key in ("loss_chunk_size", "attention_tile_size", "mlp_tile_size", "argmax_chunk_size"):
             value = section.get(key, getattr(cls, key))
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value <= 0):
                 raise ConfigError(f"{path}: '{MEMORY_SECTION}.{key}' must be a positive integer or null, got {value!r}")
