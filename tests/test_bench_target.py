@@ -1,5 +1,5 @@
 """Smoke test of ``python -m recipe.bench target`` on the tiny target: the JSON rows and the exact bytes the capture
-keeps per rank (no timing is asserted)."""
+keeps and the bytes it exchanges per rank (no timing is asserted)."""
 from __future__ import annotations
 
 import json
@@ -14,17 +14,25 @@ def test_target_bench_json(tiny_target, tmp_path):
 
     out = tmp_path / "target.json"
     length, k = 64, 3
-    assert main(["target", "--cp", "1,2", "--length", str(length), "--target", str(tiny_target), "--ttt-steps",
-                 str(k), "--tile", "8", "--json", str(out)]) == 0
+    assert main(["target", "--cp", "1,2", "--tp", "1,2", "--length", str(length), "--target", str(tiny_target),
+                 "--ttt-steps", str(k), "--tile", "8", "--json", str(out)]) == 0
     res = json.loads(out.read_text())
-    assert res["benchmark"] == "target" and [r["cp"] for r in res["rows"]] == [1, 2]
-    one, two = res["rows"]
-    assert one["forward"] == "TargetModel.capture" and two["forward"] == "CPTarget.capture"
-    assert len(one["ranks"]) == 1 and len(two["ranks"]) == 2
+    assert res["benchmark"] == "target" and [(r["cp"], r["tp"]) for r in res["rows"]] == [(1, 1), (1, 2), (2, 1),
+                                                                                          (2, 2)]
+    assert res["argmax_chunk"] == 128 * 1024 ** 2 // (96 * 4)  # sized from the tiny vocabulary (96), fp32
     hidden, fp32, int64 = 32, 4, 8  # the tiny target: hidden 32, fp32; argmax [1, S] int64 on every rank
-    assert one["kept_bytes"] == length * 4 * hidden * fp32 + length * int64  # aux (3·H) + last (H) + argmax
-    for rank, r in enumerate(two["ranks"]):
-        rows = label_rows(length, 2, rank, k).numel()
-        assert r["kept_bytes"] == (length // 2) * 3 * hidden * fp32 + rows * hidden * fp32 + length * int64
-        assert r["act_bytes"] >= 0 and r["seconds"] > 0 and r["cpu_seconds"] > 0
-    assert "act_cp4_over_cp1" not in res["targets"]  # needs both cp = 1 and cp = 4
+    for row in res["rows"]:
+        cp, tp = row["cp"], row["tp"]
+        assert row["forward"] == ("TargetModel.capture" if cp * tp == 1 else "CPTarget.capture")
+        assert len(row["ranks"]) == cp * tp
+        for rank, r in enumerate(row["ranks"]):
+            rows = length - 1 if cp == 1 else label_rows(length, cp, rank // tp, k).numel()  # label rows 1..S-1
+            if cp * tp == 1:
+                rows = length  # the whole last hidden state
+            assert r["kept_bytes"] == (length // cp) * 3 * hidden * fp32 + rows * hidden * fp32 + length * int64
+            assert r["forward_positions"] == length // (cp * tp)
+            halo = 2 * k * hidden * fp32 if cp == 2 else 0  # the first K rows of chunks 1 and 3
+            gathered = (tp - 1) * length // (cp * tp) * 4 * hidden * fp32
+            assert r["exchange_bytes"] == (0 if cp * tp == 1 else gathered + halo + length * int64)
+            assert r["act_bytes"] >= 0 and r["seconds"] > 0 and r["cpu_seconds"] > 0
+    assert set(res["targets"]) == {"act_cp2tp2_over_cp1tp1", "cpu_cp2tp2_over_cp1tp1"}  # no (4, 1) row

@@ -1,16 +1,19 @@
 """End to end, online (the target runs during training): the real SmolLM2 target on ShareGPT, fp32 on CPU gloo ranks.
 
-The curve at cp = 2 (the context-parallel target forward, ``recipe.target.cp``) and at tp2 × cp2 (each tp rank
-replicating its cp shard's target forward) equals the online cp = 1 curve (the full-sequence target forward) within
-rel 1e-5: the same samples, the same draft initialisation, only the sharding of the target and the draft differ.
+The curve at cp = 2 (the context-parallel target forward, ``recipe.target.cp``), at tp = 2 and at tp2 × cp2 (the
+target forward split over the tp ranks too: each of the cp·tp ranks runs 1/(cp·tp) of the sequence) equals the online
+cp = 1 curve (the full-sequence target forward) within rel 1e-5: the same samples, the same draft initialisation,
+only the sharding of the target and the draft differ. ``run_config.json`` records the split.
 """
 from __future__ import annotations
+
+import json
 
 import pytest
 from helpers.ranks import run_ranks
 from helpers.training import assert_curves_close, run_training, write_ds_config
 
-pytestmark = pytest.mark.slow  # three DeepSpeed runs with the 135M target on 1, 2 and 4 ranks
+pytestmark = pytest.mark.slow  # four DeepSpeed runs with the 135M target on 1, 2, 2 and 4 ranks
 
 STEPS = 3
 
@@ -29,17 +32,27 @@ def curves(assets, tmp_path_factory):
                 "--lm-head-init", "random", "--cache-dir", str(tmp / "cache"), "--no-export", *layout]
 
     ref = run_ranks(1, run_training, [argv("cp1")])[0][0]
-    cp2 = run_ranks(2, run_training, [argv("cp2", "--cp-size", "2")])[0][0]
+    cp2, tp2 = run_ranks(2, run_training, [argv("cp2", "--cp-size", "2"), argv("tp2", "--tp-size", "2")])[0]
     tp2cp2 = run_ranks(4, run_training, [argv("tp2cp2", "--cp-size", "2", "--tp-size", "2")])[0][0]
-    return ref, cp2, tp2cp2
+    split = {name: json.loads((tmp / name / "run_config.json").read_text())["online_target"]["forward_split"]
+             for name in ("cp1", "cp2", "tp2", "tp2cp2")}
+    return ref, cp2, tp2, tp2cp2, split
 
 
 def test_online_cp2_curve_equals_cp1(curves):
-    ref, cp2, _ = curves
+    ref, cp2, _, _, split = curves
     assert len(ref) == STEPS and ref[0]["valid"][0] > 0
     assert_curves_close(ref, cp2, 1e-5, "online cp=2")
+    assert split["cp1"] == 1 and split["cp2"] == 2
+
+
+def test_online_tp2_curve_equals_cp1(curves):
+    ref, _, tp2, _, split = curves
+    assert split["tp2"] == 2  # the two tp ranks share the target forward
+    assert_curves_close(ref, tp2, 1e-5, "online tp=2 (target split over tp)")
 
 
 def test_online_tp2_cp2_curve_equals_cp1(curves):
-    ref, _, tp2cp2 = curves
-    assert_curves_close(ref, tp2cp2, 1e-5, "online tp2 x cp2")
+    ref, _, _, tp2cp2, split = curves
+    assert split["tp2cp2"] == 4
+    assert_curves_close(ref, tp2cp2, 1e-5, "online tp2 x cp2 (target split over cp·tp)")

@@ -116,6 +116,50 @@ def test_online_builder_at_cp2_equals_sharded_full_capture(arch_targets):
         assert _rel(got.target_hidden_BLH[real_rows], ref.target_hidden_BLH[real_rows]) <= 1e-5
 
 
+def _split_worker(rank, world_size, folder, cp, tp):
+    from recipe.parallel.dims import ParallelDims
+    from recipe.parallel.topology import ParallelState
+    from recipe.target.capture import TargetModel
+    from recipe.target.cp import CPTarget
+
+    ids, mask, _ = _batch()
+    pstate = ParallelState(ParallelDims(world_size, tp=tp, cp=cp))
+    target = CPTarget.from_state(TargetModel(folder, dtype=torch.float32, device="cpu"), pstate, "auto", 4)
+    cap = target.capture(ids, mask, K)
+    return pstate.cp_rank, pstate.tp_rank, cap, target.counts
+
+
+@pytest.mark.slow  # spawns 2 and 4 gloo ranks
+@pytest.mark.parametrize("cp,tp", [(1, 2), (2, 2)])
+def test_target_split_over_cp_tp_equals_full_forward(arch_targets, cp, tp):
+    """Each of the cp·tp ranks runs the target on S/(cp·tp) positions; after the tp all-gather and the cp halo sum
+    every rank holds its cp rank's aux states and label rows (equal to the full forward's there) and the argmax, and
+    received exactly the counted bytes: (tp−1)/(cp·tp) of the sequence's aux + last hidden rows, the cp halo rows,
+    the [B, S] argmax."""
+    from recipe.parallel.cp_shard import label_rows, zigzag_indices
+    from recipe.target.capture import TargetModel
+
+    ids, mask, _ = _batch()
+    full = TargetModel(arch_targets["llama"], dtype=torch.float32, device="cpu").capture(ids, mask)
+    a, h = full.aux_hidden_BSA.shape[-1], full.last_hidden_BSH.shape[-1]
+    real = mask.bool()
+    for cp_rank, tp_rank, cap, counts in run_ranks(cp * tp, _split_worker, arch_targets["llama"], cp, tp):
+        pos, rows = zigzag_indices(SEQ, cp, cp_rank), label_rows(SEQ, cp, cp_rank, K)
+        where = (cp, tp, cp_rank, tp_rank)
+        assert cap.aux_hidden_BSA.shape == (2, SEQ // cp, a), where
+        assert _rel(cap.aux_hidden_BSA[real[:, pos]], full.aux_hidden_BSA[:, pos][real[:, pos]]) <= 1e-5, where
+        assert cap.label_hidden_BUH.shape == (2, rows.numel(), h), where
+        assert _rel(cap.label_hidden_BUH[real[:, rows]], full.last_hidden_BSH[:, rows][real[:, rows]]) <= 1e-5, where
+        assert torch.equal(cap.argmax_BS[real], full.argmax_BS[real]), where
+        assert counts.captures == 1 and counts.forward_positions == 2 * SEQ // (cp * tp), where
+        assert counts.gathered_bytes == (tp - 1) * 2 * SEQ // (cp * tp) * (a + h) * 4, where
+        assert counts.argmax_bytes == 2 * SEQ * 8, where
+        # the summed halo holds every row one cp rank needs from another: at cp 2 the first K rows of chunk 1 (for
+        # rank 0) and of chunk 3 (for rank 1), B = 2 samples
+        halo = 2 * (2 * K if cp == 2 else 0) * h * 4
+        assert counts.halo_bytes == halo, where
+
+
 def test_single_rank_cp_target_equals_capture(arch_targets):
     """cp = 1 through the registry (the single-device block): the same states as the model's own attention."""
     from recipe.parallel.collectives import Collectives

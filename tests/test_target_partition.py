@@ -149,27 +149,34 @@ def test_two_rank_partitioned_dump_writes_the_single_rank_store(tiny_target, tmp
 
 @pytest.mark.slow
 def test_online_training_with_partitioned_target_gives_the_replicated_curve(assets, tmp_path):
-    """Online runs on 2 ranks (draft ZeRO-3 too; 4 samples per step: 2 micro-batches, so 2 captures, per rank under
-    dp=2): the partitioned target (over both ranks, also under tp=2 where DeepSpeed's data-parallel group of the draft
-    is one rank) gives the replicated target's curve of the same layout."""
+    """Online runs (draft ZeRO-3 too; 4 samples per step): the partitioned target (over every rank) gives the
+    replicated target's curve of the same layout, on 2 ranks at dp=2 (2 micro-batches, so 2 captures, per rank), tp=2
+    (DeepSpeed's data-parallel group of the draft is one rank) and cp=2, and on 4 ranks at tp2·cp2; under cp or tp the
+    target's forward is split over the cp·tp ranks (the ring inside ZeRO-3's layer gathers)."""
     target = _chat_target(tmp_path / "target", assets)  # all its vocabulary in the draft's: a random target's
     # argmax is anywhere in it
-    tp2 = {"parallelism": {"tp_size": 2, "cp_size": 1}}
-    runs = {"replicated": {}, "partitioned": {"target": SECTION},
-            "replicated_tp2": tp2, "partitioned_tp2": {"target": SECTION, **tp2}}
-    argvs = []
-    for name, changes in runs.items():
-        cfg = write_ds_config(tmp_path / f"{name}.json", base="zero3.json", train_batch_size=4,
-                              train_micro_batch_size_per_gpu=1, scheduler=None, **changes)
-        argvs.append(["--ds_config", str(cfg), "--target", str(target), "--data", str(assets.conversations),
-                      "--limit", "32", "--max-length", "64", "--output", str(tmp_path / name), "--max-steps", "3",
-                      "--draft-vocab-size", "49152", "--ttt-steps", "2", "--seed", "0", "--lm-head-init", "random",
-                      "--cache-dir", str(tmp_path / "cache"), "--no-export"])
-    ref, partitioned, ref_tp2, partitioned_tp2 = run_ranks(2, run_training, argvs, timeout=900)[0]
-    assert len(ref) == 3 and all(r["loss"] > 0 and min(r["valid"]) > 0 for r in ref)
-    assert_curves_close(ref, partitioned, 1e-6, "partitioned target, dp=2")
-    assert_curves_close(ref_tp2, partitioned_tp2, 1e-6, "partitioned target, tp=2")
-    recorded = json.loads((tmp_path / "partitioned" / "run_config.json").read_text())
+    layouts = {"dp2": (2, 1, 1), "tp2": (2, 2, 1), "cp2": (2, 1, 2), "tp2cp2": (4, 2, 2)}
+    argvs = {2: [], 4: []}
+    for layout, (world, tp, cp) in layouts.items():
+        for holding, changes in (("replicated", {}), ("partitioned", {"target": SECTION})):
+            name = f"{holding}_{layout}"
+            cfg = write_ds_config(tmp_path / f"{name}.json", base="zero3.json", train_batch_size=4,
+                                  train_micro_batch_size_per_gpu=1, scheduler=None,
+                                  parallelism={"tp_size": tp, "cp_size": cp}, **changes)
+            argvs[world].append(["--ds_config", str(cfg), "--target", str(target), "--data",
+                                 str(assets.conversations), "--limit", "32", "--max-length", "64", "--output",
+                                 str(tmp_path / name), "--max-steps", "3", "--draft-vocab-size", "49152",
+                                 "--ttt-steps", "2", "--seed", "0", "--lm-head-init", "random", "--cache-dir",
+                                 str(tmp_path / "cache"), "--no-export"])
+    curves = run_ranks(2, run_training, argvs[2], timeout=900)[0] + run_ranks(4, run_training, argvs[4],
+                                                                              timeout=900)[0]
+    for i, layout in enumerate(layouts):
+        ref, partitioned = curves[2 * i], curves[2 * i + 1]
+        assert len(ref) == 3 and all(r["loss"] > 0 and min(r["valid"]) > 0 for r in ref), layout
+        assert_curves_close(ref, partitioned, 1e-6, f"partitioned target, {layout}")
+        recorded = json.loads((tmp_path / f"partitioned_{layout}" / "run_config.json").read_text())
+        assert recorded["online_target"]["partitioned"], layout
+        assert recorded["online_target"]["forward_split"] == layouts[layout][1] * layouts[layout][2], layout
     assert recorded["target"] == SECTION and "target" not in recorded["deepspeed"]
 
 

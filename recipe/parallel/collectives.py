@@ -65,6 +65,19 @@ class Collectives:
         ``values`` came from (``values`` itself is left unchanged)."""
         return self._all_reduce(values, dist.ReduceOp.SUM, group)
 
+    def all_gather(self, values: torch.Tensor, group=None, out: list[torch.Tensor] | None = None
+                   ) -> list[torch.Tensor]:
+        """``[values of rank 0, values of rank 1, ...]`` of ``group``: every rank's tensor of the same shape and dtype,
+        on the device ``values`` came from (no copy when that is the run's device, as activations are). ``out``: one
+        contiguous tensor per rank on the run's device to receive them (views of a larger buffer, so the caller
+        places the pieces without another copy); returned as given."""
+        home = values.device
+        work = values.detach().to(self.device).contiguous()
+        received = out if out is not None else [torch.empty_like(work) for _ in range(dist.get_world_size(group))]
+        self.check(work, *received)
+        dist.all_gather(received, work, group=group)
+        return received if out is not None else [t.to(home) for t in received]
+
     def any(self, flag: bool, group=None) -> bool:
         """True on every rank iff ``flag`` is true on some rank of ``group`` (an int32 MAX all-reduce)."""
         return bool(self._all_reduce(torch.tensor([int(bool(flag))], dtype=torch.int32), dist.ReduceOp.MAX,

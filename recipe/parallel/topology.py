@@ -46,8 +46,10 @@ class ParallelState:
     Attributes: ``dims``, ``rank`` (global), ``coord`` (dp, cp, tp indices), ``topology`` (DeepSpeed's), ``device``
     (the run's device: ``device`` if given, else the backend's, ``recipe.parallel.collectives.backend_device``),
     ``comm`` (the :class:`~recipe.parallel.collectives.Collectives` on that device, through which the run issues its
-    flag/count/sum collectives), and per axis in {tp, cp, dp, dp_cp}: ``<axis>_group``, ``<axis>_ranks`` (global
-    ranks of this rank's group), ``<axis>_rank`` (index in it), ``<axis>_size``.
+    flag/count/sum collectives), and per axis in {tp, cp, dp, dp_cp, cp_tp}: ``<axis>_group``, ``<axis>_ranks``
+    (global ranks of this rank's group), ``<axis>_rank`` (index in it), ``<axis>_size``. ``cp_tp`` is every
+    model-parallel rank of this rank's dp replica, ordered cp-major (``cp_tp_rank = cp_rank · tp + tp_rank``): the
+    group over which the online target forward is split (``recipe.target.cp``).
     """
 
     def __init__(self, dims: ParallelDims, device: torch.device | str | None = None):
@@ -65,7 +67,7 @@ class ParallelState:
         self.coord = dims.coords(self.rank)
         if (coord.dp, coord.cp, coord.tp) != tuple(self.coord):
             raise AssertionError(f"rank grid mismatch with DeepSpeed's topology: {coord} vs {self.coord}")
-        for axis in ("tp", "cp", "dp", "dp_cp"):
+        for axis in ("tp", "cp", "dp", "dp_cp", "cp_tp"):
             group, ranks = None, None
             for member_ranks in self._comm_lists(axis):
                 new = dist.new_group(ranks=member_ranks)
@@ -79,6 +81,8 @@ class ParallelState:
     def _comm_lists(self, axis: str) -> list[list[int]]:
         if axis == "dp_cp":  # ranks sharing the tp coordinate
             return [self.topology.filter_match(tp=t) for t in range(self.dims.tp)]
+        if axis == "cp_tp":  # the model-parallel ranks of one dp replica, cp-major: index cp_rank·tp + tp_rank
+            return [self.topology.filter_match(dp=d) for d in range(self.dims.dp)]
         return self.topology.get_axis_comm_lists(axis)
 
     def mpu(self) -> "FlatMPU":

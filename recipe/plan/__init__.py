@@ -113,8 +113,10 @@ def predict_step(spec: BenchSpec, fit: ActivationFit | None = None) -> dict:
 class PlanInputs:
     """Everything a plan reads: ``spec`` (draft geometry, layout, tp, cp, dtype, backend; its seq_len is replaced
     per length), ``dp``, ``zero_stage``, ``reduce_bucket`` (elements), ``params`` (``states.DraftParams``),
-    ``target`` (``states.TargetShape``), ``offline``, ``partitioned_target``, ``gpu`` (name), ``gpu_bytes``, and
-    whether the bf16 run accumulates gradients (``fp32_grad_accum``) and reduces them (``fp32_comm``) in fp32."""
+    ``target`` (``states.TargetShape``), ``offline``, ``partitioned_target``, ``gpu`` (name), ``gpu_bytes``,
+    whether the bf16 run accumulates gradients (``fp32_grad_accum``) and reduces them (``fp32_comm``) in fp32,
+    whether the online target's attention runs through the ring (``ring_target``: its forward is then split over the
+    cp·tp ranks, ``recipe.target.cp``) and the argmax chunk (``argmax_chunk``, positions)."""
 
     spec: BenchSpec
     dp: int
@@ -128,6 +130,8 @@ class PlanInputs:
     gpu_bytes: int
     fp32_grad_accum: bool = False
     fp32_comm: bool = False
+    ring_target: bool = True
+    argmax_chunk: int = 1024
 
     @property
     def world(self) -> int:
@@ -157,8 +161,10 @@ def load_inputs(ds_config: Path, target: Path, gpu: str = "h200", world_size: in
     (``recipe.target.registry.draft_config_for``, draft vocab capped at V). ``tp`` / ``cp`` override the JSON's
     parallelism; ``world_size`` defaults to tp·cp (dp = 1). The attention backend is resolved for CUDA ("auto" →
     flex). Raises PlanError naming the input for a missing/bad file, layout or GPU name."""
+    import torch
+
     from recipe.config import ConfigError, load_run_config, read_ds_config
-    from recipe.target.registry import draft_config_for
+    from recipe.target.registry import arch_facts, draft_config_for
 
     try:
         size = gpu_bytes(gpu)
@@ -200,7 +206,9 @@ def load_inputs(ds_config: Path, target: Path, gpu: str = "h200", world_size: in
                       target=states.target_shape(hf), offline=offline,
                       partitioned_target=config.target.partitioned, gpu=str(gpu), gpu_bytes=size,
                       fp32_grad_accum=(config.deepspeed.get("data_types") or {}).get("grad_accum_dtype") == "fp32",
-                      fp32_comm=config.deepspeed.get("communication_data_type") == "fp32")
+                      fp32_comm=config.deepspeed.get("communication_data_type") == "fp32",
+                      ring_target=arch_facts(hf).ring_attention,
+                      argmax_chunk=mem.argmax_positions(int(hf.vocab_size), torch.bfloat16))
 
 
 def _check_length(inputs: PlanInputs, seq_len: int) -> None:
@@ -225,10 +233,12 @@ def plan_length(inputs: PlanInputs, seq_len: int, fit: ActivationFit | None = No
     out.update(states.zero_states(inputs.params, inputs.zero_stage, spec.cp * inputs.dp, spec.dtype == "bf16",
                                   inputs.reduce_bucket, inputs.fp32_grad_accum, inputs.fp32_comm))
     out["batch"] = states.batch_bytes(inputs.target, tokens, w, spec.ttt_steps)
-    out.update(states.target_bytes(inputs.target, tokens, inputs.world, inputs.partitioned_target, inputs.offline))
+    split = inputs.ring_target and spec.cp * spec.tp > 1  # recipe.train.setup.online_target's rule
+    out.update(states.target_bytes(inputs.target, tokens // spec.tp if split else tokens, inputs.world,
+                                   inputs.partitioned_target, inputs.offline, argmax_chunk=inputs.argmax_chunk))
     tensors = (sum(out[k] for k in ("weights", "grads", "optimizer", "zero_buffers", "batch", "target_weights"))
                + max(out["draft_activations"], out["target_forward"]))
-    out.update(states.overheads(spec.tp, spec.cp, inputs.dp, tensors))
+    out.update(states.overheads(spec.tp, spec.cp, inputs.dp, tensors, split and not inputs.offline))
     total = tensors + out["cuda_context"] + out["nccl"] + out["allocator_slack"]
     return {"length": seq_len, **{k: int(out[k]) for k in COMPONENTS}, "total": int(total),
             "fits": total <= inputs.gpu_bytes, "method": step["method"]}

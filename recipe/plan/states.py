@@ -22,9 +22,11 @@ subtracts them from the trace and counts them here, as ZeRO holds them.
 Online target (``recipe.target.partition.build_target``: bf16 on CUDA): weights replicated, or ZeRO-3
 partitioned over the world (the JSON's ``target.partition: "zero3"``, ``recipe.target.options``) plus the
 largest gathered piece (a decoder layer, the embedding or the lm_head) during its forward. Its no-grad forward at
-the rank's n = B·S/cp positions: one layer's larger live set, attention n·(3H + (Hq + 2Hkv)·D + Hq·D) or MLP
-n·(2H + 3I), in bf16, the argmax chunk [1024, V] fp32 (``TargetModel.capture``'s default chunk), plus the
-captured aux [n, 3H_t] and last hidden states [n, H_t] — which an offline run reads from its store instead (the batch).
+the rank's m positions (``recipe.target.cp``: m = B·S/(cp·tp) when split over the cp·tp ranks, the ring-routable
+architectures; else B·S/cp): one layer's larger live set, attention m·(3H + (Hq + 2Hkv)·D + Hq·D) or MLP
+m·(2H + 3I), in bf16, the argmax chunk [c, V] in bf16 (``memory.argmax_chunk_size``; by default sized from the
+vocabulary, ``MemoryOptions.argmax_positions``), plus the captured aux [n, 3H_t] and last hidden states [n, H_t]
+(n = B·S/cp, after the tp all-gather) — which an offline run reads from its store instead (the batch).
 """
 from __future__ import annotations
 
@@ -40,8 +42,6 @@ NCCL_BYTES_PER_COMMUNICATOR = int(0.25 * GIB)
 """NCCL buffers of one communicator this rank belongs to (until a GPU calibrates it)."""
 ALLOCATOR_SLACK = 0.05
 """Fraction of the tensor bytes lost to the caching allocator's fragmentation (until a GPU calibrates it)."""
-TARGET_ARGMAX_CHUNK = 1024
-"""Positions per lm_head chunk of the online target's argmax (``TargetModel.capture``'s default)."""
 DEFAULT_REDUCE_BUCKET = 500_000_000
 """DeepSpeed's default ``zero_optimization.reduce_bucket_size`` (elements)."""
 
@@ -179,10 +179,11 @@ def batch_bytes(t: TargetShape, tokens: int, dtype_bytes: int, ttt_steps: int) -
 
 
 def target_bytes(t: TargetShape, tokens: int, world: int, partitioned: bool, offline: bool,
-                 dtype_bytes: int = 2) -> dict[str, int]:
+                 dtype_bytes: int = 2, argmax_chunk: int = 1024) -> dict[str, int]:
     """The online target on one rank: ``target_weights`` (replicated, or / world under ZeRO-3 plus the largest
-    gathered piece) and ``target_forward`` (no-grad forward transient at ``tokens`` positions; module docstring).
-    Offline: both 0 (the store's aux states are the batch)."""
+    gathered piece) and ``target_forward`` (no-grad forward transient at the ``tokens`` positions the rank's forward
+    runs on, with ``argmax_chunk`` positions of [·, V] logits; module docstring). Offline: both 0 (the store's aux
+    states are the batch)."""
     if offline:
         return {"target_weights": 0, "target_forward": 0}
     w = dtype_bytes
@@ -192,17 +193,19 @@ def target_bytes(t: TargetShape, tokens: int, world: int, partitioned: bool, off
     attention_phase = 3 * t.hidden + (t.heads + 2 * t.kv_heads) * t.head_dim + t.heads * t.head_dim
     mlp_phase = 2 * t.hidden + 3 * t.intermediate  # residual, norm; up, act(gate), act·up
     layer_live = tokens * max(attention_phase, mlp_phase) * w
-    argmax = min(TARGET_ARGMAX_CHUNK, tokens) * t.vocab * 4
+    argmax = min(argmax_chunk, tokens) * t.vocab * w
     return {"target_weights": weights, "target_forward": layer_live + argmax}
 
 
-def communicators(tp: int, cp: int, dp: int) -> int:
-    """NCCL communicators one rank joins: the world and each of its tp, cp, dp and dp×cp groups, those of > 1 rank."""
-    return sum(1 for size in (tp * cp * dp, tp, cp, dp, dp * cp) if size > 1)
+def communicators(tp: int, cp: int, dp: int, split_target: bool = False) -> int:
+    """NCCL communicators one rank joins: the world and each of its tp, cp, dp and dp×cp groups, and the cp·tp group
+    of a split online target (``split_target``), those of > 1 rank."""
+    return sum(1 for size in (tp * cp * dp, tp, cp, dp, dp * cp, tp * cp if split_target else 1) if size > 1)
 
 
-def overheads(tp: int, cp: int, dp: int, tensor_bytes: int) -> dict[str, int]:
+def overheads(tp: int, cp: int, dp: int, tensor_bytes: int, split_target: bool = False) -> dict[str, int]:
     """The fixed overheads (stated constants): ``cuda_context``, ``nccl`` (per communicator) and ``allocator_slack``
     (``ALLOCATOR_SLACK`` of ``tensor_bytes``)."""
-    return {"cuda_context": CUDA_CONTEXT_BYTES, "nccl": communicators(tp, cp, dp) * NCCL_BYTES_PER_COMMUNICATOR,
+    return {"cuda_context": CUDA_CONTEXT_BYTES,
+            "nccl": communicators(tp, cp, dp, split_target) * NCCL_BYTES_PER_COMMUNICATOR,
             "allocator_slack": int(ALLOCATOR_SLACK * tensor_bytes)}

@@ -1,24 +1,33 @@
-"""The context-parallel target forward: each cp rank runs the frozen target on its own zigzag positions only.
+"""The online target forward split over the model-parallel ranks: each of the cp·tp ranks of a dp replica runs the
+frozen target on 1/(cp·tp) of the sequence, then the ranks exchange what the draft layout needs.
 
 The target's attention is routed through transformers' attention-function registry: ``CP_ATTENTION`` is registered
 with ``transformers.AttentionInterface`` and selected for the duration of a capture with
 ``model.set_attn_implementation``. The registered function runs the project's causal block
-(``kernels.attention_backends.make_causal_attention`` over the cp group: the ring, plain causal over GLOBAL positions,
-padding keys masked). What the function needs to know about the current call (the block, the query/key positions and
-the key validity) travels as the ``recipe_cp`` keyword argument of the decoder forward, which transformers hands
-through every decoder layer to the attention function; no state is kept between calls. RoPE comes from the explicit
-global ``position_ids``. A custom attention name has no mask function, so transformers builds no mask (the block does
-the masking).
+(``kernels.attention_backends.make_causal_attention`` over the cp·tp group: the ring, plain causal over GLOBAL
+positions, padding keys masked). What the function needs to know about the current call (the block, the query/key
+positions and the key validity) travels as the ``recipe_cp`` keyword argument of the decoder forward, which
+transformers hands through every decoder layer to the attention function; no state is kept between calls. RoPE comes
+from the explicit global ``position_ids``. A custom attention name has no mask function, so transformers builds no
+mask (the block does the masking).
 
-Per cp rank r (sequence S, a multiple of 2·cp; zigzag chunks r and 2·cp−1−r, ``recipe.parallel.cp_shard``) the
-capture keeps the aux hidden states of its S/cp positions, the target's last hidden state at its TTT label rows
-(``cp_shard.label_rows``: its positions plus up to K rows after each chunk, held by ranks r+1 and r−1) and the
-[B, S] target argmax (token-sized, like the input ids every rank has). The label rows beyond its chunks arrive with
-one sum over the cp group (``Collectives.sum``) of the few rows some rank needs and another holds (at most 2·K per
-rank), every other entry zero, so the sum is exact. No rank holds the full sequence's target activations.
+The split (N = cp·tp ranks, rank j = cp_rank·tp + tp_rank, the order of ``ParallelState.cp_tp_group``): the zigzag
+over N (``recipe.parallel.cp_shard.zigzag_indices(S, N, j)``: fine chunks j and 2N−1−j of 2N). Fine chunk
+cp_rank·tp + tp_rank lies in coarse chunk cp_rank of the draft's zigzag over cp, and fine chunk 2N−1−j =
+(2·cp−1−cp_rank)·tp + (tp−1−tp_rank) in its coarse chunk 2·cp−1−cp_rank: the tp ranks of one cp rank together hold
+exactly that cp rank's draft positions, and every rank's causal work is balanced (the zigzag over N). The exchange:
 
-Tensor-parallel ranks of one cp rank each run this same forward (replicated, over their own cp group's ring): the
-kept activations are the same size either way and no tp communication is needed (docs/results/target_cpu.json).
+1. aux states and last hidden rows: one all-gather over the tp group (``Collectives.all_gather``), reordered into
+   the cp rank's zigzag order (first halves by tp rank, then second halves in reverse): S/cp rows a rank, as the
+   draft under cp uses, never the full sequence;
+2. the label rows beyond the cp rank's chunks (its positions plus K rows after each chunk, ``cp_shard.label_rows``):
+   one sum over the cp group of the few rows some cp rank needs and another holds (at most 2·K per rank), every
+   other entry zero, so the sum is exact;
+3. the [B, S] int64 argmax (token-sized, like the input ids every rank has): each rank's rows, summed over cp·tp.
+
+Every byte received is counted in :class:`TargetExchangeCounts` (``CPTarget.counts``). At tp = 1 step 1 is absent and
+this is the plain context-parallel target; at cp = 1, tp > 1 the tp ranks share the forward instead of each running
+it whole.
 """
 from __future__ import annotations
 
@@ -97,6 +106,19 @@ def attention_implementation(model, name: str):
 
 
 @dataclass
+class TargetExchangeCounts:
+    """Cumulative counters of one ``CPTarget`` (this rank): captures, positions its target forward ran on, and the
+    bytes it received in each exchange (module docstring): ``gathered_bytes`` the aux + last hidden rows of its tp
+    peers, ``halo_bytes`` the label-row sum over cp (the summed tensor's size), ``argmax_bytes`` the argmax sum."""
+
+    captures: int = 0
+    forward_positions: int = 0
+    gathered_bytes: int = 0
+    halo_bytes: int = 0
+    argmax_bytes: int = 0
+
+
+@dataclass
 class CPTargetCapture:
     """One cp rank's part of a target forward (cp rank r of cp, padded sequence S, K TTT steps; target dtype/device).
 
@@ -111,29 +133,48 @@ class CPTargetCapture:
 
 
 class CPTarget:
-    """A ``TargetModel`` run context-parallel over a cp group (module docstring).
+    """A ``TargetModel`` run split over the cp·tp ranks of a dp replica (module docstring).
 
     Args:
-        target: the loaded ``TargetModel`` (its architecture's ``ring_attention`` must be true:
-            ``recipe.target.registry``).
+        target: the loaded ``TargetModel`` or ``PartitionedTargetModel`` (its architecture's ``ring_attention``
+            must be true: ``recipe.target.registry``).
         comm: the run's ``recipe.parallel.collectives.Collectives`` (``ParallelState.comm``).
         cp_group, cp_size, cp_rank: the context-parallel group of this rank, its size and this rank's index in it.
         attention_backend, tile_size: the causal block's kernel and tile (``make_causal_attention``; the run's
-            ``memory`` section).
+            ``kernels.attention`` and ``memory.attention_tile_size``).
         argmax_chunk_size: positions per lm_head matmul of the argmax (``lm_head_argmax``): at most this many
             [·, V] logits rows exist at once.
-    Raises ValueError for an unsupported model type (``check_cp_target``) or backend.
+        tp_group, tp_size, tp_rank: the tensor-parallel group of this rank (tp_size 1: none).
+        ring_group: the cp·tp group (``ParallelState.cp_tp_group``: ranks ordered cp_rank·tp + tp_rank); needed
+            when tp_size > 1 (at tp 1 the ring is the cp group).
+    Raises ValueError for an unsupported model type (``check_cp_target``) or backend, or tp_size > 1 without a
+    ring group. Use :meth:`from_state` with a ``ParallelState``.
     """
 
     def __init__(self, target: TargetModel, comm, cp_group, cp_size: int, cp_rank: int,
-                 attention_backend: str = "auto", tile_size: int | None = None, argmax_chunk_size: int = 1024):
+                 attention_backend: str = "auto", tile_size: int | None = None, argmax_chunk_size: int = 1024, *,
+                 tp_group=None, tp_size: int = 1, tp_rank: int = 0, ring_group=None):
         from kernels.attention_backends import make_causal_attention
 
         check_cp_target(target.config)
-        self.target, self.comm, self.cp_group = target, comm, cp_group
-        self.cp_size, self.cp_rank, self.argmax_chunk_size = cp_size, cp_rank, argmax_chunk_size
+        if tp_size > 1 and ring_group is None:
+            raise ValueError(f"CPTarget over tp_size={tp_size} needs the cp·tp ring_group (ParallelState.cp_tp_group)")
+        self.target, self.comm, self.cp_group, self.tp_group = target, comm, cp_group, tp_group
+        self.cp_size, self.cp_rank, self.tp_size, self.tp_rank = cp_size, cp_rank, tp_size, tp_rank
+        self.argmax_chunk_size = argmax_chunk_size
+        self.ring_group = ring_group if tp_size > 1 else cp_group
+        self.ring_size, self.ring_rank = cp_size * tp_size, cp_rank * tp_size + tp_rank
         self.block = make_causal_attention(attention_backend, tile_size, target.device,
-                                           cp_group if cp_size > 1 else None)
+                                           self.ring_group if self.ring_size > 1 else None)
+        self.counts = TargetExchangeCounts()
+
+    @classmethod
+    def from_state(cls, target: TargetModel, pstate, attention_backend: str = "auto", tile_size: int | None = None,
+                   argmax_chunk_size: int = 1024) -> "CPTarget":
+        """The target split over ``pstate``'s (a ``recipe.parallel.topology.ParallelState``) cp·tp group."""
+        return cls(target, pstate.comm, pstate.cp_group, pstate.cp_size, pstate.cp_rank, attention_backend,
+                   tile_size, argmax_chunk_size, tp_group=pstate.tp_group, tp_size=pstate.tp_size,
+                   tp_rank=pstate.tp_rank, ring_group=pstate.cp_tp_group)
 
     @property
     def device(self) -> torch.device:
@@ -144,33 +185,53 @@ class CPTarget:
                 ) -> CPTargetCapture:
         """This rank's ``CPTargetCapture`` of the FULL padded micro-batch ``input_ids_BS`` [B, S] int64 with
         ``attention_mask_BS`` [B, S] (1 token, 0 padding; right padding), for K = ``ttt_steps``. A collective over
-        the cp group. With the mask on the CPU (the batch builder's), the ring decides its tile pairs from host copies
-        of every rank's positions/validity (``kernels.host_positions``), without a device sync per hop. Raises
-        ValueError when S is not a multiple of 2·cp.
+        the cp·tp group (and its tp and cp groups). With the mask on the CPU (the batch builder's), the ring decides
+        its tile pairs from host copies of every rank's positions/validity (``kernels.host_positions``), without a
+        device sync per hop. Raises ValueError when S is not a multiple of 2·cp·tp.
         """
-        t = self.target
+        t, n, j = self.target, self.ring_size, self.ring_rank
         b, s = input_ids_BS.shape
-        pos = zigzag_indices(s, self.cp_size, self.cp_rank).to(t.device)
+        pos = zigzag_indices(s, n, j).to(t.device)
         ids = input_ids_BS.to(t.device)[:, pos]
         call = CPAttentionCall(self.block, pos.expand(b, -1).contiguous(),
                                attention_mask_BS.to(t.device)[:, pos].bool(), s)
         if attention_mask_BS.device.type == "cpu":  # every rank's positions/validity on the host: the ring's pairs
             from kernels.host_positions import attach_host_copies
 
-            mine = [zigzag_indices(s, self.cp_size, r) for r in range(self.cp_size)]
-            attach_host_copies(call.position_ids_BS, [m.expand(b, -1).contiguous() for m in mine], self.cp_rank)
-            attach_host_copies(call.key_valid_BS, [attention_mask_BS[:, m].bool() for m in mine], self.cp_rank)
+            mine = [zigzag_indices(s, n, r) for r in range(n)]
+            attach_host_copies(call.position_ids_BS, [m.expand(b, -1).contiguous() for m in mine], j)
+            attach_host_copies(call.key_valid_BS, [attention_mask_BS[:, m].bool() for m in mine], j)
         with attention_implementation(t.model, CP_ATTENTION), \
                 capture_layer_outputs(t.layers, t.aux_layer_ids) as captured:
             out = t.decoder(input_ids=ids, position_ids=call.position_ids_BS, use_cache=False, recipe_cp=call)
         aux = torch.cat([captured[i] for i in t.aux_layer_ids], dim=-1)
+        del captured
         last = out.last_hidden_state
         argmax = torch.zeros(b, s, dtype=torch.int64, device=t.device)
         with t.full_lm_head() as head_VH:
             argmax[:, pos] = lm_head_argmax(last, head_VH, self.argmax_chunk_size)
-        argmax = self.comm.sum(argmax, group=self.cp_group) if self.cp_size > 1 else argmax
+        self.counts.captures += 1
+        self.counts.forward_positions += b * pos.numel()
+        if n > 1:
+            argmax = self.comm.sum(argmax, group=self.ring_group)
+            self.counts.argmax_bytes += argmax.numel() * argmax.element_size()
+        if self.tp_size > 1:
+            aux, last = self._gather_tp(aux), self._gather_tp(last)
         return CPTargetCapture(aux_hidden_BSA=aux, label_hidden_BUH=self._label_hidden(last, s, ttt_steps),
                                argmax_BS=argmax)
+
+    def _gather_tp(self, rows_BNX: torch.Tensor) -> torch.Tensor:
+        """[B, S/(cp·tp), X] this rank's rows -> [B, S/cp, X] its cp rank's rows in ``zigzag_indices(S, cp,
+        cp_rank)`` order: tp rank t holds fine chunk t of the cp rank's first chunk and fine chunk tp−1−t of its
+        second (module docstring). Two all-gathers (first halves, second halves) land every piece in its place of a
+        [2, tp, B, S/(2·cp·tp), X] buffer, which is the result's memory for B = 1 (no reordering copy)."""
+        b, n, x = rows_BNX.shape
+        half, tp = n // 2, self.tp_size
+        buf = rows_BNX.new_empty(2, tp, b, half, x)
+        self.comm.all_gather(rows_BNX[:, :half], group=self.tp_group, out=list(buf[0]))
+        self.comm.all_gather(rows_BNX[:, half:], group=self.tp_group, out=list(buf[1])[::-1])
+        self.counts.gathered_bytes += (tp - 1) * rows_BNX.numel() * rows_BNX.element_size()
+        return buf.permute(2, 0, 1, 3, 4).reshape(b, 2 * tp * half, x)
 
     def _label_hidden(self, last_BSH: torch.Tensor, seq_len: int, ttt_steps: int) -> torch.Tensor:
         """[B, U, H_t] this rank's label rows: its own from ``last_BSH`` (its zigzag positions), the others from
@@ -193,5 +254,6 @@ class CPTarget:
             held = owner[halo] == r
             sent[:, held.to(dev)] = last_BSH[:, local[halo[held]].to(dev)]
             received = self.comm.sum(sent, group=self.cp_group)
+            self.counts.halo_bytes += received.numel() * received.element_size()
             out[:, (~mine).to(dev)] = received[:, torch.searchsorted(halo, rows[~mine]).to(dev)]
         return out

@@ -3,9 +3,10 @@
 Every TTT shift is computed on the full, padded token sequence (``recipe.model.ttt.make_ttt_batch``; every rank
 has the tokens) and only then is the batch zigzag-split across context-parallel ranks (``recipe.parallel.cp_shard``),
 so no rank needs its neighbour's tokens. The hidden states are local: offline a cp rank reads only its rows of the
-store (``rows_needed``); online with cp > 1 the target itself runs context-parallel
-(``recipe.target.cp.CPTarget``): each cp rank computes the aux states of its zigzag positions and the last hidden
-states of its label rows, never the full sequence's. Tensor-parallel ranks read the same samples.
+store (``rows_needed``); online with cp·tp > 1 the target itself runs split over the cp·tp ranks
+(``recipe.target.cp.CPTarget``): each rank runs it on 1/(cp·tp) of the sequence, then each cp rank has the aux
+states of its zigzag positions and the last hidden states of its label rows, never the full sequence's.
+Tensor-parallel ranks read the same samples.
 """
 from __future__ import annotations
 
@@ -71,8 +72,8 @@ class BatchBuilder:
     Args:
         examples: ``datasets.Dataset`` with ``input_ids``/``loss_mask`` columns (online) or None.
         store: ``recipe.data.store.HiddenStateStore`` (offline) or None.
-        target: online, a ``recipe.target.capture.TargetModel`` (cp = 1) or a ``recipe.target.cp.CPTarget``
-            over this rank's cp group (cp > 1); None offline.
+        target: online, a ``recipe.target.capture.TargetModel`` (run whole on this rank; cp = 1) or a
+            ``recipe.target.cp.CPTarget`` (split over this rank's cp·tp group; required at cp > 1); None offline.
         t2d: [V] bool draft-vocabulary mask; copied once to the target's device online (where the target's argmax
             is computed), kept on the CPU offline (where the store's ``target_argmax`` is read).
     The in-draft-vocabulary flag of a position is the lookup ``t2d[target argmax]``: the argmax comes from the store
@@ -81,6 +82,8 @@ class BatchBuilder:
         ttt_steps: K.  seq_divisor: pad the sequence to a multiple of this (2·cp·tp).
         cp_size, cp_rank: context-parallel layout (1, 0 for none).
         device, dtype: where and in which float dtype the draft consumes the batch.
+        argmax_chunk_size: positions per argmax matmul of a whole-sequence ``TargetModel`` (a ``CPTarget`` has its
+            own).
 
     Host vs device. Offline, everything up to the finished CPU ``TTTBatch`` is host work (``tokens``, ``read``; on a
     CUDA device the CPU batch is put in pinned memory there) and ``build`` copies it to the device with
@@ -90,18 +93,19 @@ class BatchBuilder:
     """
 
     def __init__(self, *, examples=None, store=None, target=None, t2d, ttt_steps, seq_divisor,
-                 cp_size=1, cp_rank=0, device=torch.device("cpu"), dtype=torch.float32):
+                 cp_size=1, cp_rank=0, device=torch.device("cpu"), dtype=torch.float32, argmax_chunk_size=1024):
         if (examples is None) == (store is None):
             raise ValueError("BatchBuilder needs exactly one of examples (online) or store (offline)")
         if examples is not None and target is None:
             raise ValueError("online mode needs the target model")
-        if examples is not None and cp_size > 1:
-            from recipe.target.cp import CPTarget
+        from recipe.target.cp import CPTarget
 
-            if not isinstance(target, CPTarget):
-                raise ValueError(f"online training with cp_size={cp_size} needs a recipe.target.cp.CPTarget, "
-                                 f"got {type(target).__name__}")
+        self.split_target = isinstance(target, CPTarget)
+        if examples is not None and cp_size > 1 and not self.split_target:
+            raise ValueError(f"online training with cp_size={cp_size} needs a recipe.target.cp.CPTarget, "
+                             f"got {type(target).__name__}")
         self.examples, self.store, self.target = examples, store, target
+        self.argmax_chunk_size = argmax_chunk_size
         self.t2d = t2d.to(target.device) if target is not None else t2d
         self.ttt_steps, self.seq_divisor = ttt_steps, seq_divisor
         self.cp_size, self.cp_rank = cp_size, cp_rank
@@ -197,10 +201,10 @@ class BatchBuilder:
             ttt = staged[1]
         elif self.store is not None:
             ttt = self.read(host)
-        elif self.cp_size > 1:
+        elif self.split_target:
             ttt = self._cp_online(host.input_ids_BS, host.loss_mask_BS, host.attention_BS)
         else:
-            cap = self.target.capture(host.input_ids_BS, host.attention_BS)
+            cap = self.target.capture(host.input_ids_BS, host.attention_BS, self.argmax_chunk_size)
             dev = cap.aux_hidden_BSA.device
             ttt = make_ttt_batch(host.input_ids_BS.to(dev), host.loss_mask_BS.to(dev), host.attention_BS.to(dev),
                                  cap.aux_hidden_BSA, cap.last_hidden_BSH,
@@ -238,7 +242,7 @@ class BatchBuilder:
         return self._executor.submit(lambda: (host, self.read(host)))
 
     def _cp_online(self, input_ids, loss_mask, attention) -> TTTBatch:
-        """This rank's TTT batch from the context-parallel target forward (``CPTarget.capture``): the shifts are
+        """This rank's TTT batch from the split target forward (``CPTarget.capture``): the shifts are
         made on the full token sequence with empty hidden states, the batch is sharded, then the local aux states
         and label rows are put in (``shard_ttt_batch`` orders the label rows as ``cp_shard.label_rows`` does)."""
         from recipe.parallel.cp_shard import shard_ttt_batch

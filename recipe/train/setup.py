@@ -292,22 +292,15 @@ def build_run(args: TrainArgs, device: torch.device, console: Console) -> RunPar
     if args.freeze_lm_head:  # whichever module holds lm_head now (vocab-parallel under tp)
         model.draft.lm_head.weight.requires_grad_(False)
 
-    target = None
-    if examples is not None:  # replicated, or ZeRO-3 partitioned over the world (the JSON's "target" section)
-        from recipe.target.partition import build_target
-
-        target = build_target(args.target, config.target, aux_layer_ids=draft_config.aux_layer_ids,
-                              dtype=torch.bfloat16 if device.type == "cuda" else torch.float32, device=device)
-        if dims.cp > 1:
-            from recipe.target.cp import CPTarget
-
-            target = CPTarget(target, pstate.comm, pstate.cp_group, dims.cp, pstate.cp_rank,
-                              config.kernels.attention, memory.attention_tile_size)
+    target, argmax_chunk = None, None
+    if examples is not None:
+        target, argmax_chunk = online_target(args, config, pstate, draft_config, hf_config, device)
 
     def batch_builder(rows, hidden_states) -> BatchBuilder:  # training and held-out samples alike
         return BatchBuilder(examples=rows, store=hidden_states, target=target, t2d=vocab.t2d,
                             ttt_steps=args.ttt_steps, seq_divisor=dims.seq_divisor, cp_size=dims.cp,
-                            cp_rank=pstate.cp_rank, device=device, dtype=config.dtype)
+                            cp_rank=pstate.cp_rank, device=device, dtype=config.dtype,
+                            argmax_chunk_size=argmax_chunk or 1024)
 
     builder = batch_builder(examples, store)
     sampler = StepSampler(len(builder), config.plan.global_batch, args.seed)
@@ -325,6 +318,38 @@ def build_run(args: TrainArgs, device: torch.device, console: Console) -> RunPar
                     validator=validator, run_identity=identity, resharding=resharding)
 
 
+def online_target(args: TrainArgs, config: RunConfig, pstate: ParallelState, draft_config, hf_config,
+                  device: torch.device):
+    """``(target, argmax_chunk_size)`` of an online run: the target replicated, or ZeRO-3 partitioned over the world
+    (the JSON's ``target`` section), in bfloat16 on CUDA and float32 on the CPU; split over the cp·tp ranks of each
+    dp replica (``recipe.target.cp.CPTarget``) when cp > 1, or tp > 1 and its architecture's attention runs through
+    the ring (``recipe.target.registry``: otherwise every tp rank runs it whole). Raises ValueError at cp > 1 for a
+    target the ring cannot run."""
+    from recipe.target.cp import CPTarget
+    from recipe.target.partition import build_target
+    from recipe.target.registry import arch_facts
+
+    dims = config.dims
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    argmax_chunk = config.memory.argmax_positions(hf_config.vocab_size, dtype)
+    target = build_target(args.target, config.target, aux_layer_ids=draft_config.aux_layer_ids, dtype=dtype,
+                          device=device)
+    if dims.cp > 1 or (dims.tp > 1 and arch_facts(hf_config).ring_attention):
+        target = CPTarget.from_state(target, pstate, config.kernels.attention, config.memory.attention_tile_size,
+                                     argmax_chunk)
+    return target, argmax_chunk
+
+
+def online_target_record(builder: BatchBuilder) -> dict:
+    """How an online run's target runs: ``forward_split`` (ranks sharing each forward: cp·tp when split, else 1),
+    ``partitioned`` (ZeRO-3 over the world) and ``argmax_chunk_size`` (positions per argmax matmul)."""
+    target = builder.target
+    split = getattr(target, "ring_size", 1)
+    whole = getattr(target, "target", target)
+    return {"forward_split": split, "partitioned": bool(getattr(whole, "partitioned", False)),
+            "argmax_chunk_size": target.argmax_chunk_size if builder.split_target else builder.argmax_chunk_size}
+
+
 def layout_state(config: RunConfig) -> dict:
     """The run-state keys of ``recipe.train.resume_checks.LAYOUT_KEYS`` for ``config`` (before the engine exists)."""
     d, ds = config.dims, config.deepspeed
@@ -337,7 +362,7 @@ def layout_state(config: RunConfig) -> dict:
 def write_resolved_config(args: TrainArgs, parts: RunParts, console: Console | None = None) -> None:
     """OUTPUT/run_config.json (rank 0): ``args`` (the flags), the resolved settings (``RunConfig.record``:
     ``deepspeed``, ``parallelism``, ``batch``, ``memory``, ``kernels``, ``dtype``, ``total_steps``, ``monitor``,
-    ``target``) and ``draft_config``. Call it once every check has passed (after the ``Trainer`` is built: a refused
+    ``target``), ``draft_config`` and, online, ``online_target`` (:func:`online_target_record`). Call it once every check has passed (after the ``Trainer`` is built: a refused
     resume leaves the folder as it was). With ``--overwrite`` it first deletes the previous run's
     :data:`RUN_ARTEFACTS`."""
     if dist.get_rank() != 0:
@@ -348,5 +373,7 @@ def write_resolved_config(args: TrainArgs, parts: RunParts, console: Console | N
             console.print(f"--overwrite: deleted the previous run's {', '.join(removed)} in {args.output}")
     record = {"args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
               **parts.config.record(), "draft_config": parts.draft_config.to_hf_dict()}
+    if parts.builder.target is not None:
+        record["online_target"] = online_target_record(parts.builder)
     args.output.mkdir(parents=True, exist_ok=True)
     (args.output / "run_config.json").write_text(json.dumps(record, indent=2, default=str) + "\n")
