@@ -10,11 +10,11 @@ import copy
 import pytest
 import torch
 import torch.distributed as dist
-from torch.utils._python_dispatch import TorchDispatchMode
-
 from helpers.cases import PARITY, assert_same_run, build_case, run_model, step_weights
 from helpers.parity import full_grads, max_rel
 from helpers.ranks import run_ranks
+from torch.utils._python_dispatch import TorchDispatchMode
+
 from recipe.config import KernelOptions, MemoryOptions
 from recipe.model.tiled_mlp import MLPTiling, tiled_norm_mlp
 from recipe.model.ttt import TTTModel
@@ -154,7 +154,8 @@ def _tp_worker(rank, world):
         draft, head_VH, batch = build_case(seed=2, K=K, seq_len=TP_SEQ, geometry=PARITY)
         ref = run_model(TTTModel(copy.deepcopy(draft), head_VH), batch)
         model = parallelize(TTTModel(draft, head_VH, checkpoint_steps=ckpt), pstate,
-                            MemoryOptions(attention_tile_size=None, mlp_tile_size=tile), kernel_options=KernelOptions("tiled"))
+                            MemoryOptions(attention_tile_size=None, mlp_tile_size=tile),
+                            kernel_options=KernelOptions("tiled"))
         got = run_model(model, batch)
         out[(tile, ckpt)] = {"ref": ref, "loss": got[0], "aux_grad": got[2],
                              "grads": full_grads(model, pstate.cp_group, pstate.tp_group),
@@ -255,3 +256,23 @@ def test_zero3_tiled_training_matches_untiled(two_ranks):
             # relative to the tensor's scale: Adam's g/sqrt(v) turns the ~1e-7 relative differences of the summed
             # tile gradients into up to ~1e-5 of the step size on entries whose gradient is near zero
             assert max_rel(params[name], value) <= 1e-5, name
+
+
+def test_planner_trace_sees_the_tiling():
+    """The fake-tensor trace (``recipe.plan``) runs the tiled step: its peak drops by more than four [S, I] fp32
+    tensors (the untiled SwiGLU's), and ``--mlp-tile`` parses into one value per table."""
+    from recipe.plan.__main__ import build_parser
+    from recipe.plan.spec import BenchSpec
+    from recipe.plan.trace import trace_lengths, trace_step
+
+    # a wide MLP and a small vocabulary, so the SwiGLU tensors set the peak (traced: 490 MB -> 180 MB)
+    spec = BenchSpec(seq_len=4096, layout="chunked+ckpt", ttt_steps=2, draft_vocab=256, vocab=256, intermediate=4096)
+    untiled = trace_step(spec).step_bytes
+    tiled = trace_step(BenchSpec(**{**spec.__dict__, "mlp_tile": 512})).step_bytes
+    assert untiled - tiled > 4 * 4096 * spec.intermediate * 4, (untiled, tiled)  # four [S, I] fp32 tensors
+    assert all(n % 6000 == 0 for n in trace_lengths(BenchSpec(seq_len=4096, cp=2, mlp_tile=3000)))  # whole tiles
+    with pytest.raises(ValueError, match="mlp tile"):
+        BenchSpec(seq_len=4096, mlp_tile=0)
+    args = build_parser().parse_args(["--ds_config", "x.json", "--target", "t", "--length", "4k", "--mlp-tile",
+                                      "none,0,4096"])
+    assert args.mlp_tile == [None, None, 4096]

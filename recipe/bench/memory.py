@@ -1,8 +1,8 @@
 """Memory report: peak memory per rank and time of a TTT training step vs sequence length, per layout.
 
 ``python -m recipe.bench.memory --lengths 2k,4k,8k [--tp N --cp N] [--draft-vocab V] [--hidden H] [--budget-gib X]
-[--attention-tile T] [--mlp-tile M] [--json OUT] [--plot OUT.png]`` measures forward + backward of ``TTTModel`` on random aux
-states (no target) for each length and layout (``full`` logits, ``chunked`` loss, ``ckpt`` per-step checkpointing,
+[--attention-tile T] [--mlp-tile M] [--json OUT] [--plot OUT.png]`` measures forward + backward of ``TTTModel`` on
+random aux states (no target) for each length and layout (``full`` logits, ``chunked`` loss, ``ckpt`` per-step checkpointing,
 ``chunked+ckpt``), each in fresh processes (``recipe.bench.measure``), with the causal block tiled at T positions as training does (0: the
 dense block) and the draft's norm + MLP in sequence tiles of M positions (``memory.mlp_tile_size``; 0, the
 default: untiled), prints the measurement beside the planner's prediction (``recipe.plan.predict_step``: a fake-tensor
