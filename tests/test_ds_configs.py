@@ -80,6 +80,7 @@ def test_config_resolves_at_its_world_size(path, monkeypatch):
     if "_world_size" in raw:  # the recipes for real targets: bf16, documented, every memory switch on
         assert run.bf16 and len(raw["_comment"]) > 200 and f"--ds_config ds_configs/{path.name}" in raw["_comment"]
         assert run.memory.loss_chunk_size and run.memory.checkpoint_ttt_steps and run.memory.attention_tile_size
+        assert run.memory.mlp_tile_size == 4096  # the long-context recipes tile the draft MLP
         assert name.endswith(f"_{world}gpu")
 
 

@@ -85,8 +85,8 @@ def build_model(spec: BenchSpec, device: torch.device, pstate=None):
     head = torch.randn(spec.draft_vocab, spec.target_hidden, generator=torch.Generator().manual_seed(spec.seed + 1))
     chunked, ckpt = LAYOUTS[spec.layout]
     model = TTTModel(draft, head, loss_chunk_size=spec.loss_chunk_size if chunked else None, checkpoint_steps=ckpt)
-    parallelize(model, pstate, MemoryOptions(attention_tile_size=spec.attention_tile), device,
-                KernelOptions(attention=spec.attention_backend))
+    parallelize(model, pstate, MemoryOptions(attention_tile_size=spec.attention_tile, mlp_tile_size=spec.mlp_tile),
+                device, KernelOptions(attention=spec.attention_backend))
     return model.to(device=device, dtype=DTYPES[spec.dtype])
 
 

@@ -1,10 +1,11 @@
 """Memory report: peak memory per rank and time of a TTT training step vs sequence length, per layout.
 
 ``python -m recipe.bench.memory --lengths 2k,4k,8k [--tp N --cp N] [--draft-vocab V] [--hidden H] [--budget-gib X]
-[--attention-tile T] [--json OUT] [--plot OUT.png]`` measures forward + backward of ``TTTModel`` on random aux
-states (no target) for each length and layout (``full`` logits, ``chunked`` loss, ``ckpt`` per-step checkpointing,
+[--attention-tile T] [--mlp-tile M] [--json OUT] [--plot OUT.png]`` measures forward + backward of ``TTTModel`` on
+random aux states (no target) for each length and layout (``full`` logits, ``chunked`` loss, ``ckpt`` per-step checkpointing,
 ``chunked+ckpt``), each in fresh processes (``recipe.bench.measure``), with the causal block tiled at T positions as training does (0: the
-dense block), prints the measurement beside the planner's prediction (``recipe.plan.predict_step``: a fake-tensor
+dense block) and the draft's norm + MLP in sequence tiles of M positions (``memory.mlp_tile_size``; 0, the
+default: untiled), prints the measurement beside the planner's prediction (``recipe.plan.predict_step``: a fake-tensor
 trace of the same step), and the longest length per layout whose peak fits the budget. Once a layout exceeds
 the budget, or its predicted peak exceeds ``--skip-predicted-gib``, its longer lengths are not run (so the report
 cannot exhaust the machine; ``--run-over-budget`` keeps measuring past the budget).
@@ -62,6 +63,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--loss-chunk-size", type=int, default=1024, help="positions per loss chunk (chunked layouts)")
     p.add_argument("--attention-tile", type=int, default=1024,
                    help="positions per causal-attention tile (kernels.tiled_attention); 0: dense [S, S] scores")
+    p.add_argument("--mlp-tile", type=int, default=0,
+                   help="positions per sequence tile of the draft's norm + MLP (memory.mlp_tile_size); 0: untiled")
     p.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
     p.add_argument("--device", choices=["cpu", "cuda"], help="default: cuda when available")
     p.add_argument("--steps", type=int, default=1, help="steps per measurement (time: mean after the first)")
@@ -85,7 +88,7 @@ def make_spec(args, length: int, layout: str) -> BenchSpec:
                      vocab=args.vocab or args.draft_vocab, target_hidden=args.target_hidden or args.hidden,
                      ttt_steps=args.ttt_steps, batch=args.batch, tp=args.tp, cp=args.cp, dtype=args.dtype,
                      device=args.device, loss_chunk_size=args.loss_chunk_size,
-                     attention_tile=args.attention_tile or None, steps=args.steps)
+                     attention_tile=args.attention_tile or None, mlp_tile=args.mlp_tile or None, steps=args.steps)
 
 
 def run_report(args, console: Console) -> dict:
@@ -142,8 +145,10 @@ def chunked_vs_full(results: list[dict]) -> dict | None:
 def print_report(report: dict, console: Console) -> None:
     cfg = report["config"]
     tile = cfg.get("attention_tile") or "dense"
+    mlp = f"MLP tile {cfg['mlp_tile']}" if cfg.get("mlp_tile") else "untiled MLP"
     table = Table(title=f"TTT step memory per rank (K={cfg['ttt_steps']}, Vd={cfg['draft_vocab']}, H={cfg['hidden']}, "
-                        f"tp={cfg['tp']}, cp={cfg['cp']}, attention tile {tile}, {cfg['dtype']}, {cfg['device']})")
+                        f"tp={cfg['tp']}, cp={cfg['cp']}, attention tile {tile}, {mlp}, {cfg['dtype']}, "
+                        f"{cfg['device']})")
     for col in ("length", "layout", "peak GiB", "step Δ GiB", "pred. step GiB", "pred. peak GiB", "s/step", "tok/s",
                 "status"):
         table.add_column(col, justify="left" if col in ("layout", "status") else "right", no_wrap=True)
@@ -208,6 +213,8 @@ def main(argv: list[str] | None = None) -> int:
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
     if args.attention_tile < 0:
         parser.error("--attention-tile must be >= 0 (0: dense attention)")
+    if args.mlp_tile < 0:
+        parser.error("--mlp-tile must be >= 0 (0: untiled)")
     if args.skip_predicted_gib is None and args.device == "cpu":
         available = _available_gib()
         args.skip_predicted_gib = round(0.6 * available, 1) if available else None

@@ -18,6 +18,7 @@ from transformers.models.llama.modeling_llama import LlamaRMSNorm, LlamaRotaryEm
 from kernels.block_attention import block_attention
 from kernels.ttt_attention import TTTKVCache
 from recipe.model.draft_config import Eagle3DraftConfig
+from recipe.model.tiled_mlp import MLPTiling, tiled_norm_mlp
 
 EXPORT_EXCLUDED_KEYS = ("embed_tokens.weight",)  # the target's frozen embedding: inference engines take their own
 
@@ -69,7 +70,14 @@ class Eagle3MLP(nn.Module):
 
 
 class Eagle3DecoderLayer(nn.Module):
-    """The draft's midlayer: attention over ``cat([input_layernorm(emb), hidden_norm(h)])``, residual stream ``h``."""
+    """The draft's midlayer: attention over ``cat([input_layernorm(emb), hidden_norm(h)])``, residual stream ``h``.
+
+    ``mlp_tiling``: a ``recipe.model.tiled_mlp.MLPTiling`` (None, the default: untiled): when set and the sequence
+    is longer than one tile, ``post_attention_layernorm`` + ``mlp`` run in sequence tiles recomputed in backward
+    (``tiled_norm_mlp``); ``recipe.parallel.parallelize`` sets it from ``memory.mlp_tile_size``.
+    """
+
+    mlp_tiling: MLPTiling | None = None
 
     def __init__(self, config: Eagle3DraftConfig):
         super().__init__()
@@ -83,6 +91,9 @@ class Eagle3DecoderLayer(nn.Module):
         """Returns the layer output [B, S, H] (before the final norm): ``h + attn(...)``, then ``+ mlp(norm(.))``."""
         x_BS2H = torch.cat([self.input_layernorm(emb_BSH), self.hidden_norm(hidden_BSH)], dim=-1)
         h_BSH = hidden_BSH + self.self_attn(x_BS2H, cos_BSD, sin_BSD, position_ids_BS, key_valid_BS, kv_cache)
+        tiling = self.mlp_tiling
+        if tiling is not None and tiling.applies_to(h_BSH.shape[1]):
+            return h_BSH + tiled_norm_mlp(self.post_attention_layernorm, self.mlp, h_BSH, tiling)
         return h_BSH + self.mlp(self.post_attention_layernorm(h_BSH))
 
 

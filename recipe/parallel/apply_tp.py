@@ -13,8 +13,9 @@ import functools
 
 from torch import nn
 
+from recipe.model.tiled_mlp import MLPTiling
 from recipe.parallel.dims import check_tp_divides
-from recipe.parallel.mappings import group_size
+from recipe.parallel.mappings import copy_to_tp_region, group_size, reduce_from_tp_region
 from recipe.parallel.tp_layers import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -84,3 +85,25 @@ def apply_tensor_parallel(ttt_model: nn.Module, group) -> nn.Module:
     ttt_model.target_head_d = mark_tp(shard_tensor(ttt_model.target_head_d, 0, group), 0)  # re-registers the buffer
     ttt_model.loss_fn = functools.partial(vocab_parallel_soft_ce, group=group)
     return ttt_model
+
+
+def _local_tp_mlp(mlp: nn.Module, x_BTH):
+    """This rank's partial SwiGLU output of one tile, [B, T, H], with no forward communication: the replicated input
+    enters the TP region once for gate and up (backward: one all-reduce of dx, so the norm before it gets the full
+    gradient), and ``down_proj`` skips its all-reduce (``MLPTiling.reduce`` sums the whole sequence once)."""
+    x_BTH = copy_to_tp_region(x_BTH, mlp.gate_proj.group)
+    inner = mlp.act_fn(mlp.gate_proj(x_BTH, enter_region=False)) * mlp.up_proj(x_BTH, enter_region=False)
+    return mlp.down_proj(inner, reduce=False)
+
+
+def mlp_tiling(tile_size: int, group=None) -> MLPTiling:
+    """The ``MLPTiling`` of ``memory.mlp_tile_size`` = ``tile_size`` for the tensor-parallel ``group`` (None or
+    size 1: the single-device tiling). Under tp > 1 (``apply_tensor_parallel`` done: gate/up column-, down
+    row-parallel; the MLP is ``Eagle3MLP``'s SwiGLU ``down(act(gate(x)) * up(x))``): tiles compute local partial sums
+    (``_local_tp_mlp``) and one ``reduce_from_tp_region`` over the concatenated [B, S, H] output all-reduces them in
+    forward, outside the recomputed tiles. Per layer call: forward one all-reduce of [B, S, H] (as untiled);
+    backward one all-reduce of [B, T, H] per tile (untiled: two of [B, S, H], gate's and up's). ValueError for a bad
+    tile size."""
+    if group is None or group_size(group) == 1:
+        return MLPTiling(tile_size)
+    return MLPTiling(tile_size, local_mlp=_local_tp_mlp, reduce=functools.partial(reduce_from_tp_region, group=group))

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from recipe.model.draft import is_exported
-from recipe.parallel.apply_tp import apply_tensor_parallel
+from recipe.parallel.apply_tp import apply_tensor_parallel, mlp_tiling
 from recipe.parallel.tp_layers import gather_tensor
 
 
@@ -27,7 +27,11 @@ def parallelize(model: nn.Module, pstate, memory, device=None, kernel_options=No
     attention calls for the causal block, ``(q, k, v, q_pos, k_pos, k_valid) -> (out, lse)``) becomes
     ``kernels.attention_backends.make_causal_attention(kernel_options.attention, memory.attention_tile_size,
     device, cp_group)``: the ring over the cp group under context parallelism, else the single-device block.
-    ``memory``: the run's ``recipe.config.MemoryOptions`` (read: ``attention_tile_size``); ``kernel_options``: its
+    MLP: with ``memory.mlp_tile_size`` set, ``draft.midlayer.mlp_tiling`` becomes ``apply_tp.mlp_tiling(size,
+    tp_group)``: ``post_attention_layernorm`` + MLP in sequence tiles of that many positions, recomputed in backward
+    (``recipe.model.tiled_mlp``), the TP all-reduce kept out of the tiles; None leaves the layer untiled.
+    ``memory``: the run's ``recipe.config.MemoryOptions`` (read: ``attention_tile_size`` and
+    ``mlp_tile_size``, None when the object lacks it); ``kernel_options``: its
     ``recipe.config.KernelOptions`` (read: ``attention``; None: "auto", resolved for ``device``); ``device`` (where
     the model will run) defaults to ``pstate.device``, else the CPU. Raises ValueError when tp does not divide a
     split draft dimension (every one named), the tile size is invalid, or the kernel is unknown or cannot run on
@@ -37,8 +41,11 @@ def parallelize(model: nn.Module, pstate, memory, device=None, kernel_options=No
 
     if device is None:
         device = getattr(pstate, "device", None) or "cpu"
-    if pstate is not None and pstate.tp_size > 1:
-        apply_tensor_parallel(model, pstate.tp_group)
+    tp_group = pstate.tp_group if pstate is not None and pstate.tp_size > 1 else None
+    if tp_group is not None:
+        apply_tensor_parallel(model, tp_group)
+    tile = getattr(memory, "mlp_tile_size", None)
+    model.draft.get_submodule("midlayer").mlp_tiling = None if tile is None else mlp_tiling(tile, tp_group)
     cp_group = pstate.cp_group if pstate is not None and pstate.cp_size > 1 else None
     model.draft.get_submodule("midlayer.self_attn").causal_attention = make_causal_attention(
         "auto" if kernel_options is None else kernel_options.attention, memory.attention_tile_size, device, cp_group)

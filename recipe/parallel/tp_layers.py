@@ -61,7 +61,9 @@ class ColumnParallelLinear(_ShardedLinear):
     """``y = x Wᵀ + b`` with W [out, in] split along out (partition_dim 0).
 
     Input x [..., in] replicated over the group; output [..., out/tp], this rank's columns (not gathered). Backward
-    sums dx over the group (``copy_to_tp_region``). Bias, if any, is split like the output.
+    sums dx over the group (``copy_to_tp_region``). Bias, if any, is split like the output. ``enter_region=False``
+    skips the mapping: the caller has applied ``copy_to_tp_region`` once for several layers reading the same x (the
+    tiled MLP, ``recipe.parallel.apply_tp.mlp_tiling``).
     """
     partition_dim = 0
 
@@ -76,8 +78,8 @@ class ColumnParallelLinear(_ShardedLinear):
                 p.requires_grad_(linear.weight.requires_grad)
         return layer
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(copy_to_tp_region(x, self.group), self.weight, self.bias)
+    def forward(self, x: torch.Tensor, enter_region: bool = True) -> torch.Tensor:
+        return F.linear(copy_to_tp_region(x, self.group) if enter_region else x, self.weight, self.bias)
 
 
 class RowParallelLinear(_ShardedLinear):
@@ -85,7 +87,9 @@ class RowParallelLinear(_ShardedLinear):
 
     Input x [..., in/tp] already sharded (the output of a column-parallel layer); the partial products are summed over
     the group (``reduce_from_tp_region``); output [..., out] replicated. Bias, if any, is replicated and added once
-    after the sum (it is not a TP parameter).
+    after the sum (it is not a TP parameter). ``reduce=False`` returns this rank's partial product ``x Wᵀ`` [..., out]
+    without the all-reduce (and without the bias): the caller sums once over the group, e.g. after concatenating
+    sequence tiles (``recipe.parallel.apply_tp.mlp_tiling``); ValueError then if the layer has a bias.
     """
     partition_dim = 1
 
@@ -101,7 +105,11 @@ class RowParallelLinear(_ShardedLinear):
                 p.requires_grad_(linear.weight.requires_grad)
         return layer
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, reduce: bool = True) -> torch.Tensor:
+        if not reduce:
+            if self.bias is not None:
+                raise ValueError("RowParallelLinear(reduce=False) returns partial sums: a bias would be added tp times")
+            return F.linear(x, self.weight)
         y = reduce_from_tp_region(F.linear(x, self.weight), self.group)
         return y if self.bias is None else y + self.bias
 

@@ -1,12 +1,14 @@
 """``python -m recipe.plan --ds_config F --target DIR|config.json --length N[,N...] [--gpu h100|h200|a100-80g|<GiB>]
-[--world-size W] [--tp 1,2] [--cp 1,2,4] [--ttt-steps K] [--draft-vocab-size Vd] [--offline] [--freeze-lm-head]
-[--json OUT]``: the per-rank memory plan (``recipe.plan``) by component, whether it fits the GPU, and the longest
-length that fits each layout. ``--tp`` / ``--cp`` lists override the JSON's parallelism section, one table per
-(tp, cp). Bad input: one line naming it, exit status 2.
+[--world-size W] [--tp 1,2] [--cp 1,2,4] [--mlp-tile none,4096] [--ttt-steps K] [--draft-vocab-size Vd] [--offline]
+[--freeze-lm-head] [--json OUT]``: the per-rank memory plan (``recipe.plan``) by component, whether it fits the GPU,
+and the longest length that fits each layout. ``--tp`` / ``--cp`` lists override the JSON's parallelism section and
+``--mlp-tile`` its ``memory.mlp_tile_size`` ("none" or 0: untiled), one table per (tp, cp, MLP tile). Bad input: one
+line naming it, exit status 2.
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import shlex
@@ -38,6 +40,22 @@ def _ints(text: str) -> list[int]:
     return values
 
 
+def _tiles(text: str) -> list[int | None]:
+    """``"none,4096"`` -> [None, 4096] (none or 0: untiled); ArgumentTypeError otherwise."""
+    out = []
+    for item in (x.strip().lower() for x in text.split(",") if x.strip()):
+        try:
+            value = None if item in ("none", "null", "0") else int(item)
+        except ValueError:
+            value = -1
+        if value is not None and value < 1:
+            raise argparse.ArgumentTypeError(f"bad MLP tile {item!r}: expected a positive integer, or none / 0")
+        out.append(value)
+    if not out:
+        raise argparse.ArgumentTypeError(f"bad list {text!r}: expected MLP tile sizes like none,4096")
+    return out
+
+
 def _lengths(text: str) -> list[int]:
     from recipe.plan.spec import length_list
 
@@ -54,6 +72,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--world-size", type=int, help="ranks (default tp·cp, i.e. dp = 1)")
     p.add_argument("--tp", type=_ints, help="tensor-parallel degree(s), overriding the JSON, e.g. 1,2")
     p.add_argument("--cp", type=_ints, help="context-parallel degree(s), overriding the JSON, e.g. 1,2,4")
+    p.add_argument("--mlp-tile", type=_tiles, help="memory.mlp_tile_size value(s), overriding the JSON, e.g. "
+                   "none,4096 (none or 0: untiled)")
     p.add_argument("--ttt-steps", type=int, default=7, help="TTT steps K (run.py's default 7)")
     p.add_argument("--draft-vocab-size", type=int, default=32000, help="draft vocabulary (run.py's default 32000)")
     p.add_argument("--offline", action="store_true", help="hidden states from a store: no target on the GPU")
@@ -69,7 +89,9 @@ def make_plan(args, argv: list[str]) -> dict:
         for cp in args.cp or [None]:
             inputs = load_inputs(args.ds_config, args.target, args.gpu, args.world_size, tp, cp, args.ttt_steps,
                                  args.draft_vocab_size, args.offline, args.freeze_lm_head)
-            layouts.append(plan_rows(inputs, args.length))
+            for tile in args.mlp_tile or [inputs.spec.mlp_tile]:
+                spec = dataclasses.replace(inputs.spec, mlp_tile=tile)
+                layouts.append(plan_rows(dataclasses.replace(inputs, spec=spec), args.length))
     spec = inputs.spec
     return {"command": "python -m recipe.plan " + " ".join(shlex.quote(a) for a in argv),
             "gpu": {"name": args.gpu, "bytes": inputs.gpu_bytes, "gib": inputs.gpu_bytes / GIB},
@@ -77,7 +99,9 @@ def make_plan(args, argv: list[str]) -> dict:
                       "intermediate": spec.intermediate, "draft_vocab": spec.draft_vocab, "vocab": spec.vocab,
                       "ttt_steps": spec.ttt_steps, "dtype": spec.dtype, "micro_batch": spec.batch,
                       "loss_chunk_size": spec.loss_chunk_size if "chunked" in spec.layout else None,
-                      "attention_tile_size": spec.attention_tile, "trainable_params": inputs.params.trainable,
+                      "attention_tile_size": spec.attention_tile,
+                      "mlp_tile_sizes": sorted({t["mlp_tile"] for t in layouts}, key=lambda t: t or 0),
+                      "trainable_params": inputs.params.trainable,
                       "frozen_params": inputs.params.frozen},
             "zero_stage": inputs.zero_stage, "target_params": inputs.target.params, "offline": args.offline,
             "partitioned_target": inputs.partitioned_target,
@@ -86,13 +110,21 @@ def make_plan(args, argv: list[str]) -> dict:
                           "allocator_slack": states.ALLOCATOR_SLACK, "gpus_mib": states.GPUS_MIB,
                           "note": "fixed overheads are stated constants until a GPU calibrates them"},
             "layouts": layouts,
-            "longest_fit": {f"tp{t['tp']}_cp{t['cp']}": t["longest_fit"] for t in layouts}}
+            "longest_fit": {_layout_key(t): t["longest_fit"] for t in layouts}}
+
+
+def _layout_key(layout: dict) -> str:
+    """``tp1_cp2`` (``tp1_cp2_mlp4096`` with an MLP tile): a table's key in the plan's ``longest_fit``."""
+    tile = layout.get("mlp_tile")
+    return f"tp{layout['tp']}_cp{layout['cp']}" + (f"_mlp{tile}" if tile else "")
 
 
 def print_plan(plan: dict, console: Console) -> None:
     for lay in plan["layouts"]:
         table = Table(title=f"per-rank GiB, tp={lay['tp']} cp={lay['cp']} dp={lay['dp']}, {lay['layout']}, "
-                            f"{lay['backend']} attention, {plan['gpu']['name']} ({plan['gpu']['gib']:.1f} GiB)")
+                            f"{lay['backend']} attention, "
+                            f"{'MLP tile ' + str(lay['mlp_tile']) if lay.get('mlp_tile') else 'untiled MLP'}, "
+                            f"{plan['gpu']['name']} ({plan['gpu']['gib']:.1f} GiB)")
         for col in ("length", *(name for name, _ in SHOWN), "total", "fits"):
             table.add_column(col, justify="right", no_wrap=True)
         for row in lay["rows"]:

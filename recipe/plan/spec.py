@@ -20,8 +20,9 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 class BenchSpec:
     """One measurement: draft geometry (hidden, heads, KV heads, head dim, MLP width, draft vocab Vd, target vocab
     V, target hidden H_t), sequence length, TTT steps K, batch, layout (``LAYOUTS``), parallel degrees tp/cp, dtype,
-    device, loss chunk and attention tile sizes, and the causal-block backend (``kernels.attention_backends``;
-    "tiled" is the reference). ``recipe.plan.predict_step`` predicts its memory."""
+    device, loss chunk and attention tile sizes, the causal-block backend (``kernels.attention_backends``;
+    "tiled" is the reference) and the MLP tile (``memory.mlp_tile_size``: positions per sequence tile of the draft's
+    norm + MLP, ``recipe.model.tiled_mlp``; None: untiled). ``recipe.plan.predict_step`` predicts its memory."""
 
     seq_len: int
     layout: str = "full"
@@ -42,6 +43,7 @@ class BenchSpec:
     loss_chunk_size: int = 1024
     attention_tile: int | None = 1024
     attention_backend: str = "tiled"
+    mlp_tile: int | None = None
     steps: int = 1
     seed: int = 0
 
@@ -50,6 +52,9 @@ class BenchSpec:
             raise ValueError(f"unknown layout {self.layout!r}; choose from {sorted(LAYOUTS)}")
         if self.dtype not in DTYPES:
             raise ValueError(f"unknown dtype {self.dtype!r}; choose from {sorted(DTYPES)}")
+        if self.mlp_tile is not None and (isinstance(self.mlp_tile, bool) or not isinstance(self.mlp_tile, int)
+                                          or self.mlp_tile < 1):
+            raise ValueError(f"mlp tile {self.mlp_tile!r} must be None or a positive integer")
         check_tp_divides(self.tp, {"num_attention_heads": self.heads, "num_key_value_heads": self.kv_heads,
                                    "intermediate_size": self.intermediate, "draft_vocab_size": self.draft_vocab})
         divisor = seq_divisor(self.cp, self.tp)

@@ -181,7 +181,7 @@ def build_traced_model(spec: BenchSpec, pstate, backend: str):
     head = torch.empty(spec.draft_vocab, spec.target_hidden)
     chunked, ckpt = LAYOUTS[spec.layout]
     model = TTTModel(draft, head, loss_chunk_size=spec.loss_chunk_size if chunked else None, checkpoint_steps=ckpt)
-    parallelize(model, pstate, MemoryOptions(attention_tile_size=spec.attention_tile),
+    parallelize(model, pstate, MemoryOptions(attention_tile_size=spec.attention_tile, mlp_tile_size=spec.mlp_tile),
                 "cuda" if backend == "flex" else "cpu", KernelOptions(attention=backend))
     return cast_module(model, DTYPES[spec.dtype])
 
@@ -296,13 +296,16 @@ def is_dense(spec: BenchSpec) -> bool:
 
 def trace_lengths(spec: BenchSpec) -> list[int]:
     """The traced lengths: multiples of the unit after which the step is affine in S (the loss chunk, the attention
-    tile — per zigzag chunk under CP — and 2·cp·tp), the smallest at least two units; three for dense attention."""
+    tile — per zigzag chunk under CP —, the MLP tile per rank and 2·cp·tp), the smallest at least two units; three
+    for dense attention."""
     chunked, _ = LAYOUTS[spec.layout]
     unit = seq_divisor(spec.cp, spec.tp)
     if chunked:
         unit = math.lcm(unit, spec.loss_chunk_size * spec.cp)
     if spec.attention_tile is not None and traced_backend(spec) != "flex":
         unit = math.lcm(unit, spec.attention_tile * 2 * spec.cp)
+    if spec.mlp_tile is not None:
+        unit = math.lcm(unit, spec.mlp_tile * spec.cp)  # whole MLP tiles on the rank's S/cp positions
     return [2 * unit, 4 * unit, 6 * unit] if is_dense(spec) else [2 * unit, 4 * unit]
 
 
