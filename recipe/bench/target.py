@@ -134,7 +134,8 @@ def table(res: dict, title: str) -> Table:
     base = next((r for r in res["rows"] if (r["cp"], r["tp"]) == (1, 1)), None)
     for r in res["rows"]:
         t.add_row(str(r["cp"]), str(r["tp"]), r["forward"], str(r["forward_positions"]),
-                  f"{r['act_bytes'] / MIB:.1f}", "-" if base is None else f"{r['act_bytes'] / max(base['act_bytes'], 1):.2f}",
+                  f"{r['act_bytes'] / MIB:.1f}",
+                  "-" if base is None else f"{r['act_bytes'] / max(base['act_bytes'], 1):.2f}",
                   f"{r['kept_bytes'] / MIB:.1f}", f"{r['exchange_bytes'] / MIB:.1f}", f"{r['seconds']:.2f}",
                   f"{r['cpu_seconds']:.2f}", "-" if base is None else f"{r['cpu_seconds'] / base['cpu_seconds']:.2f}")
     return t

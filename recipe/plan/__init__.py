@@ -24,8 +24,8 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-from recipe.plan.spec import DTYPES, BenchSpec
 from recipe.plan import states
+from recipe.plan.spec import DTYPES, BenchSpec
 from recipe.plan.states import GIB, gpu_bytes
 from recipe.plan.trace import ActivationFit, fit_activation, is_dense, trace_lengths, trace_step, traced_backend
 

@@ -38,8 +38,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from recipe.plan.spec import DTYPES, LAYOUTS, BenchSpec
 from recipe.parallel.dims import seq_divisor
+from recipe.plan.spec import DTYPES, LAYOUTS, BenchSpec
 
 CATEGORIES = ("Parameter", "Buffer", "Gradient", "Activation", "Temp", "Optstate", "Other")
 
@@ -172,10 +172,10 @@ def build_traced_model(spec: BenchSpec, pstate, backend: str):
     """``recipe.bench.measure.build_model`` under the active fake mode (same construction; ``cast_module`` instead
     of ``.to``); ``backend`` "flex" builds the CUDA flex path (device "cuda" is only named, never touched)."""
     from recipe.config import KernelOptions, MemoryOptions
-    from recipe.plan.spec import spec_draft_config
     from recipe.model.draft import Eagle3Draft
     from recipe.model.ttt import TTTModel
     from recipe.parallel.parallelize import parallelize
+    from recipe.plan.spec import spec_draft_config
 
     draft = Eagle3Draft(spec_draft_config(spec), seed=spec.seed)
     head = torch.empty(spec.draft_vocab, spec.target_hidden)

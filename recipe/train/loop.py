@@ -41,10 +41,10 @@ from recipe.model.ttt import ttt_objective
 from recipe.parallel.parallelize import gather_full_state
 from recipe.plot import plot_note
 from recipe.train import checkpoint, reshard, resume_checks
+from recipe.train.batches import StepBatches
 from recipe.train.metrics import MetricsLog, TrainProgress, ttt_metrics
 from recipe.train.monitor import StepMonitor
 from recipe.train.oom import StepOutOfMemory, out_of_memory_message
-from recipe.train.batches import StepBatches
 from recipe.train.sampler import rank_micro_batches
 from recipe.train.setup import RunParts, layout_state
 from recipe.train.signals import EXIT_INTERRUPTED, StopRequest

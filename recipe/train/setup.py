@@ -362,9 +362,9 @@ def layout_state(config: RunConfig) -> dict:
 def write_resolved_config(args: TrainArgs, parts: RunParts, console: Console | None = None) -> None:
     """OUTPUT/run_config.json (rank 0): ``args`` (the flags), the resolved settings (``RunConfig.record``:
     ``deepspeed``, ``parallelism``, ``batch``, ``memory``, ``kernels``, ``dtype``, ``total_steps``, ``monitor``,
-    ``target``), ``draft_config`` and, online, ``online_target`` (:func:`online_target_record`). Call it once every check has passed (after the ``Trainer`` is built: a refused
-    resume leaves the folder as it was). With ``--overwrite`` it first deletes the previous run's
-    :data:`RUN_ARTEFACTS`."""
+    ``target``), ``draft_config`` and, online, ``online_target`` (:func:`online_target_record`). Call it once every
+    check has passed (after the ``Trainer`` is built: a refused resume leaves the folder as it was). With
+    ``--overwrite`` it first deletes the previous run's :data:`RUN_ARTEFACTS`."""
     if dist.get_rank() != 0:
         return
     if getattr(args, "overwrite", False):
