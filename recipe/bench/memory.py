@@ -6,9 +6,10 @@ random aux states (no target) for each length and layout (``full`` logits, ``chu
 checkpointing, ``chunked+ckpt``), each in fresh processes (``recipe.bench.measure``), with the causal block tiled at
 T positions as training does (0: the dense block) and the draft's norm + MLP in sequence tiles of M positions
 (``memory.mlp_tile_size``; 0, the default: untiled), prints the measurement beside the planner's prediction
-(``recipe.plan.predict_step``: a fake-tensor trace of the same step), and the longest length per layout whose peak fits the budget. Once a layout exceeds
-the budget, or its predicted peak exceeds ``--skip-predicted-gib``, its longer lengths are not run (so the report
-cannot exhaust the machine; ``--run-over-budget`` keeps measuring past the budget).
+(``recipe.plan.predict_step``: a fake-tensor trace of the same step), and the longest length per layout whose peak
+fits the budget. Once a layout exceeds the budget, or its predicted peak exceeds ``--skip-predicted-gib``, its
+longer lengths are not run (so the report cannot exhaust the machine; ``--run-over-budget`` keeps measuring past the
+budget).
 """
 from __future__ import annotations
 
