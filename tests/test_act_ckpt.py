@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from helpers.cases import assert_same_run, build_case, model_pair, run_model, step_weights
+from helpers.cases import assert_same_run, build_case, model_pair, run_model, zero3_two_steps
 from helpers.ranks import run_ranks
 from kernels.ring_attention import make_ring_causal_attention
 from kernels.ttt_attention import TTTKVCache
@@ -134,27 +134,11 @@ def test_checkpointing_under_context_parallel_ring_attention(two_rank_results):
 def _zero3_worker(rank, world_size):
     """Two optimizer steps under DeepSpeed ZeRO-3 (parameters partitioned over 2 ranks and re-gathered by ZeRO's
     hooks during the recomputation), plain vs both memory switches; returns the losses and the full parameters."""
-    import deepspeed
-
     results = {}
     for chunk, ckpt in ((None, False), (4, True)):
         draft, head_VH, batch = build_case(seed=3, K=3)
         model = TTTModel(draft, head_VH, loss_chunk_size=chunk, checkpoint_steps=ckpt)
-        config = {"train_batch_size": world_size, "train_micro_batch_size_per_gpu": 1,
-                  "zero_optimization": {"stage": 3}, "steps_per_print": 10 ** 6,
-                  "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "torch_adam": True}}}
-        engine, *_ = deepspeed.initialize(model=model, config=config,
-                                          model_parameters=[p for p in model.parameters() if p.requires_grad])
-        losses = []
-        for _ in range(2):
-            out = engine(batch)
-            loss = (step_weights(3).float() * out.loss_sum_K).sum()
-            engine.backward(loss)
-            engine.step()
-            losses.append(loss.detach())
-        with deepspeed.zero.GatheredParameters(list(engine.module.parameters())):
-            params = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
-        results[(chunk, ckpt)] = (torch.stack(losses), params)
+        results[(chunk, ckpt)] = zero3_two_steps(model, batch, 3, world_size)
     return results
 
 

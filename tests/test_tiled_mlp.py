@@ -10,7 +10,7 @@ import copy
 import pytest
 import torch
 import torch.distributed as dist
-from helpers.cases import PARITY, assert_same_run, build_case, run_model, step_weights
+from helpers.cases import PARITY, assert_same_run, build_case, run_model, zero3_two_steps
 from helpers.parity import full_grads, max_rel
 from helpers.ranks import run_ranks
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -187,29 +187,13 @@ def _tp_worker(rank, world):
 def _zero3_worker(rank, world):
     """Two AdamW steps under ZeRO-3 over 2 data-parallel ranks, untiled vs tiled (tile 5, ragged on S = 13) with the
     per-step checkpointing; returns the losses and the full parameters after each."""
-    import deepspeed
-
     results = {}
     for tile in (None, 5):
         draft, head_VH, batch = build_case(seed=3, K=K)
         model = TTTModel(draft, head_VH, checkpoint_steps=tile is not None)
         parallelize(model, None, MemoryOptions(attention_tile_size=None, mlp_tile_size=tile),
                     kernel_options=KernelOptions("tiled"))
-        config = {"train_batch_size": world, "train_micro_batch_size_per_gpu": 1,
-                  "zero_optimization": {"stage": 3}, "steps_per_print": 10 ** 6,
-                  "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "torch_adam": True}}}
-        engine, *_ = deepspeed.initialize(model=model, config=config,
-                                          model_parameters=[p for p in model.parameters() if p.requires_grad])
-        losses = []
-        for _ in range(2):
-            out = engine(batch)
-            loss = (step_weights(K).float() * out.loss_sum_K).sum()
-            engine.backward(loss)
-            engine.step()
-            losses.append(loss.detach())
-        with deepspeed.zero.GatheredParameters(list(engine.module.parameters())):
-            params = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
-        results[tile] = (torch.stack(losses), params)
+        results[tile] = zero3_two_steps(model, batch, K, world)
     dist.barrier()
     return results
 
