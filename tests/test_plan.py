@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from transformers import Gemma2Config
 
 from recipe.bench.measure import BenchSpec, build_model, run_measurement
 from recipe.model.draft_config import Eagle3DraftConfig
@@ -40,6 +41,14 @@ def test_zero_states_per_stage_exact_bytes():
     assert fp32_grads[3]["grads"] == 1000 and fp32_grads[3]["zero_buffers"] == 2400 + 1200
     with pytest.raises(ValueError, match="stage must be"):
         states.zero_states(p, 4, 1, True)
+
+
+def test_nccl_communicators_count_the_split_targets_ring_only_where_it_is_a_new_group():
+    # (tp, cp, dp, split) -> world, tp, cp, dp, dp·cp groups of > 1 rank, plus cp·tp when the split target adds it
+    assert states.communicators(1, 2, 1, True) == states.communicators(1, 2, 1) == 3  # ring = the cp group
+    assert (states.communicators(2, 1, 1), states.communicators(2, 1, 1, True)) == (2, 3)
+    assert (states.communicators(2, 2, 2), states.communicators(2, 2, 2, True)) == (5, 6)
+    assert states.communicators(1, 1, 1, True) == 0
 
 
 def test_draft_parameters_are_the_real_drafts_and_respect_tp_and_frozen_lm_head():
@@ -79,6 +88,12 @@ def test_cli_bad_inputs_exit_2_with_one_line(tmp_path, capsys):
     for argv, named in cases:
         code, err = _run_cli(argv, capsys)
         assert code == 2 and named in err and len(err.splitlines()) == 1, err
+    gemma = tmp_path / "gemma2.json"  # an architecture the ring cannot run: online cp > 1 refused, offline planned
+    Gemma2Config().to_json_file(gemma)
+    code, err = _run_cli(["--ds_config", ds, "--target", str(gemma), "--length", "4k", "--cp", "2"], capsys)
+    assert code == 2 and "online at cp_size=2" in err and "python -m recipe.dump" in err, err
+    code, _ = _run_cli(["--ds_config", ds, "--target", str(gemma), "--length", "4k", "--cp", "2", "--offline"], capsys)
+    assert code == 0
     with pytest.raises(SystemExit) as exc:
         cli.main(["--ds_config", ds, "--target", str(LLAMA_8B), "--length", "4q"])
     err = capsys.readouterr().err.strip()

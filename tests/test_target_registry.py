@@ -12,7 +12,7 @@ from helpers.tiny_target import ARCHITECTURES as TINY
 from transformers import Gemma2Config, LlamaConfig, Phi3Config, Qwen3Config
 
 from recipe.target.registry import (ARCHITECTURES, GENERIC, arch_facts, check_cp_target, draft_config_for,
-                                    final_logit_softcap)
+                                    final_logit_softcap, splits_target)
 
 
 def test_every_ring_architecture_has_a_tiny_target_that_the_cp_tests_train():
@@ -64,3 +64,11 @@ def test_architectures_outside_the_ring_are_refused_at_cp_with_the_offline_way()
         assert repr(config["model_type"] if isinstance(config, dict) else config.model_type) in str(err.value)
         assert "llama, mistral, qwen2, qwen3, phi3" in str(err.value)
     check_cp_target(Qwen3Config())
+
+
+def test_the_target_forward_is_split_at_cp_and_at_tp_only_through_the_ring():
+    llama, gemma = LlamaConfig(), Gemma2Config()
+    assert [splits_target(llama, cp, tp) for cp, tp in ((1, 1), (2, 1), (1, 2), (2, 2))] == [False, True, True, True]
+    assert [splits_target(gemma, 1, tp) for tp in (1, 2)] == [False, False]  # every tp rank runs it whole
+    with pytest.raises(ValueError, match="'gemma2'.*python -m recipe.dump"):
+        splits_target(gemma, 2, 1)

@@ -91,7 +91,7 @@ class ParallelState:
 
     def __repr__(self) -> str:
         return (f"ParallelState(rank={self.rank}, coord={tuple(self.coord)}, tp={self.tp_ranks}, cp={self.cp_ranks}, "
-                f"dp={self.dp_ranks}, dp_cp={self.dp_cp_ranks})")
+                f"dp={self.dp_ranks}, dp_cp={self.dp_cp_ranks}, cp_tp={self.cp_tp_ranks})")
 
 
 class FlatMPU:

@@ -164,7 +164,7 @@ def load_inputs(ds_config: Path, target: Path, gpu: str = "h200", world_size: in
     import torch
 
     from recipe.config import ConfigError, load_run_config, read_ds_config
-    from recipe.target.registry import arch_facts, draft_config_for
+    from recipe.target.registry import arch_facts, draft_config_for, splits_target
 
     try:
         size = gpu_bytes(gpu)
@@ -185,6 +185,11 @@ def load_inputs(ds_config: Path, target: Path, gpu: str = "h200", world_size: in
         draft = draft_config_for(hf, min(draft_vocab_size, int(hf.vocab_size)))
     except (ValueError, TypeError) as exc:
         raise PlanError(f"--target {target}: {exc}") from None
+    if not offline:
+        try:
+            splits_target(hf, config.dims.cp, config.dims.tp)
+        except ValueError as exc:
+            raise PlanError(f"--target {target} online at cp_size={config.dims.cp}: {exc}") from None
     mem = config.memory
     layout = {(False, False): "full", (True, False): "chunked", (False, True): "ckpt",
               (True, True): "chunked+ckpt"}[(mem.loss_chunk_size is not None, mem.checkpoint_ttt_steps)]
@@ -234,7 +239,7 @@ def plan_length(inputs: PlanInputs, seq_len: int, fit: ActivationFit | None = No
     out.update(states.zero_states(inputs.params, inputs.zero_stage, spec.cp * inputs.dp, spec.dtype == "bf16",
                                   inputs.reduce_bucket, inputs.fp32_grad_accum, inputs.fp32_comm))
     out["batch"] = states.batch_bytes(inputs.target, tokens, w, spec.ttt_steps)
-    split = inputs.ring_target and spec.cp * spec.tp > 1  # recipe.train.setup.online_target's rule
+    split = inputs.ring_target and spec.cp * spec.tp > 1  # recipe.target.registry.splits_target's rule
     out.update(states.target_bytes(inputs.target, tokens // spec.tp if split else tokens, inputs.world,
                                    inputs.partitioned_target, inputs.offline, argmax_chunk=inputs.argmax_chunk))
     tensors = (sum(out[k] for k in ("weights", "grads", "optimizer", "zero_buffers", "batch", "target_weights"))

@@ -199,8 +199,10 @@ def target_bytes(t: TargetShape, tokens: int, world: int, partitioned: bool, off
 
 def communicators(tp: int, cp: int, dp: int, split_target: bool = False) -> int:
     """NCCL communicators one rank joins: the world and each of its tp, cp, dp and dp×cp groups, and the cp·tp group
-    of a split online target (``split_target``), those of > 1 rank."""
-    return sum(1 for size in (tp * cp * dp, tp, cp, dp, dp * cp, tp * cp if split_target else 1) if size > 1)
+    of a split online target (``split_target``; at tp = 1 its ring is the cp group, no new communicator), those of
+    > 1 rank."""
+    ring = tp * cp if split_target and tp > 1 else 1
+    return sum(1 for size in (tp * cp * dp, tp, cp, dp, dp * cp, ring) if size > 1)
 
 
 def overheads(tp: int, cp: int, dp: int, tensor_bytes: int, split_target: bool = False) -> dict[str, int]:

@@ -103,6 +103,17 @@ def check_cp_target(config: Any) -> None:
                          "run.py (or train with cp_size = 1)")
 
 
+def splits_target(config: Any, cp: int, tp: int) -> bool:
+    """Whether an online run's target forward is split over the cp·tp ranks of each dp replica
+    (``recipe.target.cp.CPTarget``): always at cp > 1, and at tp > 1 when its attention runs through the ring
+    (``ring_attention``; otherwise every tp rank runs it whole). The rule run.py and the planner share. Raises
+    ValueError (:func:`check_cp_target`) at cp > 1 for a target the ring cannot run."""
+    if cp > 1:
+        check_cp_target(config)
+        return True
+    return tp > 1 and arch_facts(config).ring_attention
+
+
 def draft_config_for(config: Any, draft_vocab_size: int,
                      overrides: Mapping[str, Any] | None = None) -> Eagle3DraftConfig:
     """The draft geometry derived from the target's HF config (object or dict), then ``overrides`` applied.

@@ -3,7 +3,8 @@
 Every TTT shift is computed on the full, padded token sequence (``recipe.model.ttt.make_ttt_batch``; every rank
 has the tokens) and only then is the batch zigzag-split across context-parallel ranks (``recipe.parallel.cp_shard``),
 so no rank needs its neighbour's tokens. The hidden states are local: offline a cp rank reads only its rows of the
-store (``rows_needed``); online with cp·tp > 1 the target itself runs split over the cp·tp ranks
+store (``rows_needed``); online with cp > 1, or tp > 1 for a target whose attention the ring runs
+(``recipe.target.registry.splits_target``), the target itself runs split over the cp·tp ranks
 (``recipe.target.cp.CPTarget``): each rank runs it on 1/(cp·tp) of the sequence, then each cp rank has the aux
 states of its zigzag positions and the last hidden states of its label rows, never the full sequence's.
 Tensor-parallel ranks read the same samples.

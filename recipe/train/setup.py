@@ -322,19 +322,19 @@ def online_target(args: TrainArgs, config: RunConfig, pstate: ParallelState, dra
                   device: torch.device):
     """``(target, argmax_chunk_size)`` of an online run: the target replicated, or ZeRO-3 partitioned over the world
     (the JSON's ``target`` section), in bfloat16 on CUDA and float32 on the CPU; split over the cp·tp ranks of each
-    dp replica (``recipe.target.cp.CPTarget``) when cp > 1, or tp > 1 and its architecture's attention runs through
-    the ring (``recipe.target.registry``: otherwise every tp rank runs it whole). Raises ValueError at cp > 1 for a
-    target the ring cannot run."""
+    dp replica (``recipe.target.cp.CPTarget``) by ``recipe.target.registry.splits_target``'s rule (cp > 1, or
+    tp > 1 with an attention the ring runs; otherwise every tp rank runs it whole). Raises ValueError at cp > 1 for
+    a target the ring cannot run."""
     from recipe.target.cp import CPTarget
     from recipe.target.partition import build_target
-    from recipe.target.registry import arch_facts
+    from recipe.target.registry import splits_target
 
     dims = config.dims
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     argmax_chunk = config.memory.argmax_positions(hf_config.vocab_size, dtype)
     target = build_target(args.target, config.target, aux_layer_ids=draft_config.aux_layer_ids, dtype=dtype,
                           device=device)
-    if dims.cp > 1 or (dims.tp > 1 and arch_facts(hf_config).ring_attention):
+    if splits_target(hf_config, dims.cp, dims.tp):
         target = CPTarget.from_state(target, pstate, config.kernels.attention, config.memory.attention_tile_size,
                                      argmax_chunk)
     return target, argmax_chunk
