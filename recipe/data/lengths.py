@@ -1,10 +1,11 @@
 """The lengths of a run's samples against ``--max-length``: a histogram (rich), the count cut at ``--max-length``,
 and the warning when ``--max-length`` is far above the longest sample.
 
-Rule of the warning: the longest sample (tokens as the chat template renders it, before truncation) is shorter than
-``max_length / FAR_BELOW`` (FAR_BELOW = 4). A run at that ``--max-length`` then pays for long-context memory and
-parallelism but never trains a position beyond the longest sample: ShareGPT's conversations are 1–2k tokens, so the
-128k recipe on ShareGPT alone trains on the samples a 2k run sees. The remedies are chaining
+Rule of the warning: fewer than ``RARE`` (1 %) of the samples (tokens as the chat template renders them, before
+truncation) reach ``max_length / FAR_BELOW`` (FAR_BELOW = 4) tokens; in particular whenever the longest sample is
+shorter than that, and a few outliers do not silence it. A run at that ``--max-length`` then pays for long-context
+memory and parallelism but (almost) never trains a position beyond a quarter of it: ShareGPT's conversations are
+1–2k tokens, so the 128k recipe on ShareGPT alone trains on the samples a 2k run sees. The remedies are chaining
 (``--chain-conversations``, ``recipe.data.chain``) and long-document data (docs/data.md, "Long-context data").
 """
 from __future__ import annotations
@@ -16,6 +17,7 @@ from rich.console import Group
 from rich.table import Table
 
 FAR_BELOW = 4
+RARE = 0.01
 FIRST_EDGE = 256  # the histogram's first bin is [0, 256] tokens; each next one doubles, up to max_length
 
 
@@ -55,12 +57,15 @@ class LengthReport:
 
     def warning(self) -> str | None:
         """The far-above message (module docstring), or None."""
-        if not self.lengths or self.longest * FAR_BELOW >= self.max_length:
+        quarter = -(-self.max_length // FAR_BELOW)
+        reach = sum(n >= quarter for n in self.lengths)
+        if not self.lengths or reach >= RARE * len(self.lengths):
             return None
-        return (f"--max-length {self.max_length} is far above the longest sample ({self.longest} tokens < "
-                f"max_length/{FAR_BELOW}): the run never trains a position beyond {self.longest}. For long context "
-                f"chain conversations (--chain-conversations {_k(self.max_length)}) or add long-document data "
-                "(docs/data.md, 'Long-context data'); otherwise lower --max-length")
+        return (f"--max-length {self.max_length} is far above the samples: {reach} of {len(self.lengths)} reach "
+                f"{quarter} tokens (max_length/{FAR_BELOW}; the rule: fewer than {RARE:.0%}), the longest is "
+                f"{self.longest} tokens, so the run (almost) never trains the long positions it is sized for. For "
+                f"long context chain conversations (--chain-conversations {_k(self.max_length)}) or add "
+                "long-document data (docs/data.md, 'Long-context data'); otherwise lower --max-length")
 
     def table(self) -> Group:
         """The histogram as a rich table (length bin, samples, share, bar), the truncation count and the warning."""
