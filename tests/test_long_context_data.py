@@ -16,6 +16,7 @@ from recipe.data.chat_mask import tokenize_conversation
 from recipe.data.conversations import iter_rows
 from recipe.data.examples import build_examples, examples_fingerprint
 from recipe.data.lengths import LengthReport
+from test_regenerate import chat_target  # noqa: F401 (fixture: the tiny target with a ChatML tokenizer)
 
 FIXTURES = Path(__file__).resolve().parent / "data" / "long_context"
 DOC = ("The harbour town of Kessel kept its lighthouse lit for two hundred years. " * 6).strip()
@@ -192,3 +193,27 @@ def test_chain_flag_is_parsed_with_the_length_syntax(tmp_path):
         parse_args(["--ds_config", "x.json", "--target", "t", "--output", "o", "--data", "d.jsonl",
                     "--chain-conversations", "0"])
     json.dumps(args.chain_conversations)  # recorded in run_config.json like every flag
+
+
+def test_dump_writes_the_chained_samples(chat_target, tmp_path):
+    """``recipe.dump --chain-conversations`` stores the chained samples: the store's tokens and loss masks are
+    those ``build_examples`` chains with the same flags (tiny target, character-level ChatML tokenizer)."""
+    from transformers import AutoTokenizer
+
+    from recipe.data.store import HiddenStateStore
+    from recipe.dump import main as dump_main
+
+    data = tmp_path / "chats.jsonl"
+    data.write_text("".join(json.dumps({"conversations": [{"from": "human", "value": f"question {i}"},
+                                                          {"from": "gpt", "value": f"answer {i}"}]}) + "\n"
+                            for i in range(7)))
+    cache = str(tmp_path / "cache")
+    dump_main(["--target", str(chat_target), "--data", str(data), "--output", str(tmp_path / "store"),
+               "--max-length", "256", "--chain-conversations", "150", "--seed", "5", "--dtype", "fp32",
+               "--cache-dir", cache])
+    expected, report = build_examples(data, AutoTokenizer.from_pretrained(chat_target), 256, cache_dir=cache,
+                                      chain=150, seed=5)
+    store = HiddenStateStore(tmp_path / "store")
+    assert len(store) == len(expected) == report.chains[0].samples == 3  # 7 conversations of 39 tokens: 3 + 3 + 1
+    stored = sorted(store.get(i, fields=("input_ids", "loss_mask"))["input_ids"].tolist() for i in range(len(store)))
+    assert stored == sorted(expected["input_ids"])
