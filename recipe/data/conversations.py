@@ -12,12 +12,13 @@ Records without either list are read in the single-turn shapes long-context SFT 
 (:func:`document_turns`): a long document + a question + an answer (LongBench ``context``/``input``/``answers``,
 LongBench-v2 ``context``/``question``/``choice_A..D``/``answer``, ``document``/``question``/``answer``) becomes a user
 turn ``document + "\n\n" + question`` and an assistant turn with the answer; an instruction record (Alpaca,
-LongAlpaca: ``instruction``/``input``/``output``) becomes ``instruction (+ "\n\n" + input)`` and ``output``. LongWriter's
-long answers come as OpenAI ``messages`` and need nothing else.
+LongAlpaca: ``instruction``/``input``/``output``) becomes ``instruction (+ "\n\n" + input)`` and ``output``.
+LongWriter's long answers come as OpenAI ``messages`` and need nothing else.
 
 A column mapping (``run.py --data-column messages=dialog``, likewise ``document=``, ``question=``, ``answer=``)
-names another field; a field holding a JSON string of the list (a CSV cell) is decoded. Parquet, CSV and hub datasets are read by ``datasets``
-(``recipe.data.sources``) and each of their rows goes through :func:`row_from_record` like a JSON record.
+names another field; a field holding a JSON string of the list (a CSV cell) is decoded. Parquet, CSV and hub
+datasets are read by ``datasets`` (``recipe.data.sources``) and each of their rows goes through
+:func:`row_from_record` like a JSON record.
 
 Reading is tolerant: :func:`iter_rows` yields one :class:`Row` per source record, either with its normalised turns or
 with a skip ``reason`` (one of :data:`SKIP_REASONS`) and a short ``detail``. A bad record never stops the read. Row

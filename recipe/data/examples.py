@@ -20,7 +20,8 @@ the budget and seed, so a second call with the same inputs reuses the Arrow cach
 them (including the file's content under the same path) recomputes.
 
 CLI: ``python -m recipe.data.examples --tokenizer DIR --data SOURCE.. --max-length N [--limit 200]
-[--chain-conversations 32k] [--draft-vocab 8192]`` prints the skip table, token counts and, optionally, draft-vocabulary statistics.
+[--chain-conversations 32k] [--draft-vocab 8192]`` prints the skip table, the length histogram, token counts and,
+optionally, draft-vocabulary statistics.
 """
 
 from __future__ import annotations
