@@ -26,13 +26,13 @@ before its end-of-turn token counts in ``truncated_turns``.
 
 Output: one JSON line per conversation, ``{"id": "<source>:<row>", "messages": [{"role", "content"}, ...],
 "regenerated": {"target", "temperature", "top_p", "max_new_tokens", "max_turns", "seed", "source", "row",
-"dropped_leading_turns", "truncated_turns", "cut_turns"}}``, readable as training data (OpenAI ``messages``); a
-local source is named in the id by its absolute path. With ``WORLD_SIZE`` > 1 rank r writes ``FILE`` with
-``.rank<r>`` before its suffix (give all of them to ``--data``). Resumable: ids already in the output file(s) are
-skipped, so a killed run continues where it stopped (a conversation is written once all its turns are done). Skips are counted by reason: the
+"dropped_leading_turns", "truncated_turns", "cut_turns"}}``, readable as training data (OpenAI ``messages``); a local
+source is named in the id by its absolute path. With ``WORLD_SIZE`` > 1 rank r writes ``FILE`` with ``.rank<r>`` before
+its suffix (give all of them to ``--data``). Resumable: ids already in the output file(s) are skipped, so a killed run
+continues where it stopped (a conversation is written once all its turns are done). Skips are counted by reason: the
 source's bad rows (``recipe.data.conversations.SKIP_REASONS``), ``no_prompt`` (no assistant turn left once the opening
-ones are dropped), ``too_long`` (a first prompt of ``--max-length`` tokens or more) and ``empty_generation`` (the
-target ended a turn at once).
+ones are dropped), ``too_long`` (a first prompt of ``--max-length`` tokens or more) and ``empty_generation`` (the target
+ended a turn at once).
 """
 from __future__ import annotations
 

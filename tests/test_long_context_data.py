@@ -53,6 +53,22 @@ def test_long_document_shapes_and_bad_rows():
                                                            10: "unknown_schema"}
 
 
+def test_long_documents_tokenised_truncation_counted(tokenizer, tmp_path):
+    """The document records train like any conversation; at a --max-length below the document the answer is gone
+    (a counted no_supervised_tokens skip, never a silent loss), and the cut samples are counted."""
+    path, cache = FIXTURES / "long_documents.jsonl", str(tmp_path / "cache")
+    data, report = build_examples(path, tokenizer, 200, cache_dir=cache)
+    assert list(data["row"]) == [1, 2, 3, 4, 5, 6] and report.lengths.lengths == [136, 153, 121, 139, 46, 228]
+    assert report.lengths.truncated == report.truncated == 1  # row 6, LongWriter's long answer, cut at 200
+    row1 = data[0]
+    assert tokenizer.decode([t for t, m in zip(row1["input_ids"], row1["loss_mask"]) if m]) == \
+        "Two hundred years.<|im_end|>"
+    short, short_report = build_examples(path, tokenizer, 64, cache_dir=cache)
+    (skips,) = short_report.files
+    assert skips.skipped["no_supervised_tokens"] == 4 and list(short["row"]) == [5, 6]  # answers beyond 64 tokens
+    assert short_report.lengths.truncated == 1 and dict(short_report.lengths.bins())["> 64 (cut)"] == 1
+
+
 def test_document_columns_of_parquet_and_the_column_mapping(tmp_path):
     import datasets
 

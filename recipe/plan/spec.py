@@ -1,6 +1,6 @@
 """The one draft training step that ``recipe.bench`` measures and ``recipe.plan`` predicts: its geometry, length,
 layout, parallel degrees and dtype (:class:`BenchSpec`), the draft config it stands for, and the length syntax of both
-command lines ("4k" = 4096 tokens)."""
+command lines ("4k" = 4096 tokens; ``recipe.cli.parse_length``, shared with the data flags)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
