@@ -159,10 +159,14 @@ def add_data_arguments(p: argparse.ArgumentParser, required: bool = False, chain
 
 
 def check_data_arguments(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> None:
-    """parser.error for --data-weights not matching --data; turns --data-column pairs into a dict."""
+    """parser.error for --data-weights not matching --data and for --chain-conversations without --data; turns
+    --data-column pairs into a dict."""
     if ns.data_weights is not None and (ns.data is None or len(ns.data_weights) != len(ns.data)):
         parser.error(f"--data-weights has {len(ns.data_weights)} value(s) for {len(ns.data or [])} --data "
                      "source(s); give one weight per source")
+    if getattr(ns, "chain_conversations", None) is not None and ns.data is None:
+        parser.error("--chain-conversations chains the --data conversations; a store (--hidden-states) holds the "
+                     "samples it was dumped with: chain when dumping (python -m recipe.dump --chain-conversations)")
     ns.data_column = dict(ns.data_column) if ns.data_column else None
 
 

@@ -196,7 +196,7 @@ def test_real_sharegpt_rows_warn_at_128k_and_chain(tokenizer, assets, tmp_path):
         _check_supervised(sample["input_ids"], sample["loss_mask"], messages, tokenizer)
 
 
-def test_chain_flag_is_parsed_with_the_length_syntax(tmp_path):
+def test_chain_flag_is_parsed_with_the_length_syntax(capsys):
     from recipe.cli import parse_args
     from recipe.dump import _parse
 
@@ -209,6 +209,10 @@ def test_chain_flag_is_parsed_with_the_length_syntax(tmp_path):
         parse_args(["--ds_config", "x.json", "--target", "t", "--output", "o", "--data", "d.jsonl",
                     "--chain-conversations", "0"])
     json.dumps(args.chain_conversations)  # recorded in run_config.json like every flag
+    with pytest.raises(SystemExit):  # an offline store was chained when it was dumped
+        parse_args(["--ds_config", "x.json", "--target", "t", "--output", "o", "--hidden-states", "s",
+                    "--chain-conversations", "4k"])
+    assert "python -m recipe.dump --chain-conversations" in capsys.readouterr().err
 
 
 def test_dump_writes_the_chained_samples(chat_target, tmp_path):
