@@ -90,7 +90,8 @@ class DataReport:
     """What became of every source record of every data file of a run: one :class:`SkipReport` per file, in
     reading order (``recipe.data.examples.build_examples``); ``chains``: one :class:`ChainReport` per chained file
     (``--chain-conversations``; with chaining a file's kept/truncated lines count chained samples, its skip lines
-    source records); ``lengths``: every kept sample's length before truncation."""
+    source records); ``lengths``: the length before truncation of every kept sample of every file (before
+    ``--data-weights`` mixing, which may use a part of them)."""
 
     files: list[SkipReport]
     chains: list[ChainReport] = field(default_factory=list)
