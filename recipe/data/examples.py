@@ -31,7 +31,7 @@ from pathlib import Path
 
 import datasets
 
-from recipe.data.chain import chain_rows
+from recipe.data.chain import ChainReport, chain_rows
 from recipe.data.chat_mask import tokenize_conversation
 from recipe.data.conversations import BadRow
 from recipe.data.lengths import LengthReport
@@ -86,7 +86,7 @@ def _is_kept(reason: str) -> bool:
 
 def _file_examples(rows: datasets.Dataset, name: str, tokenizer, max_length: int, num_proc: int,
                    drop_long: bool, chain: int | None = None, seed: int = 0, cache_dir: str | None = None
-                   ) -> tuple[datasets.Dataset, SkipReport, object, list[int]]:
+                   ) -> tuple[datasets.Dataset, SkipReport, ChainReport | None, list[int]]:
     """Tokenise one data file's rows, chained first with ``chain``; (its usable examples, its skip report, its
     ``ChainReport`` or None, the kept samples' lengths before truncation)."""
     bad, chained = {"row": [], "reason": [], "detail": []}, None
