@@ -16,6 +16,7 @@ class TrainArgs:
     data: list[str] | None = None
     data_column: dict[str, str] | None = None
     data_weights: list[float] | None = None
+    chain_conversations: int | None = None
     hidden_states: Path | None = None
     max_length: int = 2048
     ttt_steps: int = 7
@@ -83,12 +84,41 @@ def _positive_float(text: str) -> float:
     return value
 
 
-CONVERSATION_FIELDS = ("conversations", "messages")
+def parse_length(text: str) -> int:
+    """``"4k"`` -> 4096, ``"1.5k"`` -> 1536, ``"512"`` -> 512; ValueError naming the text otherwise."""
+    t = text.strip().lower()
+    try:
+        value = float(t[:-1]) * 1024 if t.endswith("k") else float(t)
+    except ValueError:
+        raise ValueError(f"bad length {text!r}: expected an integer or a number followed by k (e.g. 4k)") from None
+    if value < 1 or value != int(value):
+        raise ValueError(f"bad length {text!r}: must be a positive whole number of tokens")
+    return int(value)
+
+
+def length_list(text: str) -> list[int]:
+    """argparse type: ``"2k,4k,512"`` -> sorted distinct lengths in tokens (k = 1024); ArgumentTypeError otherwise."""
+    try:
+        return sorted({parse_length(x) for x in text.split(",") if x.strip()})
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def length(text: str) -> int:
+    """argparse type: one length in tokens (``parse_length``: ``"4k"`` -> 4096); ArgumentTypeError otherwise."""
+    try:
+        return parse_length(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+CONVERSATION_FIELDS = ("conversations", "messages", "document", "question", "answer")
 
 
 def column_mapping(text: str) -> tuple[str, str]:
     """argparse type: ``"messages=dialog"`` -> ("messages", "dialog"): the conversation field (``conversations``:
-    ShareGPT turns {from, value}; ``messages``: OpenAI turns {role, content}) and the column that holds it.
+    ShareGPT turns {from, value}; ``messages``: OpenAI turns {role, content}; ``document``, ``question``,
+    ``answer``: the fields of a long-document record, ``recipe.data.conversations``) and the column that holds it.
     ArgumentTypeError for another form or field."""
     field_name, sep, column = text.partition("=")
     if not sep or field_name not in CONVERSATION_FIELDS or not column:
@@ -107,25 +137,36 @@ def _weights(text: str) -> list[float]:
     return values
 
 
-def add_data_arguments(p: argparse.ArgumentParser, required: bool = False) -> None:
+def add_data_arguments(p: argparse.ArgumentParser, required: bool = False, chain: bool = True) -> None:
     """The conversation-data flags shared by ``run.py`` and ``python -m recipe.dump`` (``recipe.data.sources``):
-    ``--data`` (one or more sources), ``--data-column FIELD=COLUMN`` (repeatable), ``--data-weights W1,W2,..``."""
+    ``--data`` (one or more sources), ``--data-column FIELD=COLUMN`` (repeatable), ``--data-weights W1,W2,..``
+    and, with ``chain``, ``--chain-conversations TOKENS`` (``recipe.data.chain``)."""
     p.add_argument("--data", nargs="+", required=required, metavar="SOURCE",
                    help="conversations: files (.json/.jsonl/.parquet/.csv), folders of them, or Hugging Face hub "
                    "dataset names (split 'train'; needs a reachable hub); ShareGPT or OpenAI form")
     p.add_argument("--data-column", type=column_mapping, action="append", metavar="FIELD=COLUMN",
-                   help="read the conversation FIELD ('conversations': ShareGPT turns, 'messages': OpenAI turns) "
-                   "from COLUMN, e.g. messages=dialog; applies to every source that has COLUMN; repeatable")
+                   help="read the conversation FIELD ('conversations': ShareGPT turns, 'messages': OpenAI turns; "
+                   "'document', 'question', 'answer': a long-document record) from COLUMN, e.g. messages=dialog; "
+                   "applies to every source that has COLUMN; repeatable")
     p.add_argument("--data-weights", type=_weights, metavar="W1,W2,...",
                    help="mixing weights, one per --data source: the sources are interleaved with probabilities "
                    "W_i/sum(W) until the first one runs out (no sample repeats); default: all rows, in order")
+    if chain:
+        p.add_argument("--chain-conversations", type=length, metavar="TOKENS",
+                       help="chain whole conversations of each data file (shuffled by --seed) into multi-turn "
+                       "samples of up to TOKENS tokens as the chat template renders them (k = 1024, e.g. 32k); "
+                       "every assistant turn supervised")
 
 
 def check_data_arguments(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> None:
-    """parser.error for --data-weights not matching --data; turns --data-column pairs into a dict."""
+    """parser.error for --data-weights not matching --data and for --chain-conversations without --data; turns
+    --data-column pairs into a dict."""
     if ns.data_weights is not None and (ns.data is None or len(ns.data_weights) != len(ns.data)):
         parser.error(f"--data-weights has {len(ns.data_weights)} value(s) for {len(ns.data or [])} --data "
                      "source(s); give one weight per source")
+    if getattr(ns, "chain_conversations", None) is not None and ns.data is None:
+        parser.error("--chain-conversations chains the --data conversations; a store (--hidden-states) holds the "
+                     "samples it was dumped with: chain when dumping (python -m recipe.dump --chain-conversations)")
     ns.data_column = dict(ns.data_column) if ns.data_column else None
 
 

@@ -1,8 +1,8 @@
 """Dump the target's hidden states for a conversation file into an offline store (``recipe.data.store``).
 
     python -m recipe.dump --target DIR --data SOURCE [SOURCE ...] --output STORE [--data-column FIELD=COLUMN]
-        [--data-weights W1,W2] [--seed S] [--max-length N] [--limit N] [--batch-size N] [--shard-size N]
-        [--dtype bf16|fp32] [--aux-layer-ids 1,14,26] [--num-proc N] [--cache-dir DIR]
+        [--data-weights W1,W2] [--chain-conversations TOKENS] [--seed S] [--max-length N] [--limit N]
+        [--batch-size N] [--shard-size N] [--dtype bf16|fp32] [--aux-layer-ids 1,14,26] [--num-proc N] [--cache-dir DIR]
         [--partition-target] [--ds_config JSON]
 
 ``--data`` and its companions read conversations exactly as ``run.py --data`` does (``recipe.data.sources``).
@@ -142,7 +142,8 @@ def _parse(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m recipe.dump", description=__doc__.split("\n\n")[0])
     p.add_argument("--target", required=True, help="target HF folder or .gguf file")
     add_data_arguments(p, required=True)
-    p.add_argument("--seed", type=int, default=0, help="interleaving seed with --data-weights")
+    p.add_argument("--seed", type=int, default=0,
+                   help="interleaving seed with --data-weights, chaining order with --chain-conversations")
     p.add_argument("--output", required=True, type=Path, help="store folder (created; re-running resumes)")
     p.add_argument("--max-length", type=int, default=2048)
     p.add_argument("--limit", type=int, help="read only the first N conversations of each data file")
@@ -225,7 +226,7 @@ def main(argv=None) -> None:
         def build():
             return build_examples(args.data, target.load_tokenizer(), args.max_length, num_proc=args.num_proc,
                                   cache_dir=args.cache_dir, limit=args.limit, columns=args.data_column,
-                                  weights=args.data_weights, seed=args.seed)
+                                  weights=args.data_weights, seed=args.seed, chain=args.chain_conversations)
 
         if world > 1 and rank != 0:
             comm.barrier()  # rank 0 builds (and caches) the examples first

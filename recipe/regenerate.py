@@ -16,15 +16,23 @@ generating them is wasted work). Conversations are generated in batches of like 
 of ``transformers``' ``generate``), greedily with ``--temperature 0`` (the default) or sampled with ``--temperature T
 --top-p P`` (``--seed`` + rank seeds the sampler).
 
+Length budget (long prompts): ``--max-length`` bounds a whole conversation, prompts and regenerated answers together
+(the length it will train at), and ``--max-new-tokens`` each answer. A turn is generated for at most
+min(``--max-new-tokens``, ``--max-length`` − its prompt's tokens) tokens, so a long document is kept whole and its
+answer fits after it. A conversation whose first prompt alone reaches ``--max-length`` is a counted ``too_long`` skip
+(its context is never cut); once a conversation fills the budget its remaining assistant turns (and the user turns
+before them) are cut, counted per record (``cut_turns``) and in the final line. An answer stopped by either limit
+before its end-of-turn token counts in ``truncated_turns``.
+
 Output: one JSON line per conversation, ``{"id": "<source>:<row>", "messages": [{"role", "content"}, ...],
 "regenerated": {"target", "temperature", "top_p", "max_new_tokens", "max_turns", "seed", "source", "row",
-"dropped_leading_turns", "truncated_turns"}}``, readable as training data (OpenAI ``messages``); a local source is
-named in the id by its absolute path. With ``WORLD_SIZE`` > 1 rank r writes ``FILE`` with ``.rank<r>`` before its
-suffix (give all of them to ``--data``). Resumable: ids already in the output file(s) are skipped, so a killed run
+"dropped_leading_turns", "truncated_turns", "cut_turns"}}``, readable as training data (OpenAI ``messages``); a local
+source is named in the id by its absolute path. With ``WORLD_SIZE`` > 1 rank r writes ``FILE`` with ``.rank<r>`` before
+its suffix (give all of them to ``--data``). Resumable: ids already in the output file(s) are skipped, so a killed run
 continues where it stopped (a conversation is written once all its turns are done). Skips are counted by reason: the
 source's bad rows (``recipe.data.conversations.SKIP_REASONS``), ``no_prompt`` (no assistant turn left once the opening
-ones are dropped), ``too_long`` (a prompt over ``--max-length`` tokens) and ``empty_generation`` (the target ended a
-turn at once).
+ones are dropped), ``too_long`` (a first prompt of ``--max-length`` tokens or more) and ``empty_generation`` (the target
+ended a turn at once).
 """
 from __future__ import annotations
 
@@ -46,14 +54,17 @@ DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m recipe.regenerate", description=__doc__.split("\n\n")[0])
     p.add_argument("--target", type=Path, required=True, help="target model folder (Hugging Face format)")
-    add_data_arguments(p, required=True)
+    add_data_arguments(p, required=True, chain=False)
     p.add_argument("--output", type=Path, required=True, help="JSONL of regenerated conversations (appended to)")
     p.add_argument("--batch-size", type=int, default=8, help="conversations generated together")
-    p.add_argument("--max-new-tokens", type=int, default=512, help="new tokens per assistant turn at most")
+    p.add_argument("--max-new-tokens", type=int, default=512,
+                   help="new tokens per assistant turn at most (a long-answer set such as LongWriter needs more)")
     p.add_argument("--temperature", type=float, default=0.0, help="0: greedy decoding; > 0: sampling")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (with --temperature > 0)")
     p.add_argument("--seed", type=int, default=0, help="sampling seed (plus the rank)")
-    p.add_argument("--max-length", type=int, default=2048, help="skip a conversation whose prompt exceeds this")
+    p.add_argument("--max-length", type=int, default=2048,
+                   help="token budget of a whole conversation, prompts and answers: a first prompt over it is a "
+                   "counted too_long skip (never cut), later turns past it are cut and counted")
     p.add_argument("--limit", type=int, help="read the first N records of each data file")
     p.add_argument("--max-turns", type=int, help="keep each conversation up to its N-th assistant turn (default: all)")
     p.add_argument("--device", help="cpu, cuda, ... (default: cuda:LOCAL_RANK when available)")
@@ -156,13 +167,14 @@ class Regenerator:
 
     @torch.no_grad()
     def batch(self, conversations: list[dict]) -> tuple[list[dict], Counter, int]:
-        """Regenerate every assistant turn of ``conversations`` (changed in place, a ``truncated_turns`` count
-        added); returns (the finished ones, skip counts by reason, new tokens generated)."""
+        """Regenerate every assistant turn of ``conversations`` (changed in place, ``truncated_turns`` and
+        ``cut_turns`` counts added) within the length budget (module docstring); returns (the finished ones, skip
+        counts by reason, new tokens generated)."""
         skips: Counter = Counter()
         tokens = 0
         live = list(conversations)
         for c in live:
-            c["truncated_turns"] = 0
+            c["truncated_turns"] = c["cut_turns"] = 0
         turn = 0
         while True:
             todo = []  # (conversation, message index) of each conversation's assistant turn number `turn`
@@ -175,20 +187,29 @@ class Regenerator:
             prompts = [self.tokenizer.apply_chat_template(c["messages"][:i], tokenize=False,
                                                           add_generation_prompt=True) for c, i in todo]
             enc = self.tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
-            lengths = enc["attention_mask"].sum(dim=1).tolist()
-            keep = [j for j, n in enumerate(lengths) if n <= self.max_length]
+            room = [self.max_length - n for n in enc["attention_mask"].sum(dim=1).tolist()]
+            keep = [j for j, r in enumerate(room) if r >= 1]
             for j in set(range(len(todo))) - set(keep):
-                skips["too_long"] += 1
-                live.remove(todo[j][0])
+                c, i = todo[j]
+                if turn == 0:  # the prompt alone is over the budget: skipped whole, never cut
+                    skips["too_long"] += 1
+                    live.remove(c)
+                else:  # the conversation so far fills the budget: end it after the last regenerated answer
+                    c["cut_turns"] = sum(m["role"] == "assistant" for m in c["messages"][i:])
+                    c["messages"] = c["messages"][:i]
+                    while c["messages"][-1]["role"] != "assistant":
+                        c["messages"].pop()
             if keep:
                 ids = enc["input_ids"][keep].to(self.model.device)
                 mask = enc["attention_mask"][keep].to(self.model.device)
                 width = int(mask.sum(dim=1).max())  # drop columns that are padding in every kept row
                 ids, mask = ids[:, -width:], mask[:, -width:]
-                out = self.model.generate(input_ids=ids, attention_mask=mask, **self.generate_kwargs)
+                cap = min(self.max_new_tokens, max(room[j] for j in keep))
+                out = self.model.generate(input_ids=ids, attention_mask=mask,
+                                          **{**self.generate_kwargs, "max_new_tokens": cap})
                 for row, j in enumerate(keep):
                     c, i = todo[j]
-                    new = out[row, width:].tolist()
+                    new = out[row, width:width + min(self.max_new_tokens, room[j])].tolist()
                     # up to the first end-of-turn id (generate pads a finished row after it); none: cut at the cap
                     n = next((k + 1 for k, t in enumerate(new) if t in self.eos_ids), None)
                     if n is None:
@@ -209,7 +230,7 @@ def _record(c: dict, provenance: dict) -> dict:
     return {"id": c["id"], "messages": c["messages"],
             "regenerated": {**provenance, "source": c["source"], "row": c["row"],
                             "dropped_leading_turns": c["dropped_leading_turns"],
-                            "truncated_turns": c["truncated_turns"]}}
+                            "truncated_turns": c["truncated_turns"], "cut_turns": c["cut_turns"]}}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -249,7 +270,7 @@ def main(argv: list[str] | None = None) -> int:
     drop_partial_line(out_file)
     console.print(f"rank {rank}/{world}: {len(mine)} conversations to regenerate "
                   f"({len(done)} already in {args.output}) -> {out_file}")
-    tokens, written = 0, 0
+    tokens, written, cut = 0, 0, 0
     columns = [TextColumn("regenerate"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                TextColumn("{task.fields[rate]}")]
     with Progress(*columns, console=console) as progress, out_file.open("a", encoding="utf-8") as f:
@@ -259,14 +280,15 @@ def main(argv: list[str] | None = None) -> int:
             finished, batch_skips, new_tokens = regen.batch(batch)
             skips.update(batch_skips)
             tokens += new_tokens
+            cut += sum(c["cut_turns"] for c in finished)
             for c in finished:
                 f.write(json.dumps(_record(c, provenance), ensure_ascii=False) + "\n")
             f.flush()
             written += len(finished)
             elapsed = progress.tasks[task].elapsed or 1e-9
             progress.update(task, advance=len(batch), rate=f"{tokens / elapsed:,.1f} tok/s")
-    console.print(f"rank {rank}: wrote {written} conversations, {tokens} new tokens; skipped "
-                  f"{sum(skips.values())}: {dict(skips.most_common()) or 'none'}")
+    console.print(f"rank {rank}: wrote {written} conversations, {tokens} new tokens; {cut} assistant turns cut "
+                  f"at the --max-length budget; skipped {sum(skips.values())}: {dict(skips.most_common()) or 'none'}")
     return 0
 
 

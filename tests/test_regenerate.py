@@ -115,13 +115,22 @@ def test_ranks_take_slices_and_output_is_training_data(chat_target, tmp_path, mo
     assert all(not r.reason for r in rows) and len(rows) == 3  # reads back as OpenAI-messages training data
 
 
-def test_too_long_prompts_are_counted_skips(chat_target, tmp_path, capsys):
+def test_length_budget_keeps_prompts_whole_and_counts_cuts(chat_target, tmp_path, capsys):
     data = _data(tmp_path / "chats.jsonl")
+    with data.open("a") as f:  # a long document: its prompt alone is over the budget, a counted skip, never cut
+        f.write(json.dumps({"context": "long document " * 10, "question": "why?", "answer": "old"}) + "\n")
     out = tmp_path / "t.jsonl"
-    # "<|im_start|>user\nquestion i<|im_end|>\n<|im_start|>assistant\n" is 29 tokens; second turns are longer
-    assert _run(chat_target, data, out, "--max-length", "30") == 0
-    assert "'too_long': 2" in capsys.readouterr().err
-    assert len(_read(out)) == 3  # the single-turn conversations
+    # "<|im_start|>user\nquestion i<|im_end|>\n<|im_start|>assistant\n" is 29 tokens: 6 tokens of budget are left
+    assert _run(chat_target, data, out, "--max-length", "35", "--max-new-tokens", "50") == 0
+    err = " ".join(capsys.readouterr().err.split())  # the console wraps lines
+    assert "'too_long': 1" in err and "2 assistant turns cut at the --max-length budget" in err
+    records = _read(out)
+    assert len(records) == 5  # the two-turn conversations keep their first exchange
+    for rec in records.values():
+        question, answer = (m["content"] for m in rec["messages"])  # roles user, assistant: nothing else left
+        assert [m["role"] for m in rec["messages"]] == ["user", "assistant"] and len(question) == 10
+        assert 1 <= len(answer) <= 35 - 29  # characters = tokens of the character-level tokenizer (EOS not kept)
+        assert rec["regenerated"]["cut_turns"] == (question in ("question 1", "question 3"))
 
 
 def test_max_turns_keeps_the_first_exchanges(chat_target, tmp_path):

@@ -8,9 +8,17 @@ Two on-disk schemas are accepted, one record per JSONL line or one element of a 
   a list of text parts ``[{"type": "text", "text": str}, ...]``, joined with newlines (other part types, e.g.
   images, make the row ``bad_content``).
 
-A column mapping (``run.py --data-column messages=dialog``) names another field for either list; a field holding a
-JSON string of the list (a CSV cell) is decoded. Parquet, CSV and hub datasets are read by ``datasets``
-(``recipe.data.sources``) and each of their rows goes through :func:`row_from_record` like a JSON record.
+Records without either list are read in the single-turn shapes long-context SFT sets publish
+(:func:`document_turns`): a long document + a question + an answer (LongBench ``context``/``input``/``answers``,
+LongBench-v2 ``context``/``question``/``choice_A..D``/``answer``, ``document``/``question``/``answer``) becomes a user
+turn ``document + "\n\n" + question`` and an assistant turn with the answer; an instruction record (Alpaca,
+LongAlpaca: ``instruction``/``input``/``output``) becomes ``instruction (+ "\n\n" + input)`` and ``output``.
+LongWriter's long answers come as OpenAI ``messages`` and need nothing else.
+
+A column mapping (``run.py --data-column messages=dialog``, likewise ``document=``, ``question=``, ``answer=``)
+names another field; a field holding a JSON string of the list (a CSV cell) is decoded. Parquet, CSV and hub
+datasets are read by ``datasets`` (``recipe.data.sources``) and each of their rows goes through
+:func:`row_from_record` like a JSON record.
 
 Reading is tolerant: :func:`iter_rows` yields one :class:`Row` per source record, either with its normalised turns or
 with a skip ``reason`` (one of :data:`SKIP_REASONS`) and a short ``detail``. A bad record never stops the read. Row
@@ -43,12 +51,15 @@ ROLE_ALIASES = {
 SKIP_REASONS = {
     "invalid_json": "line is not valid JSON",
     "non_utf8": "line is not valid UTF-8",
-    "unknown_schema": "record has neither a 'conversations' nor a 'messages' list",
+    "unknown_schema": "record has no 'conversations' or 'messages' list, nor a document or instruction shape",
     "unknown_role": "a turn has a role outside system/user/assistant (and ShareGPT aliases)",
     "bad_content": "a turn's content is empty, not a string, or holds a part that is not text",
     "no_assistant_turn": "no assistant turn to supervise",
+    "no_question": "a document record has no question text (question/input/instruction)",
+    "no_answer": "a document or instruction record has no answer text (answer/answers/output)",
     "template_error": "the chat template could not render the conversation",
     "too_long": "longer than max_length (drop_long policy)",
+    "no_prompt": "no user turn before an assistant turn (nothing to chain or to regenerate from)",
     "no_supervised_tokens": "no assistant token left after truncation",
 }
 
@@ -115,6 +126,8 @@ def normalise_record(record: object, columns: dict[str, str] | None = None) -> l
     else:
         turns = _turn_list(record, messages) if isinstance(record, dict) else None
         role_key, content_key = "role", "content"
+    if turns is None and isinstance(record, dict) and (single := document_turns(record, columns)) is not None:
+        return single
     if turns is None:
         keys = sorted(record)[:5] if isinstance(record, dict) else type(record).__name__
         wanted = f"; looked for {sorted({conversations, messages})}" if columns else ""
@@ -136,6 +149,72 @@ def normalise_record(record: object, columns: dict[str, str] | None = None) -> l
     if not any(m["role"] == "assistant" for m in messages):
         raise BadRow("no_assistant_turn", f"{len(messages)} turns, none from the assistant")
     return messages
+
+
+DOCUMENT_FIELDS = ("document", "context")
+QUESTION_FIELDS = ("question", "input", "instruction")
+ANSWER_FIELDS = ("answer", "answers", "output")
+CHOICE_FIELDS = ("choice_A", "choice_B", "choice_C", "choice_D")  # LongBench-v2 multiple choice
+
+
+def _field(record: dict, names: tuple[str, ...], mapped: str | None) -> tuple[str | None, object]:
+    """(the first of ``mapped``, ``names`` present in ``record`` and not None, its value), or (None, None)."""
+    for name in ((mapped,) if mapped else ()) + names:
+        if record.get(name) is not None:
+            return name, record[name]
+    return None, None
+
+
+def _text(value: object) -> str:
+    """A string field's text, or a list's first non-empty string (LongBench's ``answers``); else ``""``."""
+    if isinstance(value, list):
+        value = next((v for v in value if isinstance(v, str) and v.strip()), "")
+    return value.strip() if isinstance(value, str) else ""
+
+
+def document_turns(record: dict, columns: dict[str, str] | None = None) -> list[dict[str, str]] | None:
+    """The turns of a single-turn long-context record, or None when the record has neither shape.
+
+    - document shape (a ``document`` or ``context`` field, or the column ``columns["document"]``): user turn
+      ``document + "\n\n" + question`` (question: ``question``, ``input`` or ``instruction``; with LongBench-v2's
+      ``choice_A..D`` the choices follow as ``A. ...`` lines), assistant turn: ``answer``, ``answers`` (a list: its
+      first non-empty string) or ``output``;
+    - instruction shape (``instruction`` and ``output``, no document field): user turn ``instruction`` (+
+      ``"\n\n" + input`` when ``input`` is a non-empty string), assistant turn ``output``.
+
+    A top-level ``system`` string becomes a leading system turn. The document is kept whole: cutting it to a length
+    is the tokenizer's step (counted there).
+
+    Raises:
+        BadRow: ``bad_content`` (the document or instruction is not a non-empty string), ``no_question``,
+        ``no_answer``.
+    """
+    columns = columns or {}
+    doc_key, document = _field(record, DOCUMENT_FIELDS, columns.get("document"))
+    if doc_key is None:
+        if record.get("instruction") is None or record.get("output") is None:
+            return None
+        prompt = _text(record["instruction"]) if isinstance(record["instruction"], str) else ""
+        if not prompt:
+            raise BadRow("bad_content", f"instruction={record['instruction']!r:.40}")
+        if _text(record.get("input")):
+            prompt += "\n\n" + record["input"].strip()
+    else:
+        if not isinstance(document, str) or not document.strip():
+            raise BadRow("bad_content", f"{doc_key}={document!r:.40}")
+        q_key, question = _field(record, QUESTION_FIELDS, columns.get("question"))
+        question = _text(question) if isinstance(question, str) else ""
+        if not question:
+            raise BadRow("no_question", f"{doc_key!r} of {len(document)} chars, no question/input/instruction text")
+        choices = [f"{name[-1]}. {record[name]}" for name in CHOICE_FIELDS if isinstance(record.get(name), str)]
+        prompt = document.strip() + "\n\n" + question + ("\n\n" + "\n".join(choices) if choices else "")
+    a_key, answer = _field(record, ANSWER_FIELDS, columns.get("answer"))
+    answer = _text(answer)
+    if not answer:
+        raise BadRow("no_answer", f"{a_key or 'answer/answers/output'}={record.get(a_key or 'answer')!r:.40}")
+    system = record.get("system")
+    lead = [{"role": "system", "content": system}] if isinstance(system, str) and system.strip() else []
+    return lead + [{"role": "user", "content": prompt}, {"role": "assistant", "content": answer}]
 
 
 def check_file(path: str | Path) -> Path:

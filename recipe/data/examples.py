@@ -9,13 +9,19 @@ mixing weights w_i (one per ``--data`` source), ``interleave_datasets`` with pro
 and ``stopping_strategy="first_exhausted"``: the mix ends when one source runs out, so no sample repeats and the
 source that is smallest relative to its weight bounds the size.
 
+With ``chain`` (``--chain-conversations TOKENS``) each file's conversations are first chained into multi-turn
+samples of up to TOKENS tokens (``recipe.data.chain``, shuffled by ``seed``), then tokenised the same way. The
+report (``DataReport``) holds the skip table per file, what chaining built, and the samples' lengths before
+truncation against ``max_length`` (``recipe.data.lengths``: histogram, truncation count, the far-above warning).
+
 Caching: every step carries an explicit fingerprint derived from the file's sha256, ``limit``, the column mapping,
-the tokenizer (its ``tokenizer.json`` serialisation and chat template), ``max_length`` and ``drop_long``, so a
-second call with the same inputs reuses the Arrow cache files and any change to one of them (including the file's
-content under the same path) recomputes.
+the tokenizer (its ``tokenizer.json`` serialisation and chat template), ``max_length``, ``drop_long`` and (chained)
+the budget and seed, so a second call with the same inputs reuses the Arrow cache files and any change to one of
+them (including the file's content under the same path) recomputes.
 
 CLI: ``python -m recipe.data.examples --tokenizer DIR --data SOURCE.. --max-length N [--limit 200]
-[--draft-vocab 8192]`` prints the skip table, token counts and, optionally, draft-vocabulary statistics.
+[--chain-conversations 32k] [--draft-vocab 8192]`` prints the skip table, the length histogram, token counts and,
+optionally, draft-vocabulary statistics.
 """
 
 from __future__ import annotations
@@ -25,14 +31,16 @@ from pathlib import Path
 
 import datasets
 
+from recipe.data.chain import ChainReport, chain_rows
 from recipe.data.chat_mask import tokenize_conversation
 from recipe.data.conversations import BadRow
+from recipe.data.lengths import LengthReport
 from recipe.data.report import DataReport, SkipReport
 from recipe.data.sources import fingerprint as _hash
 from recipe.data.sources import load_rows, resolve_source
 from recipe.data.vocab import iter_token_arrays
 
-PIPELINE_VERSION = "examples-v2"  # bump when the tokenisation / masking semantics change
+PIPELINE_VERSION = "examples-v3"  # bump when the tokenisation / masking semantics change
 
 TOKEN_FEATURES = datasets.Features({
     "row": datasets.Value("int64"),
@@ -41,6 +49,7 @@ TOKEN_FEATURES = datasets.Features({
     "reason": datasets.Value("string"),
     "detail": datasets.Value("string"),
     "truncated": datasets.Value("bool"),
+    "length": datasets.Value("int64"),
     "source": datasets.Value("string"),
 })
 
@@ -51,22 +60,22 @@ def tokenizer_fingerprint(tokenizer) -> str:
 
 
 def _tokenize_batch(batch: dict, tokenizer, max_length: int, drop_long: bool) -> dict:
-    out = {"input_ids": [], "loss_mask": [], "reason": [], "detail": [], "truncated": []}
+    out = {"input_ids": [], "loss_mask": [], "reason": [], "detail": [], "truncated": [], "length": []}
     for messages, reason, detail in zip(batch["messages"], batch["reason"], batch["detail"]):
-        ids, mask, cut = [], [], False
+        ids, mask, cut, length = [], [], False, 0
         if not reason:
             try:
                 tokens = tokenize_conversation(messages, tokenizer)
                 ids, mask = tokens.input_ids, tokens.loss_mask
-                cut = len(ids) > max_length
+                length, cut = len(ids), len(ids) > max_length
                 if cut and drop_long:
                     raise BadRow("too_long", f"{len(ids)} tokens > {max_length}")
                 ids, mask = ids[:max_length], mask[:max_length]
                 if not any(mask):
                     raise BadRow("no_supervised_tokens", f"first assistant token beyond {max_length}")
             except BadRow as bad:
-                ids, mask, cut, reason, detail = [], [], False, bad.reason, bad.detail
-        for key, value in zip(out, (ids, mask, reason, detail, cut)):
+                ids, mask, cut, length, reason, detail = [], [], False, 0, bad.reason, bad.detail
+        for key, value in zip(out, (ids, mask, reason, detail, cut, length)):
             out[key].append(value)
     return out
 
@@ -76,8 +85,14 @@ def _is_kept(reason: str) -> bool:
 
 
 def _file_examples(rows: datasets.Dataset, name: str, tokenizer, max_length: int, num_proc: int,
-                   drop_long: bool) -> tuple[datasets.Dataset, SkipReport]:
-    """Tokenise one data file's rows; (its usable examples, its skip report)."""
+                   drop_long: bool, chain: int | None = None, seed: int = 0, cache_dir: str | None = None
+                   ) -> tuple[datasets.Dataset, SkipReport, ChainReport | None, list[int]]:
+    """Tokenise one data file's rows, chained first with ``chain``; (its usable examples, its skip report, its
+    ``ChainReport`` or None, the kept samples' lengths before truncation)."""
+    bad, chained = {"row": [], "reason": [], "detail": []}, None
+    if chain:
+        rows, bad, chained = chain_rows(rows, name, tokenizer, tokenizer_fingerprint(tokenizer), chain, seed,
+                                        cache_dir=cache_dir, num_proc=num_proc)
     tokenized = rows.map(
         _tokenize_batch, batched=True, batch_size=64, num_proc=num_proc if num_proc > 1 else None,
         fn_kwargs={"tokenizer": tokenizer, "max_length": max_length, "drop_long": drop_long},
@@ -85,18 +100,22 @@ def _file_examples(rows: datasets.Dataset, name: str, tokenizer, max_length: int
         new_fingerprint=_hash(PIPELINE_VERSION, rows._fingerprint, tokenizer_fingerprint(tokenizer), max_length,
                               drop_long),
         desc="tokenising conversations")
-    report = SkipReport.from_outcomes(name, tokenized["row"], tokenized["reason"], tokenized["truncated"],
-                                      tokenized["detail"])
+    outcomes = {key: list(tokenized[key]) for key in ("row", "reason", "truncated", "detail", "length")}
+    reasons = outcomes["reason"]
+    report = SkipReport.from_outcomes(name, bad["row"] + outcomes["row"], bad["reason"] + reasons,
+                                      [False] * len(bad["row"]) + outcomes["truncated"],
+                                      bad["detail"] + outcomes["detail"])
     if report.kept == 0:
         raise ValueError(f"{name}: no usable conversation left; {report.summary()}")
+    lengths = [n for n, r in zip(outcomes["length"], reasons) if not r]
     kept = tokenized.filter(_is_kept, input_columns="reason", new_fingerprint=_hash(tokenized._fingerprint, "kept"))
-    return kept.select_columns(["input_ids", "loss_mask", "row", "source"]), report
+    return kept.select_columns(["input_ids", "loss_mask", "row", "source"]), report, chained, lengths
 
 
 def build_examples(data: str | Path | list, tokenizer, max_length: int, num_proc: int = 1,
                    cache_dir: str | None = None, limit: int | None = None, drop_long: bool = False,
                    columns: dict[str, str] | None = None, weights: list[float] | None = None,
-                   seed: int = 0) -> tuple[datasets.Dataset, DataReport]:
+                   seed: int = 0, chain: int | None = None) -> tuple[datasets.Dataset, DataReport]:
     """Read, normalise, tokenise, mask and combine conversation sources.
 
     Args:
@@ -109,12 +128,13 @@ def build_examples(data: str | Path | list, tokenizer, max_length: int, num_proc
         limit: read only the first ``limit`` records of each data file.
         columns: conversation field -> column (``--data-column``), e.g. ``{"messages": "dialog"}``.
         weights: mixing weights, one per source (module docstring); None: all rows, in order.
-        seed: the interleaving seed with ``weights``.
+        seed: the interleaving seed with ``weights``, and the chaining order with ``chain``.
+        chain: chain each file's conversations into samples of up to this many tokens (``recipe.data.chain``).
     Returns:
         ``(dataset, report)``; dataset columns ``input_ids`` (list[int], length ≤ max_length), ``loss_mask``
         (list[int] of 0/1, same length, at least one 1), ``row`` (source line number for .jsonl, 0-based index
         for .json, .parquet, .csv and hub rows) and ``source`` (the data file); ``report`` has one SkipReport per
-        data file.
+        data file, the chaining reports and the lengths (``DataReport``).
     Raises:
         ValueError: naming the file or source — missing/empty/unknown extension, a file with no usable example left
             (with the reasons), an offline hub, weights not matching the sources; naming the tokenizer when it has
@@ -129,14 +149,18 @@ def build_examples(data: str | Path | list, tokenizer, max_length: int, num_proc
     specs = [data] if isinstance(data, (str, Path)) else list(data)
     if weights is not None and len(weights) != len(specs):
         raise ValueError(f"{len(weights)} mixing weight(s) for {len(specs)} data source(s); give one per source")
-    per_source, reports = [], []
+    per_source, reports, chains, lengths = [], [], [], []
     for spec in specs:
         parts = []
         for item in resolve_source(spec):
             rows = load_rows(item, limit=limit, columns=columns, cache_dir=cache_dir)
-            examples, report = _file_examples(rows, item.name, tokenizer, max_length, num_proc, drop_long)
+            examples, report, chained, file_lengths = _file_examples(
+                rows, item.name, tokenizer, max_length, num_proc, drop_long, chain=chain, seed=seed,
+                cache_dir=cache_dir)
             parts.append(examples)
             reports.append(report)
+            chains += [chained] if chained is not None else []
+            lengths += file_lengths
         per_source.append(parts[0] if len(parts) == 1 else datasets.concatenate_datasets(parts))
     if weights is not None and len(per_source) > 1:
         total = sum(weights)
@@ -146,7 +170,7 @@ def build_examples(data: str | Path | list, tokenizer, max_length: int, num_proc
         mixed = datasets.concatenate_datasets(per_source)
     else:
         mixed = per_source[0]
-    return mixed, DataReport(reports)
+    return mixed, DataReport(reports, chains=chains, lengths=LengthReport(max_length, lengths))
 
 
 def token_counts(dataset: datasets.Dataset) -> tuple[int, int]:
@@ -181,14 +205,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--drop-long", action="store_true")
     parser.add_argument("--cache-dir", default=None)
     parser.add_argument("--draft-vocab", type=int, default=0, help="also build a draft vocabulary of this size")
-    parser.add_argument("--seed", type=int, default=0, help="interleaving seed with --data-weights")
+    parser.add_argument("--seed", type=int, default=0,
+                        help="interleaving seed with --data-weights, chaining order with --chain-conversations")
     args = parser.parse_args(argv)
     check_data_arguments(parser, args)
 
     tokenizer = AutoTokenizer.from_pretrained(args.tokenizer, gguf_file=args.gguf_file)
     dataset, report = build_examples(args.data, tokenizer, args.max_length, num_proc=args.num_proc,
                                      cache_dir=args.cache_dir, limit=args.limit, drop_long=args.drop_long,
-                                     columns=args.data_column, weights=args.data_weights, seed=args.seed)
+                                     columns=args.data_column, weights=args.data_weights, seed=args.seed,
+                                     chain=args.chain_conversations)
     console = Console()
     console.print(report.table())
     total, supervised = token_counts(dataset)

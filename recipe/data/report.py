@@ -1,5 +1,6 @@
 """SkipReport: what became of every source record of a conversation file (kept, truncated, skipped by reason);
-DataReport: the SkipReports of all data files of a run."""
+DataReport: the SkipReports of all data files of a run, what chaining built (``recipe.data.chain.ChainReport``) and
+the samples' lengths against ``--max-length`` (``recipe.data.lengths.LengthReport``)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,9 @@ from typing import Iterable
 from rich.console import Group
 from rich.table import Table
 
+from recipe.data.chain import ChainReport
 from recipe.data.conversations import SKIP_REASONS
+from recipe.data.lengths import LengthReport
 
 MAX_EXAMPLE_ROWS = 5
 
@@ -85,9 +88,14 @@ class SkipReport:
 @dataclass
 class DataReport:
     """What became of every source record of every data file of a run: one :class:`SkipReport` per file, in
-    reading order (``recipe.data.examples.build_examples``)."""
+    reading order (``recipe.data.examples.build_examples``); ``chains``: one :class:`ChainReport` per chained file
+    (``--chain-conversations``; with chaining a file's kept/truncated lines count chained samples, its skip lines
+    source records); ``lengths``: the length before truncation of every kept sample of every file (before
+    ``--data-weights`` mixing, which may use a part of them)."""
 
     files: list[SkipReport]
+    chains: list[ChainReport] = field(default_factory=list)
+    lengths: LengthReport | None = None
 
     @property
     def kept(self) -> int:
@@ -103,10 +111,15 @@ class DataReport:
         return sum(r.total for r in self.files)
 
     def table(self) -> Group:
-        """The per-file tables (:meth:`SkipReport.table`), and a line of totals when there are several files."""
+        """The per-file tables (:meth:`SkipReport.table`), a line of totals when there are several files, a line per
+        chained file (:meth:`ChainReport.summary`) and the length histogram with its warning
+        (:meth:`LengthReport.table`)."""
         parts = [r.table() for r in self.files]
         if len(self.files) > 1:
             parts.append(f"all {len(self.files)} files: kept {self.kept}/{self.total} (truncated {self.truncated})")
+        parts += [f"chained: {c.summary()}" for c in self.chains]
+        if self.lengths is not None:
+            parts.append(self.lengths.table())
         return Group(*parts)
 
     def summary(self) -> str:

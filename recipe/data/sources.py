@@ -32,9 +32,10 @@ from pathlib import Path
 
 import datasets
 
-from recipe.data.conversations import SUFFIXES, check_file, file_digest, iter_rows, row_from_record
+from recipe.data.conversations import (DOCUMENT_FIELDS, SUFFIXES, check_file, file_digest, iter_rows,
+                                       row_from_record)
 
-READER_VERSION = "sources-v1"  # bump when the reading / normalisation semantics change
+READER_VERSION = "sources-v2"  # bump when the reading / normalisation semantics change
 LOADERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv"}
 ROW_FEATURES = datasets.Features({
     "row": datasets.Value("int64"),
@@ -121,17 +122,20 @@ def _load_table(item: DataFile, cache_dir: str | None) -> tuple[datasets.Dataset
 def check_conversation_column(item: DataFile, found: list[str], columns: dict[str, str] | None) -> None:
     """ValueError naming the file, the columns it has and the ``--data-column`` flag when a Parquet/CSV file (or hub
     dataset) has none of the columns the conversations are read from (``conversations``, ``messages``, or what
-    ``columns`` maps them to): every row would otherwise be skipped as ``unknown_schema``."""
+    ``columns`` maps them to) and no long-document shape (a ``document``/``context`` column, or ``instruction`` and
+    ``output``; ``conversations.document_turns``): every row would otherwise be skipped as ``unknown_schema``."""
     columns = columns or {}
     wanted = sorted({columns.get(f, f) for f in ("conversations", "messages")})
-    if set(wanted) & set(found):
+    documents = {columns.get("document", "document"), *DOCUMENT_FIELDS}
+    if set(wanted) & set(found) or documents & set(found) or {"instruction", "output"} <= set(found):
         return
     example = next((c for c in found if c not in ("id", "text")), found[0] if found else "COLUMN")
     mapped = f" (--data-column maps them to {wanted})" if columns else ""
     raise ValueError(f"{item.name}: no conversation column: the {item.kind} file has columns {list(found)}, the "
                      f"conversations are read from {wanted}{mapped}; name the column that holds them with "
                      f"--data-column FIELD=COLUMN, e.g. --data-column conversations={example} (ShareGPT turns "
-                     f"{{from, value}}) or --data-column messages={example} (OpenAI turns {{role, content}})")
+                     f"{{from, value}}) or --data-column messages={example} (OpenAI turns {{role, content}}); a "
+                     f"long-document set needs a document/context column (or --data-column document=COLUMN)")
 
 
 def load_rows(item: DataFile, limit: int | None = None, columns: dict[str, str] | None = None,

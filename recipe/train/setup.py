@@ -207,7 +207,8 @@ def _data(args: TrainArgs, console: Console, comm):
 
     def build():
         return build_examples(args.data, tokenizer, args.max_length, num_proc=args.num_proc, cache_dir=cache,
-                              limit=args.limit, columns=args.data_column, weights=args.data_weights, seed=args.seed)
+                              limit=args.limit, columns=args.data_column, weights=args.data_weights, seed=args.seed,
+                              chain=args.chain_conversations)
 
     examples, report = rank0_first(build, comm)
     if dist.get_rank() == 0:

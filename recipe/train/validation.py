@@ -74,7 +74,8 @@ def held_out_data(args, examples, store, console, comm):
     tokenizer = load_tokenizer(args.target)
     held, _ = rank0_first(lambda: build_examples(eval_data, tokenizer, args.max_length, num_proc=args.num_proc,
                                                  cache_dir=args.cache_dir or args.output / "cache",
-                                                 columns=args.data_column, seed=args.seed), comm)
+                                                 columns=args.data_column, seed=args.seed,
+                                                 chain=args.chain_conversations), comm)
     return examples, None, held, None, f"eval-examples:{examples_fingerprint(held)}"
 
 
