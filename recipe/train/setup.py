@@ -269,16 +269,16 @@ def build_run(args: TrainArgs, device: torch.device, console: Console) -> RunPar
         notes.append(resume_checks.check_compatible(saved, identity, resume_from, keys=tuple(identity)))
         if init is not None:
             notes.append(init_draft.check_resume(saved, init, resume_from))
-        if saved.get("init_draft") is not None:  # where the run's draft came from stays recorded
-            identity["init_draft"] = saved["init_draft"]
-    elif init is not None:
-        identity["init_draft"] = init.record()
         resharding = resume_checks.describe_change(saved, layout_state(config))
         if resharding is not None and not (resume_from / reshard.TRAIN_STATE_FILE).is_file():
             raise ValueError(f"cannot resume from {resume_from} on another layout: it has no "
                              f"{reshard.TRAIN_STATE_FILE} (written by an earlier version, or by a run whose optimizer "
                              f"is not Adam); resume it on its own layout, {resume_checks.layout_name(saved)}, or "
                              "start a new run")
+        if saved.get("init_draft") is not None:  # where the run's draft came from stays recorded
+            identity["init_draft"] = saved["init_draft"]
+    elif init is not None:
+        identity["init_draft"] = init.record()
     if dist.get_rank() == 0:
         for note in filter(None, notes):
             console.print(note)

@@ -16,15 +16,15 @@ from recipe.target.registry import draft_config_for
 
 def make_export(target: Path, out: Path, draft_vocab: int = 64, seed: int = 3, **overrides) -> Path:
     """An export folder (``recipe.export.write_export``) of a draft of ``target`` with the target's geometry
-    (``overrides`` applied): weights from ``seed``, norms drawn in [0.5, 1.5] (so a load that skips one shows), a
-    random sorted vocabulary map of ``draft_vocab`` ids."""
+    (``overrides`` applied): weight matrices ~ N(0, 0.2) and norms in [0.5, 1.5] drawn from ``seed`` (far from the
+    near-uniform predictions of a fresh draft, and every tensor distinct, so a load that skips one shows), a random
+    sorted vocabulary map of ``draft_vocab`` ids."""
     config = draft_config_for(AutoConfig.from_pretrained(target), draft_vocab, overrides)
     draft = Eagle3Draft(config, seed=seed)
     g = torch.Generator().manual_seed(seed + 100)
     with torch.no_grad():
         for p in draft.parameters():
-            if p.dim() == 1:
-                p.uniform_(0.5, 1.5, generator=g)
+            p.uniform_(0.5, 1.5, generator=g) if p.dim() == 1 else p.normal_(0.0, 0.2, generator=g)
     ids = torch.sort(torch.randperm(config.vocab_size, generator=g)[:draft_vocab]).values
     t2d = torch.zeros(config.vocab_size, dtype=torch.bool)
     t2d[ids] = True
