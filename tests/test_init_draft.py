@@ -49,7 +49,8 @@ def test_this_projects_export_loads_weight_for_weight(tiny_target, export):
     assert not torch.equal(fresh["fc.weight"], model.draft.fc.weight)  # the comparison above is not vacuous
     record = init.record()
     assert record["layout"] == "midlayer" and record["format"] == "safetensors" and len(record["sha256"]) == 64
-    assert record["draft_vocab_size"] == 64 and notes == []  # aux ids stated, RoPE the target's: nothing to say
+    assert record["draft_vocab_size"] == 64
+    assert len(notes) == 1 and notes[0].startswith(f"starting from the draft {export} (midlayer layout, safetensors")
 
 
 def test_eagle_repository_layout_loads(tiny_target, export, tmp_path):
@@ -151,3 +152,16 @@ def test_cli_draft_vocab_default_is_the_drafts_with_init_draft():
     args = parse_args(base + ["--init-draft", "d"])
     assert args.draft_vocab_size is None and str(args.init_draft) == "d"
     assert parse_args(base + ["--init-draft", "d", "--draft-vocab-size", "8"]).draft_vocab_size == 8
+
+
+def test_other_rope_in_the_drafts_config_is_named_and_the_targets_used(tiny_target, export, tmp_path):
+    import json
+
+    folder = eagle_repo_layout(export, tmp_path / "eagle")
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "rope_theta": 500.0, "max_position_embeddings": 64}))
+    model, _, notes = _load(tiny_target, folder)
+    note = next(n for n in notes if "was configured with" in n)
+    assert "rope_theta 500.0, max_position_embeddings 64" in note
+    assert "trains and exports it with rope_theta 10000.0, max_position_embeddings 256" in note
+    assert model.draft.config.rope_theta == 10000.0 and model.draft.config.max_position_embeddings == 256

@@ -77,7 +77,9 @@ def prepare(path: Path, requested_vocab: int | None, target_vocab: int, override
         raise ValueError(f"--draft-vocab-size {requested_vocab} disagrees with the draft {path}: its vocabulary map "
                          f"has {vd} tokens (lm_head rows, d2t). The draft's map is kept (its lm_head row i means "
                          f"its draft id i): drop --draft-vocab-size or pass {vd}")
-    overrides, notes = dict(overrides), []
+    overrides = dict(overrides)
+    notes = [f"starting from the draft {path} ({imported.layout} layout, {imported.file_format}, sha256 "
+             f"{imported.sha256[:12]}…, {vd} draft tokens): its weights and vocabulary map; fresh optimizer"]
     stated = _stated_aux_ids(imported.config)
     if stated is not None:
         given = overrides.get("aux_layer_ids")

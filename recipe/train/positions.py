@@ -47,8 +47,7 @@ def position_lines(plan: dict) -> list[str]:
         lines.append(f"[yellow]warning[/yellow]: the longest training sample ({longest:,} tokens) is far shorter "
                      f"than the context the target serves ({serve:,}): the draft never attends over longer "
                      "distances in training and its acceptance is expected to fall in long conversations; train on "
-                     "longer samples (--max-length and long data, docs/data.md), or start from a draft with "
-                     "--init-draft and extend it (docs/training.md, 'Warm start')")
+                     "longer samples (--max-length and long data, docs/data.md)")
     return lines
 
 
