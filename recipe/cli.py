@@ -25,6 +25,7 @@ class TrainArgs:
     draft_vocab_size: int = DEFAULT_DRAFT_VOCAB  # None only with --init-draft: the draft's
     draft_config: Path | None = None
     init_draft: Path | None = None
+    position_offset_max: int = 0
     epochs: float = 1.0
     max_steps: int | None = None
     seed: int = 0
@@ -158,6 +159,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="start a new run (fresh optimizer, step 0) from an existing EAGLE-3 draft: an export folder, "
                    "a SpecForge or EAGLE checkpoint folder, or one .safetensors/.bin file; its vocabulary map and "
                    "aux layers are kept, its geometry checked against the target (docs/training.md, 'Warm start')")
+    p.add_argument("--position-offset-max", type=_non_negative, default=0, metavar="N",
+                   help="anchor-offset positions (LongSpec): the draft's position ids of each training sample after "
+                   "the first 4 are shifted by a random offset in [0, N] (per sample, from --seed), so short samples "
+                   "teach long relative distances; 0 (default): positions as they are")
     p.add_argument("--epochs", type=_positive_float, default=1.0, help="passes over the data (fractions allowed)")
     p.add_argument("--max-steps", type=_positive, help="stop after this many optimizer steps")
     p.add_argument("--seed", type=int, default=0, help="seed for weights, data order and dropout-free RNG")

@@ -5,13 +5,40 @@ the target's ``max_position_embeddings``, so a serving engine gives it the targe
 learnt is bounded by the longest sample it was trained on: the run plan states that length against the target's
 ``max_position_embeddings`` and warns when it is far shorter (:data:`FAR_SHORTER`), and ``run_config.json`` records
 both (``"positions"``).
+
+``--position-offset-max N`` (:func:`anchor_offset_positions`): anchor-offset position indices after LongSpec
+(arXiv 2502.17421), so short samples teach long relative distances: the draft's position ids of a training sample
+keep their first :data:`SINK_POSITIONS` values and the rest are shifted by one random offset in [0, N] for the
+sample. The shift is monotone, so causality (which compares anchor positions) is unchanged; only RoPE sees it.
 """
 from __future__ import annotations
+
+import torch
 
 FAR_SHORTER = 4
 """Warn when the longest training sample times this is still below the target's ``max_position_embeddings``: a 2k
 draft of a 128k target (64x) warns, a 32k one (4x) does not. Published drafts trained at 2k lose much of their
 acceptance by 8k of context."""
+
+
+SINK_POSITIONS = 4
+"""Positions 0..3 of every sample keep their ids under ``--position-offset-max`` (the attention sinks)."""
+
+
+def anchor_offset_positions(indices: list[int], seq: int, offset_max: int, seed: int,
+                            sinks: int = SINK_POSITIONS) -> torch.Tensor:
+    """[B, S] int64 position ids of the samples ``indices`` (dataset indices, one row each) padded to ``seq``:
+    ``p`` for ``p < sinks``, ``p + o`` after, with ``o`` drawn uniformly from [0, ``offset_max``] by a generator
+    seeded with (``seed``, the sample's index): the same sample gets the same offset on every rank and in every
+    layout. ``offset_max`` 0 gives ``arange(seq)`` in every row. Raises ValueError for a negative ``offset_max``."""
+    if offset_max < 0:
+        raise ValueError(f"position offset maximum must be >= 0, got {offset_max}")
+    out = torch.arange(seq, dtype=torch.int64).repeat(len(indices), 1)
+    if offset_max:
+        for row, index in enumerate(indices):
+            gen = torch.Generator().manual_seed((int(seed) * 1_000_003 + int(index)) % (1 << 63))
+            out[row, sinks:] += int(torch.randint(0, offset_max + 1, (1,), generator=gen))
+    return out
 
 
 def longest_sample(builder) -> int:

@@ -313,13 +313,13 @@ def build_run(args: TrainArgs, device: torch.device, console: Console) -> RunPar
     if examples is not None:
         target, argmax_chunk = online_target(args, config, pstate, draft_config, hf_config, device)
 
-    def batch_builder(rows, hidden_states) -> BatchBuilder:  # training and held-out samples alike
+    def batch_builder(rows, hidden_states, offset_max=0) -> BatchBuilder:  # training and held-out samples alike
         return BatchBuilder(examples=rows, store=hidden_states, target=target, t2d=vocab.t2d,
                             ttt_steps=args.ttt_steps, seq_divisor=dims.seq_divisor, cp_size=dims.cp,
                             cp_rank=pstate.cp_rank, device=device, dtype=config.dtype,
-                            argmax_chunk_size=argmax_chunk or 1024)
+                            argmax_chunk_size=argmax_chunk or 1024, position_offset_max=offset_max, seed=args.seed)
 
-    builder = batch_builder(examples, store)
+    builder = batch_builder(examples, store, args.position_offset_max)  # held-out samples: plain positions
     sampler = StepSampler(len(builder), config.plan.global_batch, args.seed)
     validator = None
     if eval_examples is not None or eval_store is not None:
