@@ -94,3 +94,11 @@ def test_offsets_train_the_same_curve_under_tp2_and_cp2(curves):
     assert abs(curves["tp1"][0]["loss"] - curves["tp1-0"][0]["loss"]) > 1e-6 * curves["tp1-0"][0]["loss"]
     keys = ("loss", "loss_k", "acc", "grad_norm", "valid")
     assert [{k: r[k] for k in keys} for r in curves["tp1-0"]] == [{k: r[k] for k in keys} for r in curves["tp1-none"]]
+
+
+def test_resume_with_another_offset_is_refused(tmp_path):
+    from recipe.train.resume_checks import check_compatible
+
+    check_compatible({}, {"position_offset_max": 0}, tmp_path, keys=("position_offset_max",))  # older checkpoint
+    with pytest.raises(ValueError, match="position_offset_max: checkpoint 0, now 1000"):
+        check_compatible({}, {"position_offset_max": 1000}, tmp_path, keys=("position_offset_max",))

@@ -54,7 +54,7 @@ class RunParts:
     resume_from: Path | None
     validator: object | None = None  # recipe.train.validation.Validator of the held-out split (None: no validation)
     # what the run is made of beyond its flags, recorded in every checkpoint's run state and compared on resume
-    # (recipe.train.resume_checks.COMPAT_KEYS): the target's weight fingerprint and the draft geometry
+    # (resume_checks.COMPAT_KEYS): target fingerprint, draft geometry, --position-offset-max; init_draft: recorded
     run_identity: dict = field(default_factory=dict)
     # the run-plan line when the checkpoint resumed from is of another layout (recipe.train.reshard), else None
     resharding: str | None = None
@@ -261,7 +261,7 @@ def build_run(args: TrainArgs, device: torch.device, console: Console) -> RunPar
     if init is not None:
         init_draft.check_geometry(init, draft_config, int(hf_config.get_text_config().num_hidden_layers))
         notes += init.notes + init_draft.setting_notes(init, draft_config)
-    identity = {"target_fingerprint": target_fingerprint(args.target),
+    identity = {"target_fingerprint": target_fingerprint(args.target), "position_offset_max": args.position_offset_max,
                 "draft_config": json.loads(json.dumps(dataclasses.asdict(draft_config)))}  # as run_state.json holds it
     resharding = None
     if resume_from is not None:  # before the checkpoint's vocabulary map, the draft or DeepSpeed touch anything
