@@ -75,6 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     stop = StopRequest(watch_launcher=True, on_abort=release_shm_buffer).__enter__()
     try:
         from recipe.train.loop import Trainer, TrainSettings, plan_summary
+        from recipe.train.positions import position_lines, run_positions
         from recipe.train.setup import build_run, write_resolved_config
 
         parts = build_run(args, device, console)  # checks --output (a previous run, writable) before writing to it
@@ -85,6 +86,8 @@ def main(argv: list[str] | None = None) -> int:
         write_resolved_config(args, parts, console)
         if dist.get_rank() == 0:
             console.print(plan_summary(parts))
+            for line in position_lines(run_positions(parts)):  # longest sample vs the target's serving context
+                console.print(line)
         code = trainer.train()
         if code == EXIT_INTERRUPTED and dist.get_rank() == 0:
             mark_interrupted(args.output, stop, console)

@@ -8,6 +8,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 
+DEFAULT_DRAFT_VOCAB = 32000
+
+
 @dataclass
 class TrainArgs:
     ds_config: Path
@@ -20,8 +23,10 @@ class TrainArgs:
     hidden_states: Path | None = None
     max_length: int = 2048
     ttt_steps: int = 7
-    draft_vocab_size: int = 32000
+    draft_vocab_size: int = DEFAULT_DRAFT_VOCAB  # None only with --init-draft: the draft's
     draft_config: Path | None = None
+    init_draft: Path | None = None
+    position_offset_max: int = 0
     epochs: float = 1.0
     max_steps: int | None = None
     seed: int = 0
@@ -187,9 +192,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--hidden-states", type=Path, help="offline store written by `python -m recipe.dump`")
     p.add_argument("--max-length", type=_positive, default=2048, help="tokens per sample after the chat template")
     p.add_argument("--ttt-steps", type=_positive, default=7, help="training-time-test unroll steps K")
-    p.add_argument("--draft-vocab-size", type=_positive, default=32000,
-                   help="draft vocabulary size V_d (capped at the target vocabulary)")
+    p.add_argument("--draft-vocab-size", type=_positive, default=None,
+                   help=f"draft vocabulary size V_d (capped at the target vocabulary; default {DEFAULT_DRAFT_VOCAB}, "
+                   "with --init-draft the draft's own)")
     p.add_argument("--draft-config", type=Path, help="JSON of draft config overrides, e.g. head counts")
+    p.add_argument("--init-draft", type=Path, metavar="PATH",
+                   help="start a new run (fresh optimizer, step 0) from an existing EAGLE-3 draft: an export folder, "
+                   "a SpecForge or EAGLE checkpoint folder, or one .safetensors/.bin file; its vocabulary map and "
+                   "aux layers are kept, its geometry checked against the target (docs/training.md, 'Warm start')")
+    p.add_argument("--position-offset-max", type=_non_negative, default=0, metavar="N",
+                   help="anchor-offset positions (LongSpec): the draft's position ids of each training sample after "
+                   "the first 4 are shifted by a random offset in [0, N] (per sample, from --seed), so short samples "
+                   "teach long relative distances; 0 (default): positions as they are")
     p.add_argument("--epochs", type=_positive_float, default=1.0, help="passes over the data (fractions allowed)")
     p.add_argument("--max-steps", type=_positive, help="stop after this many optimizer steps")
     p.add_argument("--seed", type=int, default=0, help="seed for weights, data order and dropout-free RNG")
@@ -246,6 +260,8 @@ def parse_args(argv: list[str] | None = None) -> TrainArgs:
     if ns.extend and ns.resume is None:
         parser.error("--extend re-plans a resumed run: give it together with --resume")
     check_data_arguments(parser, ns)
+    if ns.draft_vocab_size is None and ns.init_draft is None:
+        ns.draft_vocab_size = DEFAULT_DRAFT_VOCAB
     if ns.eval_every and ns.eval_data is None and ns.eval_fraction is None:
         parser.error("--eval-every needs a held-out split: --eval-data or --eval-fraction")
     if ns.freeze_lm_head and ns.lm_head_init != "target":

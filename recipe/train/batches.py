@@ -85,6 +85,9 @@ class BatchBuilder:
         device, dtype: where and in which float dtype the draft consumes the batch.
         argmax_chunk_size: positions per argmax matmul of a whole-sequence ``TargetModel`` (a ``CPTarget`` has its
             own).
+        position_offset_max, seed: ``--position-offset-max``: > 0 replaces the draft's position ids by
+            ``recipe.train.positions.anchor_offset_positions`` (sinks kept, the rest shifted per sample); 0 leaves
+            them as ``make_ttt_batch`` made them.
 
     Host vs device. Offline, everything up to the finished CPU ``TTTBatch`` is host work (``tokens``, ``read``; on a
     CUDA device the CPU batch is put in pinned memory there) and ``build`` copies it to the device with
@@ -94,7 +97,8 @@ class BatchBuilder:
     """
 
     def __init__(self, *, examples=None, store=None, target=None, t2d, ttt_steps, seq_divisor,
-                 cp_size=1, cp_rank=0, device=torch.device("cpu"), dtype=torch.float32, argmax_chunk_size=1024):
+                 cp_size=1, cp_rank=0, device=torch.device("cpu"), dtype=torch.float32, argmax_chunk_size=1024,
+                 position_offset_max=0, seed=0):
         if (examples is None) == (store is None):
             raise ValueError("BatchBuilder needs exactly one of examples (online) or store (offline)")
         if examples is not None and target is None:
@@ -107,6 +111,7 @@ class BatchBuilder:
                              f"got {type(target).__name__}")
         self.examples, self.store, self.target = examples, store, target
         self.argmax_chunk_size = argmax_chunk_size
+        self.position_offset_max, self.seed = position_offset_max, seed
         self.t2d = t2d.to(target.device) if target is not None else t2d
         self.ttt_steps, self.seq_divisor = ttt_steps, seq_divisor
         self.cp_size, self.cp_rank = cp_size, cp_rank
@@ -214,18 +219,31 @@ class BatchBuilder:
                                           for f in dataclasses.fields(ttt)})
         ttt.aux_hidden_BSA = ttt.aux_hidden_BSA.to(self.dtype)
         ttt.target_hidden_BLH = ttt.target_hidden_BLH.to(self.dtype)
-        self._attach_host_copies(ttt, host)
+        positions = None  # --position-offset-max 0: the positions make_ttt_batch made (arange), untouched
+        if self.position_offset_max:
+            from recipe.train.positions import anchor_offset_positions
+
+            positions = anchor_offset_positions(host.indices, host.seq, self.position_offset_max, self.seed)
+            ttt.position_ids_BS = self._cp_part(positions).to(self.device)
+        self._attach_host_copies(ttt, host, positions)
         return MicroBatch(ttt=ttt, samples=host.samples, supervised_tokens=int(host.loss_mask_BS.sum()),
                           supervised_K=supervised_per_step(host.loss_mask_BS, self.ttt_steps))
 
-    def _attach_host_copies(self, ttt: TTTBatch, host: HostTokens) -> None:
+    def _cp_part(self, x_BS: torch.Tensor) -> torch.Tensor:
+        """This cp rank's zigzag part of a full [B, S] tensor (the whole of it at cp = 1)."""
+        from recipe.parallel.cp_shard import zigzag_split
+
+        return x_BS if self.cp_size == 1 else zigzag_split(x_BS, self.cp_size, self.cp_rank, 1)
+
+    def _attach_host_copies(self, ttt: TTTBatch, host: HostTokens, positions_BS: torch.Tensor | None = None) -> None:
         """Attach to the batch's positions and key validity their values on every cp rank, on the CPU (positions:
-        the zigzag arithmetic; validity: the padding), for the attention's pair decision."""
+        the zigzag arithmetic of ``positions_BS``, the full [B, S] ids, default ``arange(S)``; validity: the
+        padding), for the attention's pair decision."""
         from kernels.host_positions import attach_host_copies
         from recipe.parallel.cp_shard import zigzag_split
 
         b, s = host.attention_BS.shape
-        pos = torch.arange(s, dtype=torch.int64).expand(b, s)
+        pos = torch.arange(s, dtype=torch.int64).expand(b, s) if positions_BS is None else positions_BS
         valid = host.attention_BS.bool()
         if self.cp_size == 1:
             per_pos, per_valid = [pos.clone()], [valid]

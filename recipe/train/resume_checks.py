@@ -1,8 +1,8 @@
 """What a resume must keep and what it may change, checked before anything of the checkpoint is loaded.
 
 - :data:`COMPAT_KEYS` must match the checkpoint's run state (``run_state.json``): global batch, data, TTT steps,
-  draft vocabulary and geometry, aux layers, max length, seed, ``--freeze-lm-head``, the target's weights
-  (:func:`check_compatible`); the run length only with ``--extend`` (:func:`check_length`).
+  draft vocabulary and geometry, aux layers, max length, seed, ``--freeze-lm-head``, ``--position-offset-max``, the
+  target's weights (:func:`check_compatible`); the run length only with ``--extend`` (:func:`check_length`).
 - :data:`LAYOUT_KEYS` may change: world size, dp, tp, cp, ZeRO stage and the dtypes that choose DeepSpeed's optimizer
   wrapper; a change is resharded (``recipe.train.reshard``) and announced (:func:`describe_change`).
 """
@@ -15,9 +15,9 @@ from recipe.train.checkpoint import DRAFT_CONFIG_FILE
 
 # what a resume must match; the layout (LAYOUT_KEYS) may change, the checkpoint is then resharded
 COMPAT_KEYS = ("global_batch", "data_fingerprint", "ttt_steps", "draft_vocab_size", "aux_layer_ids", "max_length",
-               "seed", "freeze_lm_head", "target_fingerprint", "draft_config")
+               "seed", "freeze_lm_head", "position_offset_max", "target_fingerprint", "draft_config")
 # keys added after checkpoints were first written: the value a checkpoint (or state) without the key means
-COMPAT_DEFAULTS = {"freeze_lm_head": False}
+COMPAT_DEFAULTS = {"freeze_lm_head": False, "position_offset_max": 0}
 # keys added later whose value an older checkpoint cannot supply: a checkpoint without one is resumed unchecked for
 # it, with a one-line note (refusing would strand every run started before the key existed; the key still guards
 # every checkpoint written since). ``draft_config`` of such a checkpoint is read from its draft_config.json.

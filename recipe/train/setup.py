@@ -30,7 +30,7 @@ from recipe.parallel.topology import ParallelState
 from recipe.target.capture import target_fingerprint
 from recipe.target.head import load_embedding_and_head
 from recipe.target.registry import draft_config_for, final_logit_softcap
-from recipe.train import checkpoint, reshard, resume_checks
+from recipe.train import checkpoint, init_draft, positions, reshard, resume_checks
 from recipe.train.batches import BatchBuilder
 from recipe.train.distributed import rank0_first
 from recipe.train.sampler import StepSampler
@@ -54,7 +54,7 @@ class RunParts:
     resume_from: Path | None
     validator: object | None = None  # recipe.train.validation.Validator of the held-out split (None: no validation)
     # what the run is made of beyond its flags, recorded in every checkpoint's run state and compared on resume
-    # (recipe.train.resume_checks.COMPAT_KEYS): the target's weight fingerprint and the draft geometry
+    # (resume_checks.COMPAT_KEYS): target fingerprint, draft geometry, --position-offset-max; init_draft: recorded
     run_identity: dict = field(default_factory=dict)
     # the run-plan line when the checkpoint resumed from is of another layout (recipe.train.reshard), else None
     resharding: str | None = None
@@ -248,30 +248,45 @@ def build_run(args: TrainArgs, device: torch.device, console: Console) -> RunPar
         notes.append(store.check_compatible(args.target, args.aux_layer_ids))
 
     resume_from = checkpoint.resolve(args.resume, args.output / "checkpoints") if args.resume else None
-    draft_vocab = min(args.draft_vocab_size, hf_config.vocab_size)
     overrides = load_draft_config_overrides(args.draft_config) if args.draft_config else {}
     if args.aux_layer_ids:
         overrides["aux_layer_ids"] = list(args.aux_layer_ids)
     elif store is not None:
         overrides.setdefault("aux_layer_ids", list(store.aux_layer_ids))
+    init = None  # --init-draft: the existing draft the run starts from (recipe.train.init_draft)
+    if args.init_draft is not None:
+        init = init_draft.prepare(args.init_draft, args.draft_vocab_size, hf_config.vocab_size, overrides)
+        overrides = init.overrides
+    draft_vocab = init.draft_vocab_size if init else min(args.draft_vocab_size, hf_config.vocab_size)
     draft_config = draft_config_for(hf_config, draft_vocab, overrides)
-    identity = {"target_fingerprint": target_fingerprint(args.target),
+    if init is not None:
+        init_draft.check_geometry(init, draft_config, int(hf_config.get_text_config().num_hidden_layers))
+        notes += init.notes + init_draft.setting_notes(init, draft_config)
+    identity = {"target_fingerprint": target_fingerprint(args.target), "position_offset_max": args.position_offset_max,
                 "draft_config": json.loads(json.dumps(dataclasses.asdict(draft_config)))}  # as run_state.json holds it
     resharding = None
     if resume_from is not None:  # before the checkpoint's vocabulary map, the draft or DeepSpeed touch anything
         saved = checkpoint.read_run_state(resume_from)
         notes.append(resume_checks.check_compatible(saved, identity, resume_from, keys=tuple(identity)))
+        if init is not None:
+            notes.append(init_draft.check_resume(saved, init, resume_from))
         resharding = resume_checks.describe_change(saved, layout_state(config))
         if resharding is not None and not (resume_from / reshard.TRAIN_STATE_FILE).is_file():
             raise ValueError(f"cannot resume from {resume_from} on another layout: it has no "
                              f"{reshard.TRAIN_STATE_FILE} (written by an earlier version, or by a run whose optimizer "
                              f"is not Adam); resume it on its own layout, {resume_checks.layout_name(saved)}, or "
                              "start a new run")
+        if saved.get("init_draft") is not None:  # where the run's draft came from stays recorded
+            identity["init_draft"] = saved["init_draft"]
+    elif init is not None:
+        identity["init_draft"] = init.record()
     if dist.get_rank() == 0:
         for note in filter(None, notes):
             console.print(note)
     if resume_from is not None:
         vocab = VocabMap.load(resume_from / checkpoint.VOCAB_FILE)
+    elif init is not None:  # the draft's own map, never recomputed from the data
+        vocab = init.vocab
     else:
         cache = args.cache_dir or args.output / "cache"
         rows = _token_rows(examples, store)  # read once: the vocabulary and its coverage report count the same rows
@@ -283,10 +298,12 @@ def build_run(args: TrainArgs, device: torch.device, console: Console) -> RunPar
     draft = Eagle3Draft(draft_config, seed=args.seed)
     draft.load_target_embeddings(embed_VH)
     draft.set_vocab_map(vocab.d2t, vocab.t2d)
-    if args.lm_head_init == "target":
+    if args.lm_head_init == "target" and init is None:
         draft.init_lm_head_from_target(lm_head_VH, vocab.draft_ids)
     model = TTTModel(draft, lm_head_VH[vocab.draft_ids].clone(), loss_chunk_size=memory.loss_chunk_size,
                      checkpoint_steps=memory.checkpoint_ttt_steps, target_softcap=final_logit_softcap(hf_config))
+    if init is not None and resume_from is None:  # into the single-device model: every layout is cut from it
+        init_draft.load_into(model, init)
     if resharding is not None:  # the layout is cut from the saved masters, as a fresh run's from its initial weights
         reshard.load_master_weights(model, resume_from)
     parallelize(model, pstate, memory, device, config.kernels)
@@ -297,13 +314,13 @@ def build_run(args: TrainArgs, device: torch.device, console: Console) -> RunPar
     if examples is not None:
         target, argmax_chunk = online_target(args, config, pstate, draft_config, hf_config, device)
 
-    def batch_builder(rows, hidden_states) -> BatchBuilder:  # training and held-out samples alike
+    def batch_builder(rows, hidden_states, offset_max=0) -> BatchBuilder:  # training and held-out samples alike
         return BatchBuilder(examples=rows, store=hidden_states, target=target, t2d=vocab.t2d,
                             ttt_steps=args.ttt_steps, seq_divisor=dims.seq_divisor, cp_size=dims.cp,
                             cp_rank=pstate.cp_rank, device=device, dtype=config.dtype,
-                            argmax_chunk_size=argmax_chunk or 1024)
+                            argmax_chunk_size=argmax_chunk or 1024, position_offset_max=offset_max, seed=args.seed)
 
-    builder = batch_builder(examples, store)
+    builder = batch_builder(examples, store, args.position_offset_max)  # held-out samples: plain positions
     sampler = StepSampler(len(builder), config.plan.global_batch, args.seed)
     validator = None
     if eval_examples is not None or eval_store is not None:
@@ -363,9 +380,10 @@ def layout_state(config: RunConfig) -> dict:
 def write_resolved_config(args: TrainArgs, parts: RunParts, console: Console | None = None) -> None:
     """OUTPUT/run_config.json (rank 0): ``args`` (the flags), the resolved settings (``RunConfig.record``:
     ``deepspeed``, ``parallelism``, ``batch``, ``memory``, ``kernels``, ``dtype``, ``total_steps``, ``monitor``,
-    ``target``), ``draft_config`` and, online, ``online_target`` (:func:`online_target_record`). Call it once every
-    check has passed (after the ``Trainer`` is built: a refused resume leaves the folder as it was). With
-    ``--overwrite`` it first deletes the previous run's :data:`RUN_ARTEFACTS`."""
+    ``target``), ``draft_config``, ``positions`` (``recipe.train.positions``), ``init_draft`` (where an
+    ``--init-draft`` run's draft came from) and, online, ``online_target`` (:func:`online_target_record`). Call it
+    once every check has passed (after the ``Trainer`` is built: a refused resume leaves the folder as it was).
+    With ``--overwrite`` it first deletes the previous run's :data:`RUN_ARTEFACTS`."""
     if dist.get_rank() != 0:
         return
     if getattr(args, "overwrite", False):
@@ -376,5 +394,7 @@ def write_resolved_config(args: TrainArgs, parts: RunParts, console: Console | N
               **parts.config.record(), "draft_config": parts.draft_config.to_hf_dict()}
     if parts.builder.target is not None:
         record["online_target"] = online_target_record(parts.builder)
+    record.update({k: parts.run_identity[k] for k in ("init_draft",) if k in parts.run_identity})  # --init-draft
+    record["positions"] = positions.run_positions(parts)  # longest sample against the target's serving context
     args.output.mkdir(parents=True, exist_ok=True)
     (args.output / "run_config.json").write_text(json.dumps(record, indent=2, default=str) + "\n")
