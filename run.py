@@ -17,7 +17,9 @@ codes"); 74 (``recipe.io_errors.EXIT_WRITE_FAILED``, sysexits EX_IOERR) the run
 is not complete because its output could not be written (a checkpoint, ``metrics.jsonl``, monitor files or the
 export: disk full, I/O error, permission; ``error (rank N): ...`` names the path and the cause; the final save and
 the export were each retried once); ``checkpoints/latest`` still names the last complete checkpoint, continue with
-``--resume`` once there is room; 128+signum when a second signal, 2 s or more after the first, forced an immediate exit.
+``--resume`` once there is room; 76 (``recipe.train.watch.EXIT_HUNG``) no step, checkpoint or validation finished
+within ``--hang-timeout-minutes``: every rank wrote its Python stacks to ``OUTPUT/hang-rank-R.txt``, nothing was
+saved, ``checkpoints/latest`` is the resume point; 128+signum when a second signal, 2 s or more after the first, forced an immediate exit.
 ``RECIPE_DEBUG=1`` re-raises errors with their traceback.
 """
 from __future__ import annotations
@@ -61,10 +63,11 @@ def main(argv: list[str] | None = None) -> int:
     from recipe.train.distributed import init_distributed, release_shm_buffer
     from recipe.train.oom import StepOutOfMemory
     from recipe.train.signals import EXIT_INTERRUPTED, StopRequest, clear_interrupted
+    from recipe.train.watch import group_timeout
 
     console = Console(stderr=True)
     try:
-        device, owns_group = init_distributed()
+        device, owns_group = init_distributed(group_timeout(args.hang_timeout_minutes))
     except ValueError as exc:  # the launcher's variables do not describe a world (recipe.train.distributed)
         if os.environ.get("RECIPE_DEBUG"):
             raise
@@ -74,7 +77,8 @@ def main(argv: list[str] | None = None) -> int:
     # counts (watch_launcher), a forced exit still unlinks the /dev/shm buffer, and signals while closing are ignored
     stop = StopRequest(watch_launcher=True, on_abort=release_shm_buffer).__enter__()
     try:
-        from recipe.train.loop import Trainer, TrainSettings, plan_summary
+        from recipe.train.loop import Trainer, TrainSettings
+        from recipe.train.metrics import plan_summary
         from recipe.train.setup import build_run, write_resolved_config
 
         parts = build_run(args, device, console)  # checks --output (a previous run, writable) before writing to it
