@@ -44,13 +44,18 @@ def test_max_length_takes_the_planners_lengths(capsys):
 
 
 def test_help_shows_the_defaults():
-    text = " ".join(build_parser().format_help().split())
-    for flag, default in (("--max-length MAX_LENGTH", "2048"), ("--ttt-steps TTT_STEPS", "7"),
-                          ("--save-every-minutes M", "30.0"), ("--hang-timeout-minutes M", "10.0"),
-                          ("--keep-checkpoints KEEP_CHECKPOINTS", "2"), ("--save-every SAVE_EVERY", "0")):
-        after = text.split(f"{flag} ")[-1]  # the flag's own entry (the usage lines name it in brackets)
-        assert f"(default: {default})" in after.split(" --")[0] or f"(default: {default})" in after[:400], flag
-    assert "(default: None)" not in text and "(default: False)" not in text
+    entries, current = {}, None  # option -> its help text (the entry's lines after "  --flag METAVAR")
+    for line in build_parser().format_help().splitlines():
+        if line.startswith("  -"):
+            current = line.split()[0].rstrip(",")
+            entries[current] = line
+        elif current and line.startswith("    "):
+            entries[current] += " " + line.strip()
+    for flag, default in (("--max-length", "2048"), ("--ttt-steps", "7"), ("--save-every-minutes", "30.0"),
+                          ("--hang-timeout-minutes", "10.0"), ("--keep-checkpoints", "2"), ("--save-every", "0"),
+                          ("--lm-head-init", "target")):
+        assert " ".join(entries[flag].split()).endswith(f"(default: {default})"), entries[flag]
+    assert not any("(default: None)" in e or "(default: False)" in e for e in entries.values())
 
 
 def test_a_missing_ds_config_is_refused_before_anything_starts(tmp_path, capsys):
@@ -147,27 +152,42 @@ def _listing(root: Path, out: Path) -> None:
     out.write_text(json.dumps(sorted(p.name for p in root.glob("step-*"))))
 
 
-@pytest.mark.slow
-def test_resume_auto_starts_then_resumes_bitwise_and_time_saves_are_agreed(tiny_target_and_store, tmp_path):
+TOTAL = 16  # steps of the auto-resumed, the straight and the Slurm runs (one LR schedule for all)
+
+
+@pytest.fixture(scope="module")
+def auto_runs(tiny_target_and_store, tmp_path_factory):
+    """In one ``run_ranks(2)`` call: a ``--resume auto`` run into an empty folder, interrupted after step 3 with a
+    checkpoint by wall time due on rank 1 only after step 2; its ``--resume auto`` rerun; a straight run of
+    :data:`TOTAL` steps (the reference of the Slurm test too). Returns (folder, DeepSpeed JSON, outcomes)."""
     target, store = tiny_target_and_store
-    cfg = write_ds_config(tmp_path / "z3.json", base="zero3.json", train_batch_size=4)
-    run = tmp_path / "run"
+    tmp = tmp_path_factory.mktemp("unattended")
+    cfg = write_ds_config(tmp / "z3.json", base="zero3.json", train_batch_size=4)
+    run = tmp / "run"
 
     def argv(output, *extra):
-        return train_argv(cfg, target, store, output, "--epochs", "1000", "--max-steps", "8", "--no-export", *extra)
-    first, resumed, straight = run_ranks(2, run_jobs, [
-        # an empty folder: starts; only rank 1's clock is due after step 2, yet both ranks save it; SIGTERM at 3
+        return train_argv(cfg, target, store, output, "--epochs", "1000", "--max-steps", str(TOTAL), "--no-export",
+                          *extra)
+    outcomes = run_ranks(2, run_jobs, [
         Job(argv(run, "--resume", "auto"), sigterm_after=3, save_due={1: {2}}),
-        Job(argv(run, "--resume", "auto"), before=(_listing, run / "checkpoints", tmp_path / "after.json")),
-        Job(argv(tmp_path / "straight")),
+        Job(argv(run, "--resume", "auto"), before=(_listing, run / "checkpoints", tmp / "after.json")),
+        Job(argv(tmp / "straight")),
     ])[0]
+    return tmp, cfg, outcomes
+
+
+@pytest.mark.slow
+def test_resume_auto_starts_then_resumes_bitwise_and_time_saves_are_agreed(auto_runs):
+    tmp, _, (first, resumed, straight) = auto_runs
+    run = tmp / "run"
     assert first.rc == EXIT_INTERRUPTED, first.stderr
     assert f"--resume auto: no run in {run}; starting afresh" in " ".join(first.stderr.split())
-    assert json.loads((tmp_path / "after.json").read_text()) == ["step-00000002", "step-00000003"]
+    # only rank 1's clock was due after step 2, yet both ranks saved it (a one-rank save would have hung)
+    assert json.loads((tmp / "after.json").read_text()) == ["step-00000002", "step-00000003"]
     assert resumed.rc == 0 and straight.rc == 0, resumed.stderr + straight.stderr
     assert f"--resume auto: resuming the run in {run}" in " ".join(resumed.stderr.split())
     assert "at step 3" in resumed.stderr
-    same_curve(straight.metrics, resumed.metrics)  # steps 1..8 once each, bit-identical
+    same_curve(straight.metrics, resumed.metrics)  # steps 1..TOTAL once each, bit-identical
 
 
 @pytest.mark.slow
@@ -208,12 +228,12 @@ def test_a_rank_blocked_in_a_collective_leaves_every_ranks_stacks_and_exit_76(ti
 
 @pytest.mark.slow
 def test_slurm_script_checkpoints_on_the_early_signal_requeues_and_continues_the_curve(tiny_target_and_store,
-                                                                                         tmp_path):
+                                                                                         auto_runs, tmp_path):
     from helpers.slurm import install
 
     target, store = tiny_target_and_store
-    cfg = write_ds_config(tmp_path / "z3.json", base="zero3.json", train_batch_size=4)
-    total = 16
+    _, cfg, (_, _, straight) = auto_runs
+    total = TOTAL
     out = tmp_path / "run"
     flags = train_argv(cfg, target, store, out, "--epochs", "1000", "--max-steps", str(total), "--no-export")
     env = {**os.environ, "PATH": f"{install(tmp_path / 'bin')}{os.pathsep}{os.environ['PATH']}",
@@ -247,7 +267,5 @@ def test_slurm_script_checkpoints_on_the_early_signal_requeues_and_continues_the
     assert not (out / INTERRUPTED_FILE).exists()
     assert (out / "checkpoints" / checkpoint.LATEST).read_text().strip() == f"step-{total:08d}"
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    (straight,) = run_ranks(2, run_jobs, [Job(train_argv(cfg, target, store, tmp_path / "straight", "--epochs",
-                                                         "1000", "--max-steps", str(total), "--no-export"))])[0]
     assert straight.rc == 0, straight.stderr
     same_curve(straight.metrics, records)  # steps 1..16 once each, bit-identical across the requeue
