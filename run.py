@@ -48,6 +48,21 @@ def mark_interrupted(output: Path, stop, console) -> None:
         console.print(f"[yellow]warning[/yellow]: could not write {output / 'INTERRUPTED'} ({exc})")
 
 
+def launch_rank() -> int:
+    """This process's global rank before ``init_distributed``: the group's when one is up, else the launcher's
+    variables' (``recipe.train.distributed.launcher_ranks``), 0 when they do not describe a world."""
+    import torch.distributed as dist
+
+    from recipe.train.distributed import launcher_ranks
+
+    if dist.is_initialized():
+        return dist.get_rank()
+    try:
+        return launcher_ranks(os.environ)[1]
+    except ValueError:
+        return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     from recipe.cli import parse_args
 
@@ -58,6 +73,7 @@ def main(argv: list[str] | None = None) -> int:
     from rich.markup import escape
 
     from kernels.flex_attention import FlexCompileError, flex_compile_stats
+    from recipe.config import ConfigError, read_ds_config
     from recipe.io_errors import EXIT_WRITE_FAILED, WriteError
     from recipe.train.checkpoint import CheckpointError
     from recipe.train.distributed import init_distributed, release_shm_buffer
@@ -66,6 +82,13 @@ def main(argv: list[str] | None = None) -> int:
     from recipe.train.watch import group_timeout
 
     console = Console(stderr=True)
+    try:  # a wrong path or broken JSON is found before the process group is up (every rank says so)
+        read_ds_config(args.ds_config)
+    except ConfigError as exc:
+        if os.environ.get("RECIPE_DEBUG"):
+            raise
+        console.print(f"[bold red]error[/bold red] (rank {launch_rank()}): {escape(str(exc))}")
+        return 2
     try:
         device, owns_group = init_distributed(group_timeout(args.hang_timeout_minutes))
     except ValueError as exc:  # the launcher's variables do not describe a world (recipe.train.distributed)

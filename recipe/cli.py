@@ -253,9 +253,6 @@ def parse_args(argv: list[str] | None = None) -> TrainArgs:
     """Parse ``run.py`` flags; errors exit with argparse's message naming the flag."""
     parser = build_parser()
     ns = parser.parse_args(argv)
-    if not ns.ds_config.is_file():  # before any process group or data: a typo costs no start-up
-        parser.error(f"--ds_config {ns.ds_config}: no such file"
-                     + (" (it is a folder)" if ns.ds_config.is_dir() else ""))
     if (ns.data is None) == (ns.hidden_states is None):
         parser.error("give exactly one of --data (online: the target runs each step) or --hidden-states (offline)")
     if ns.overwrite and ns.resume is not None:

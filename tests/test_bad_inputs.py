@@ -225,7 +225,8 @@ def test_malformed_lines_among_good_ones_are_counted_skips(assets, tmp_path):
 
 
 @pytest.mark.parametrize("flag,value,message", [
-    ("--max-length", "0", "argument --max-length: must be a positive integer, got 0"),
+    ("--max-length", "0", "argument --max-length: bad length '0': must be a positive whole number of tokens"),
+    ("--max-length", "32q", "argument --max-length: bad length '32q': expected an integer or a number followed by k"),
     ("--max-steps", "-1", "argument --max-steps: must be a positive integer, got -1"),
     ("--ttt-steps", "0", "argument --ttt-steps: must be a positive integer, got 0"),
     ("--save-every", "-2", "argument --save-every: must be a non-negative integer, got -2"),

@@ -58,11 +58,19 @@ def test_help_shows_the_defaults():
     assert not any("(default: None)" in e or "(default: False)" in e for e in entries.values())
 
 
-def test_a_missing_ds_config_is_refused_before_anything_starts(tmp_path, capsys):
-    with pytest.raises(SystemExit) as exc:
-        parse_args(["--ds_config", str(tmp_path / "nope.json"), "--target", "t", "--data", "d", "--output", "o"])
-    assert exc.value.code == 2
-    assert f"--ds_config {tmp_path / 'nope.json'}: no such file" in capsys.readouterr().err
+def test_a_missing_ds_config_is_refused_before_the_process_group_is_up(tmp_path, capsys, monkeypatch):
+    import torch.distributed as dist
+
+    from run import main
+
+    def no_group(*args, **kwargs):
+        raise AssertionError("the process group was started")
+    monkeypatch.setattr("recipe.train.distributed.init_distributed", no_group)
+    monkeypatch.setenv("COLUMNS", "400")
+    assert not dist.is_initialized()
+    code = main(["--ds_config", str(tmp_path / "nope.json"), "--target", "t", "--data", "d", "--output", "o"])
+    err = capsys.readouterr().err
+    assert code == 2 and f"error (rank 0): {tmp_path / 'nope.json'}: cannot read DeepSpeed config" in err, err
 
 
 def test_resume_auto_decides_by_what_the_folder_holds(tmp_path):
