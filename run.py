@@ -19,8 +19,8 @@ export: disk full, I/O error, permission; ``error (rank N): ...`` names the path
 the export were each retried once); ``checkpoints/latest`` still names the last complete checkpoint, continue with
 ``--resume`` once there is room; 76 (``recipe.train.watch.EXIT_HUNG``) no step, checkpoint or validation finished
 within ``--hang-timeout-minutes``: every rank wrote its Python stacks to ``OUTPUT/hang-rank-R.txt``, nothing was
-saved, ``checkpoints/latest`` is the resume point; 128+signum when a second signal, 2 s or more after the first, forced an immediate exit.
-``RECIPE_DEBUG=1`` re-raises errors with their traceback.
+saved, ``checkpoints/latest`` is the resume point; 128+signum when a second signal, 2 s or more after the first,
+forced an immediate exit. ``RECIPE_DEBUG=1`` re-raises errors with their traceback.
 """
 from __future__ import annotations
 

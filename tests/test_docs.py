@@ -188,8 +188,8 @@ def test_docs_name_no_stale_module_path():
     problems = []
     for doc in DOC_FILES:
         text = doc.read_text()
-        for path in set(re.findall(r"(?<![\w./-])((?:recipe|kernels|scripts|ds_configs|tests)/[\w/]+\.(?:py|sh|json|sbatch))",
-                                   text)):
+        pattern = r"(?<![\w./-])((?:recipe|kernels|scripts|ds_configs|tests)/[\w/]+\.(?:py|sh|json|sbatch))"
+        for path in set(re.findall(pattern, text)):
             if not (ROOT / path).exists():
                 problems.append(f"{doc.relative_to(ROOT)}: {path} does not exist")
         for dotted in set(re.findall(r"(?<![\w./-])((?:recipe|kernels)(?:\.[A-Za-z_]\w*)+)", text)):

@@ -119,9 +119,9 @@ def _load_table(item: DataFile, cache_dir: str | None) -> tuple[datasets.Dataset
 
 
 def check_conversation_column(item: DataFile, found: list[str], columns: dict[str, str] | None) -> None:
-    """ValueError naming the file, the columns it has and the ``--data-column`` flag when a file (or hub dataset;
-    for JSON/JSONL the keys of its records) has none of the columns the conversations are read from (``conversations``, ``messages``, or what
-    ``columns`` maps them to): every row would otherwise be skipped as ``unknown_schema``."""
+    """ValueError naming the file, the columns it has and the ``--data-column`` flag when a file (or hub dataset; for
+    JSON/JSONL the keys of its records) has none of the columns the conversations are read from (``conversations``,
+    ``messages``, or what ``columns`` maps them to): every row would otherwise be skipped as ``unknown_schema``."""
     columns = columns or {}
     wanted = sorted({columns.get(f, f) for f in ("conversations", "messages")})
     if set(wanted) & set(found):

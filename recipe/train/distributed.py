@@ -142,9 +142,9 @@ def cuda_device_index(local_rank: int, visible: int) -> int:
 
 
 def init_distributed(timeout=None) -> tuple[torch.device, bool]:
-    """Initialise torch.distributed through DeepSpeed with the process group's ``timeout`` (a
-    ``datetime.timedelta``; None: DeepSpeed's default, 30 min, ``DEEPSPEED_TIMEOUT``); return (this rank's device, whether this call created the
-    default process group — the caller that created it destroys it at exit; an embedding program keeps its own).
+    """Initialise torch.distributed through DeepSpeed with the process group's ``timeout`` (a ``datetime.timedelta``;
+    None: DeepSpeed's default, 30 min, ``DEEPSPEED_TIMEOUT``); return (this rank's device, whether this call created
+    the default process group — the caller that created it destroys it at exit; an embedding program keeps its own).
 
     The rank comes from whichever launcher started the process (``launcher_environment``; rank 0 prints which), an
     initialised group is used as it is. Sets ``OMP_NUM_THREADS=1`` when the launcher left it unset and several ranks

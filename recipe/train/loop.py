@@ -13,11 +13,11 @@ of other data or global batch is refused before DeepSpeed touches it (``recipe.t
 resume for another run length (with an LR scheduler) unless ``--extend`` re-plans the schedule
 (:meth:`Trainer._replan_schedule`). SIGTERM/SIGINT stop all ranks after the same step, save and return
 ``EXIT_INTERRUPTED`` (``recipe.train.signals``); checkpoints by wall time (agreed in the same all-reduce) and the hang
-watchdog (stacks to ``OUTPUT/hang-rank-R.txt``, ``EXIT_HUNG``) are ``recipe.train.watch``. A NaN/inf loss on any rank stops with the step and sample indices,
-or with ``--skip-nonfinite`` skips the step (engine untouched) and is counted in metrics.jsonl (``"skipped"``) and at
-the end. The finite flags of the micro-batches stay on the device and are agreed over the world ONCE per optimizer
-step, after the forward of the last micro-batch and before its backward (so before the optimizer step; with
-``--skip-nonfinite``, which needs one micro-batch per step, before any backward).
+watchdog (stacks to ``OUTPUT/hang-rank-R.txt``, ``EXIT_HUNG``) are ``recipe.train.watch``. A NaN/inf loss on any rank
+stops with the step and sample indices, or with ``--skip-nonfinite`` skips the step (engine untouched) and is counted
+in metrics.jsonl (``"skipped"``) and at the end. The finite flags of the micro-batches stay on the device and are
+agreed over the world ONCE per optimizer step, after the forward of the last micro-batch and before its backward (so
+before the optimizer step; with ``--skip-nonfinite``, which needs one micro-batch per step, before any backward).
 
 Host syncs. Per optimizer step the loop reads the device once for that agreement and once at the end for the
 metrics (plus the grad norm); the loss sums, correct counts and the global valid counts stay on the device in between.

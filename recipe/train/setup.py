@@ -133,9 +133,10 @@ def check_output(args: TrainArgs, comm) -> str | None:
     data: refuse a run without ``--resume`` into a folder that holds a previous run (:func:`existing_run`; rank 0
     decides by :func:`resume_mode`, every rank raises its message) unless ``--overwrite`` is given, a ``--resume``
     without a checkpoint, and a folder some rank cannot write (each rank probes its own view). Returns the
-    ``--resume`` value to resolve (``--resume auto`` decided: ``"latest"`` or None), the same on every rank. Raises ValueError naming the folder and the choices (``--resume``, a new ``--output``,
-    ``--overwrite``), or naming the ranks that cannot write it or do not share it with rank 0 (:func:`check_shared`).
-    The old run is deleted only once the run is built (:func:`write_resolved_config`)."""
+    ``--resume`` value to resolve (``--resume auto`` decided: ``"latest"`` or None), the same on every rank. Raises
+    ValueError naming the folder and the choices (``--resume``, a new ``--output``, ``--overwrite``), or naming the
+    ranks that cannot write it or do not share it with rank 0 (:func:`check_shared`). The old run is deleted only once
+    the run is built (:func:`write_resolved_config`)."""
     rank = dist.get_rank()
     mode, refusal = resume_mode(args) if rank == 0 else (None, None)
     reports = comm.all_gather_object((mode, refusal, _probe_writable(args.output)))

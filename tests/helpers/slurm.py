@@ -62,7 +62,8 @@ def warn(_signum, _frame):  # the time limit is near: slurmctld sends --signal
     if to_batch:
         os.kill(batch.pid, signum)
     else:
-        pids = open(os.path.join(state, "step-pids")).read().split() if os.path.exists(os.path.join(state, "step-pids")) else []
+        step_pids = os.path.join(state, "step-pids")
+        pids = open(step_pids).read().split() if os.path.exists(step_pids) else []
         for pid in pids:
             try:
                 os.kill(int(pid), signum)
@@ -110,7 +111,8 @@ step = int(open(step_file).read()) + 1 if os.path.exists(step_file) else 0
 open(step_file, "w").write(str(step))
 tasks = []
 for rank in range(n):
-    env = dict(os.environ, SLURM_PROCID=str(rank), SLURM_LOCALID=str(rank % per_node), SLURM_NODEID=str(rank // per_node),
+    env = dict(os.environ, SLURM_PROCID=str(rank), SLURM_LOCALID=str(rank % per_node),
+               SLURM_NODEID=str(rank // per_node),
                SLURM_STEP_NUM_TASKS=str(n), SLURM_STEP_ID=str(step), SLURM_STEPID=str(step),
                SLURM_STEP_NODELIST=os.environ.get("SLURM_JOB_NODELIST", "localhost"))
     tasks.append(subprocess.Popen(args, env=env))
