@@ -17,8 +17,10 @@ codes"); 74 (``recipe.io_errors.EXIT_WRITE_FAILED``, sysexits EX_IOERR) the run
 is not complete because its output could not be written (a checkpoint, ``metrics.jsonl``, monitor files or the
 export: disk full, I/O error, permission; ``error (rank N): ...`` names the path and the cause; the final save and
 the export were each retried once); ``checkpoints/latest`` still names the last complete checkpoint, continue with
-``--resume`` once there is room; 128+signum when a second signal, 2 s or more after the first, forced an immediate exit.
-``RECIPE_DEBUG=1`` re-raises errors with their traceback.
+``--resume`` once there is room; 76 (``recipe.train.watch.EXIT_HUNG``) no step, checkpoint or validation finished
+within ``--hang-timeout-minutes``: every rank wrote its Python stacks to ``OUTPUT/hang-rank-R.txt``, nothing was
+saved, ``checkpoints/latest`` is the resume point; 128+signum when a second signal, 2 s or more after the first,
+forced an immediate exit. ``RECIPE_DEBUG=1`` re-raises errors with their traceback.
 """
 from __future__ import annotations
 
@@ -46,6 +48,21 @@ def mark_interrupted(output: Path, stop, console) -> None:
         console.print(f"[yellow]warning[/yellow]: could not write {output / 'INTERRUPTED'} ({exc})")
 
 
+def launch_rank() -> int:
+    """This process's global rank before ``init_distributed``: the group's when one is up, else the launcher's
+    variables' (``recipe.train.distributed.launcher_ranks``), 0 when they do not describe a world."""
+    import torch.distributed as dist
+
+    from recipe.train.distributed import launcher_ranks
+
+    if dist.is_initialized():
+        return dist.get_rank()
+    try:
+        return launcher_ranks(os.environ)[1]
+    except ValueError:
+        return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     from recipe.cli import parse_args
 
@@ -56,15 +73,24 @@ def main(argv: list[str] | None = None) -> int:
     from rich.markup import escape
 
     from kernels.flex_attention import FlexCompileError, flex_compile_stats
+    from recipe.config import ConfigError, read_ds_config
     from recipe.io_errors import EXIT_WRITE_FAILED, WriteError
     from recipe.train.checkpoint import CheckpointError
     from recipe.train.distributed import init_distributed, release_shm_buffer
     from recipe.train.oom import StepOutOfMemory
     from recipe.train.signals import EXIT_INTERRUPTED, StopRequest, clear_interrupted
+    from recipe.train.watch import group_timeout
 
     console = Console(stderr=True)
+    try:  # a wrong path or broken JSON is found before the process group is up (every rank says so)
+        read_ds_config(args.ds_config)
+    except ConfigError as exc:
+        if os.environ.get("RECIPE_DEBUG"):
+            raise
+        console.print(f"[bold red]error[/bold red] (rank {launch_rank()}): {escape(str(exc))}")
+        return 2
     try:
-        device, owns_group = init_distributed()
+        device, owns_group = init_distributed(group_timeout(args.hang_timeout_minutes))
     except ValueError as exc:  # the launcher's variables do not describe a world (recipe.train.distributed)
         if os.environ.get("RECIPE_DEBUG"):
             raise
@@ -74,7 +100,8 @@ def main(argv: list[str] | None = None) -> int:
     # counts (watch_launcher), a forced exit still unlinks the /dev/shm buffer, and signals while closing are ignored
     stop = StopRequest(watch_launcher=True, on_abort=release_shm_buffer).__enter__()
     try:
-        from recipe.train.loop import Trainer, TrainSettings, plan_summary
+        from recipe.train.loop import Trainer, TrainSettings
+        from recipe.train.metrics import plan_summary
         from recipe.train.positions import position_lines, run_positions
         from recipe.train.setup import build_run, write_resolved_config
 

@@ -33,6 +33,8 @@ class TrainArgs:
     limit: int | None = None
     num_proc: int = 1
     save_every: int = 0
+    save_every_minutes: float = 30.0
+    hang_timeout_minutes: float = 10.0
     keep_checkpoints: int = 2
     resume: str | None = None
     extend: bool = False
@@ -68,6 +70,48 @@ def positive_int_list(text: str) -> list[int]:
     return int_list(text, minimum=1)
 
 
+def parse_length(text: str) -> int:
+    """``"4k"`` -> 4096, ``"1.5k"`` -> 1536, ``"512"`` -> 512 (k = 1024 tokens); ValueError naming the text
+    otherwise. The length syntax of ``run.py --max-length``, ``python -m recipe.plan`` and the benchmarks."""
+    t = text.strip().lower()
+    try:
+        value = float(t[:-1]) * 1024 if t.endswith("k") else float(t)
+    except ValueError:
+        raise ValueError(f"bad length {text!r}: expected an integer or a number followed by k (e.g. 4k)") from None
+    if value < 1 or value != int(value):
+        raise ValueError(f"bad length {text!r}: must be a positive whole number of tokens")
+    return int(value)
+
+
+def length(text: str) -> int:
+    """argparse type: :func:`parse_length` (``"32k"`` -> 32768); ArgumentTypeError naming the text otherwise."""
+    try:
+        return parse_length(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _non_negative_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not 0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text}")
+    return value
+
+
+class _DefaultsFormatter(argparse.HelpFormatter):
+    """``--help`` shows each flag's default, except where there is none (None, False) or the help already says it."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if ("%(default)" not in text and "default" not in text and action.default is not None
+                and action.default is not False and action.default is not argparse.SUPPRESS and action.option_strings):
+            text += " (default: %(default)s)"
+        return text
+
+
 def _positive(text: str) -> int:
     value = int(text)
     if value <= 0:
@@ -89,30 +133,10 @@ def _positive_float(text: str) -> float:
     return value
 
 
-def parse_length(text: str) -> int:
-    """``"4k"`` -> 4096, ``"1.5k"`` -> 1536, ``"512"`` -> 512; ValueError naming the text otherwise."""
-    t = text.strip().lower()
-    try:
-        value = float(t[:-1]) * 1024 if t.endswith("k") else float(t)
-    except ValueError:
-        raise ValueError(f"bad length {text!r}: expected an integer or a number followed by k (e.g. 4k)") from None
-    if value < 1 or value != int(value):
-        raise ValueError(f"bad length {text!r}: must be a positive whole number of tokens")
-    return int(value)
-
-
 def length_list(text: str) -> list[int]:
     """argparse type: ``"2k,4k,512"`` -> sorted distinct lengths in tokens (k = 1024); ArgumentTypeError otherwise."""
     try:
         return sorted({parse_length(x) for x in text.split(",") if x.strip()})
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-
-
-def length(text: str) -> int:
-    """argparse type: one length in tokens (``parse_length``: ``"4k"`` -> 4096); ArgumentTypeError otherwise."""
-    try:
-        return parse_length(text)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
@@ -179,6 +203,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="run.py",
         description="Train an EAGLE-3 draft model with DeepSpeed (ZeRO 0-3), tensor and context parallelism.",
+        formatter_class=_DefaultsFormatter,
         epilog="Launch: `deepspeed --num_gpus N run.py --ds_config ds_configs/zero3.json ...`, `torchrun "
         "--nproc_per_node N run.py ...`, or `python run.py ...` for one process. See README.md.",
     )
@@ -190,7 +215,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "--resume or --overwrite")
     add_data_arguments(p)
     p.add_argument("--hidden-states", type=Path, help="offline store written by `python -m recipe.dump`")
-    p.add_argument("--max-length", type=_positive, default=2048, help="tokens per sample after the chat template")
+    p.add_argument("--max-length", type=length, default=2048,
+                   help="tokens per sample after the chat template; k = 1024, e.g. 32k")
     p.add_argument("--ttt-steps", type=_positive, default=7, help="training-time-test unroll steps K")
     p.add_argument("--draft-vocab-size", type=_positive, default=None,
                    help=f"draft vocabulary size V_d (capped at the target vocabulary; default {DEFAULT_DRAFT_VOCAB}, "
@@ -211,10 +237,19 @@ def build_parser() -> argparse.ArgumentParser:
                    help="use only the first N conversations of each data file / the first N stored samples")
     p.add_argument("--num-proc", type=_positive, default=1, help="processes for tokenisation (datasets.map)")
     p.add_argument("--save-every", type=_non_negative, default=0,
-                   help="checkpoint every N optimizer steps (0: only at the end)")
+                   help="checkpoint every N optimizer steps (0: not by steps; see --save-every-minutes)")
+    p.add_argument("--save-every-minutes", type=_non_negative_float, default=30.0, metavar="M",
+                   help="also checkpoint after the first step that ends M minutes or more after the last checkpoint "
+                   "(or the start), agreed by every rank (0: not by time; docs/training.md, 'Periodic checkpoints')")
+    p.add_argument("--hang-timeout-minutes", type=_non_negative_float, default=10.0, metavar="M",
+                   help="when no step (or checkpoint, or validation) finishes within M minutes, every rank writes "
+                   "its Python stacks to OUTPUT/hang-rank-R.txt and the run exits with 76; the process group's "
+                   "timeout is set above it (0: no watchdog; docs/training.md, 'Hangs')")
     p.add_argument("--keep-checkpoints", type=_positive, default=2, help="how many checkpoints to keep")
-    p.add_argument("--resume", nargs="?", const="latest", default=None,
-                   help="resume from OUTPUT/checkpoints/latest, or from the given checkpoint folder")
+    p.add_argument("--resume", nargs="?", const="latest", default=None, metavar="auto|DIR",
+                   help="resume from OUTPUT/checkpoints/latest (no value), from the given checkpoint folder, or "
+                   "'auto': resume when --output holds a run with a checkpoint, start afresh when it holds none "
+                   "(for job scripts that are requeued)")
     p.add_argument("--overwrite", action="store_true",
                    help="start a new run in an --output folder that holds a previous run: its checkpoints/, "
                    "metrics.jsonl, run_config.json, export/ and curves.png are deleted once the run is built "

@@ -12,14 +12,14 @@ Stages (e2e at world size 1; DeepSpeed picks NCCL on CUDA, gloo on the CPU):
 1. ``target``: a SmolLM2-135M-Instruct-shaped target (its config and tokenizer, carried) with **seeded random
    weights** in bf16: the point is the code path, not τ.
 2. ``online``: ``python run.py --data ...`` (the target runs every step), ZeRO-3 bf16 (``ds_configs/zero3_bf16.json``,
-   every memory switch on, attention ``auto`` = flex on CUDA), 5 optimizer steps, export.
+   every memory switch but the MLP tiles on, attention ``auto`` = flex on CUDA), 5 optimizer steps, export.
 3. ``check_export``: ``python -m recipe.export --check`` of the export.
 4. ``eval``: ``python -m recipe.eval`` of the bf16 export on 2 prompts (chain τ, lossless check).
-5. ``table``: a bf16 TTT training step of a Llama-3.1-8B-shaped draft (hidden 4096, 32 query / 8 KV heads of dim
-   128, intermediate 14336, draft vocabulary 32000, target hidden 4096, K = 7, random weights, the batch made on the
-   GPU) with every memory switch on (loss chunks of 4096, per-step checkpointing, flex attention) at 4k, 32k and
-   128k tokens. Each row catches its own errors and records ``max_memory_allocated``, ``max_memory_reserved``, the
-   flex compiles so far, seconds per step, and the planner's prediction for the same step (``recipe.plan``, made
+5. ``table``: a bf16 TTT training step of a Llama-3.1-8B-shaped draft (hidden 4096, 32 query / 8 KV heads of dim 128,
+   intermediate 14336, draft vocabulary 32000, target hidden 4096, K = 7, random weights, the batch made on the GPU)
+   with every memory switch but the MLP tiles on (loss chunks of 4096, per-step checkpointing, flex attention) at 4k,
+   32k and 128k tokens. Each row catches its own errors and records ``max_memory_allocated``, ``max_memory_reserved``,
+   the flex compiles so far, seconds per step, and the planner's prediction for the same step (``recipe.plan``, made
    here by ``--plan-rows`` into ``docs/results/gpu/plan_gpu_check.json`` and carried with the repository).
 
 The GPU machine (no internet; torch 2.11 with CUDA 13, transformers 5.17, pyarrow and pandas preinstalled) has no

@@ -136,7 +136,8 @@ def cases(tiny_target_and_store, other_tiny_target, assets, tmp_path_factory):
         "data_malformed_jsonl": (Job(online_argv("d1", data["malformed"])),
                                  ["malformed.jsonl", "no usable conversation", "invalid_json", "rows 1, 2"]),
         "data_empty": (Job(online_argv("d2", data["empty"])), ["empty.jsonl", "empty"]),
-        "data_schema": (Job(online_argv("d3", data["schema"])), ["schema.jsonl", "unknown_schema 2 [rows 1, 2]"]),
+        "data_schema": (Job(online_argv("d3", data["schema"])), ["schema.jsonl", "no conversation column",
+                                                              "keys ['answer', 'prompt', 'text']", "--data-column"]),
         "data_non_utf8": (Job(online_argv("d4", data["latin1"])), ["latin1.jsonl", "non_utf8 1 [rows 1]"]),
         "data_no_assistant": (Job(online_argv("d5", data["no_assistant"])), ["no_assistant.jsonl",
                                                                               "no_assistant_turn 1 [rows 1]"]),
@@ -224,7 +225,8 @@ def test_malformed_lines_among_good_ones_are_counted_skips(assets, tmp_path):
 
 
 @pytest.mark.parametrize("flag,value,message", [
-    ("--max-length", "0", "argument --max-length: must be a positive integer, got 0"),
+    ("--max-length", "0", "argument --max-length: bad length '0': must be a positive whole number of tokens"),
+    ("--max-length", "32q", "argument --max-length: bad length '32q': expected an integer or a number followed by k"),
     ("--max-steps", "-1", "argument --max-steps: must be a positive integer, got -1"),
     ("--ttt-steps", "0", "argument --ttt-steps: must be a positive integer, got 0"),
     ("--save-every", "-2", "argument --save-every: must be a non-negative integer, got -2"),

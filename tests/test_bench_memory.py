@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from recipe.bench import memory
+from recipe.cli import parse_length
 from recipe.bench.measure import BenchSpec, build_model, random_batch, time_step
 from recipe.plan import predict_step
 
@@ -17,10 +18,10 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_parse_length():
-    assert [memory.parse_length(t) for t in ("512", "4k", "1.5k", " 2K ")] == [512, 4096, 1536, 2048]
+    assert [parse_length(t) for t in ("512", "4k", "1.5k", " 2K ")] == [512, 4096, 1536, 2048]
     for bad in ("abc", "0", "1.3", "-2k", "0.0001k"):
         with pytest.raises(ValueError, match="bad length"):
-            memory.parse_length(bad)
+            parse_length(bad)
 
 
 def test_bad_flags_exit_with_a_message(capsys):

@@ -7,6 +7,8 @@
   ``runs/`` redirected to a temporary folder) and must exit 0.
 - Every relative link in README.md and docs/ resolves (file and ``#anchor``), and every module path they name
   (``recipe/train/loop.py``, ``recipe.train.loop``, ``recipe.config.load_run_config``) exists.
+- A table introduced by a paragraph that links a committed result (``results/*.json``) quotes that JSON: every
+  number in its cells is one of the JSON's values as the docs print them (GiB to 0.1, tokens in k = 1024, as is).
 """
 from __future__ import annotations
 
@@ -186,8 +188,8 @@ def test_docs_name_no_stale_module_path():
     problems = []
     for doc in DOC_FILES:
         text = doc.read_text()
-        for path in set(re.findall(r"(?<![\w./-])((?:recipe|kernels|scripts|ds_configs|tests)/[\w/]+\.(?:py|sh|json))",
-                                   text)):
+        pattern = r"(?<![\w./-])((?:recipe|kernels|scripts|ds_configs|tests)/[\w/]+\.(?:py|sh|json|sbatch))"
+        for path in set(re.findall(pattern, text)):
             if not (ROOT / path).exists():
                 problems.append(f"{doc.relative_to(ROOT)}: {path} does not exist")
         for dotted in set(re.findall(r"(?<![\w./-])((?:recipe|kernels)(?:\.[A-Za-z_]\w*)+)", text)):
@@ -213,3 +215,86 @@ def test_runnable_readme_blocks_run(tmp_path, assets):
         result = subprocess.run(["bash", "-euo", "pipefail", "-c", script], cwd=ROOT, env=env, capture_output=True,
                                 text=True, timeout=900)
         assert result.returncode == 0, f"{body}\n--- stderr ---\n{result.stderr[-4000:]}"
+
+
+GIB = 2 ** 30
+
+
+def quoted_forms(data) -> set[str]:
+    """Every number of a result JSON in the forms the docs print it: as is (``0.05``, ``7``), bytes in GiB to one
+    decimal (``42.9``), bytes in MiB to one decimal, tokens in k = 1024 (``222k``) and in M = 1024·1000 tokens
+    (``1.40M``), and any value to one or two decimals."""
+    forms: set[str] = set()
+    stack = [data]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, dict):
+            stack += list(item.values())
+        elif isinstance(item, list):
+            stack += item
+        elif isinstance(item, (int, float)) and not isinstance(item, bool):
+            forms |= {f"{item:g}", f"{item:.1f}", f"{item:.2f}", f"{item / GIB:.1f}", f"{item / GIB:.2f}",
+                      f"{item / 2 ** 20:.1f}"}
+            if isinstance(item, int):
+                forms |= {f"{round(item / 1024)}k", f"{item / 1024 / 1000:.2f}M"}
+    return forms
+
+
+def cited_tables(doc: Path) -> list[tuple[int, Path, list[str]]]:
+    """``(line, cited JSON, the table's cells)`` of every table of ``doc`` whose introducing paragraph (the one
+    right above it) links one ``results/*.json``. Columns of ratios (a ``×`` in the header) are derived, not
+    quoted, and left out."""
+    lines, out, i = doc.read_text().split("\n"), [], 0
+    while i < len(lines):
+        if not (lines[i].startswith("|") and i + 1 < len(lines) and re.match(r"^\|[-| ]+\|$", lines[i + 1])):
+            i += 1
+            continue
+        stop = i
+        while stop > 0 and not lines[stop - 1].strip():  # blank lines between the paragraph and its table
+            stop -= 1
+        start = stop
+        while start > 0 and lines[start - 1].strip():
+            start -= 1
+        cited = {m for line in lines[start:stop] for m in re.findall(r"\]\(([^)\s]*results/[\w.-]+\.json)\)", line)}
+        end = i + 2
+        while end < len(lines) and lines[end].startswith("|"):
+            end += 1
+        if len(cited) == 1:
+            heads = [h.strip() for h in lines[i].strip().strip("|").split("|")]
+            cells = [c.strip() for row in lines[i + 2:end]
+                     for k, c in enumerate(row.strip().strip("|").split("|")) if k and "×" not in heads[k]]
+            out.append((i + 1, (doc.parent / cited.pop()).resolve(), cells))
+        i = end
+    return out
+
+
+def table_mismatches(doc: Path) -> list[str]:
+    problems = []
+    for line, cited, cells in cited_tables(doc):
+        forms = quoted_forms(json.loads(cited.read_text()))
+        for cell in cells:
+            for number in re.findall(r"(?<![\w.])(\d+(?:\.\d+)?[kM]?)(?![\w.])", cell):
+                if number not in forms:
+                    problems.append(f"{doc.relative_to(ROOT)}:{line}: {number} ({cell!r}) is not in {cited.name}")
+    return problems
+
+
+def test_tables_quote_the_results_they_cite():
+    checked = [t for doc in DOC_FILES for t in cited_tables(doc)]
+    assert len(checked) >= 3  # the README's and parallelism.md's plan tables, recipes.md's
+    problems = [p for doc in DOC_FILES for p in table_mismatches(doc)]
+    assert not problems, "\n".join(problems)
+
+
+def test_a_table_number_missing_from_its_json_is_caught(tmp_path):
+    (tmp_path / "results").mkdir()
+    (tmp_path / "results" / "r.json").write_text(json.dumps({"rows": [{"total": 46065531269, "fit": 227328}]}))
+    doc = tmp_path / "d.md"
+    doc.write_text("Per GPU ([r.json](results/r.json)):\n\n| layout | GiB | longest |\n|---|---|---|\n"
+                   "| 1 × 1 | 42.9 | 222k |\n| 2 × 1 | 43.0 | 222k |\n")
+    global ROOT
+    root, ROOT = ROOT, tmp_path
+    try:
+        assert table_mismatches(doc) == ["d.md:3: 43.0 ('43.0') is not in r.json"]
+    finally:
+        ROOT = root

@@ -117,9 +117,10 @@ def test_num_proc_gives_the_same_examples(tokenizer, data_file, tmp_path):
 def test_nothing_usable_and_empty_files_name_the_file(tokenizer, tmp_path):
     path = tmp_path / "wrong_schema.jsonl"
     path.write_text('{"text": "a"}\n{"prompt": "b"}\n', encoding="utf-8")
-    with pytest.raises(ValueError, match="no usable conversation") as err:
+    with pytest.raises(ValueError, match="no conversation column") as err:  # no record has the field: its keys named
         build_examples(path, tokenizer, MAX_LENGTH, cache_dir=str(tmp_path / "c"))
-    assert str(path) in str(err.value) and "unknown_schema 2 [rows 1, 2]" in str(err.value)
+    assert str(path) in str(err.value) and "records have the keys ['prompt', 'text']" in str(err.value)
+    assert "--data-column messages=prompt" in str(err.value)
     empty = tmp_path / "empty.jsonl"
     empty.write_text("", encoding="utf-8")
     with pytest.raises(ValueError, match="empty") as err:

@@ -161,6 +161,8 @@ def test_cli_writes_the_json_of_a_small_target(tmp_path, capsys):
     assert [r["length"] for r in lay["rows"]] == [1024, 8192] and lay["backend"] == "flex"
     assert plan["command"].startswith("python -m recipe.plan --ds_config") and plan["zero_stage"] == 3
     assert all(r["total"] < 1 * GIB for r in lay["rows"]) and lay["longest_fit"] > 8192
+    # the whole draft's count (what the docs quote), and each layout's per-rank count beside it (equal at tp = 1)
+    assert plan["draft"]["trainable_params"] == lay["trainable_params_per_rank"] > 0
 
 
 @pytest.mark.slow
@@ -177,3 +179,12 @@ def test_traced_step_matches_the_cpu_measurement_within_10_percent():
     for layout, n, predicted, measured in pairs:
         print(f"{layout} {n}: predicted {predicted / 2 ** 20:.1f} MiB, measured {measured / 2 ** 20:.1f} MiB")
         assert abs(predicted / measured - 1) < 0.10, pairs
+
+
+def test_committed_plan_records_the_whole_drafts_parameters():
+    """docs quote ``draft.trainable_params`` of plan_h200.json as the 8B draft's size: the unsplit count (the tp = 1
+    layouts' per-rank count), not the last layout's share."""
+    plan = json.loads((ROOT / "docs" / "results" / "plan_h200.json").read_text())
+    by_tp = {lay["tp"]: lay["trainable_params_per_rank"] for lay in plan["layouts"]}
+    assert plan["draft"]["trainable_params"] == by_tp[1] > by_tp[2]
+    assert round(plan["draft"]["trainable_params"] / 1e6) == 425  # "425 M" in README.md and docs/recipes.md

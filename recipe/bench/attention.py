@@ -24,7 +24,7 @@ from rich.console import Console
 from rich.table import Table
 
 from recipe.bench.common import MIB, add_draft_shape_arguments, write_json
-from recipe.bench.memory import parse_length
+from recipe.cli import length_list
 from recipe.bench.measure import DTYPES, MALLOC_ENV, CpuPeak, CudaPeak
 
 
@@ -158,14 +158,6 @@ def print_table(report: dict, console: Console) -> None:
             console.print(f"[red]{r['backend']} {r['dtype']} at {r['length']}: {r['detail'].strip()[-400:]}[/red]")
 
 
-def lengths_arg(text: str) -> list[int]:
-    """argparse type: ``"512,1k,2k"`` -> [512, 1024, 2048] (sorted, unique); a bad length is a usage error."""
-    try:
-        return sorted({parse_length(x) for x in text.split(",") if x.strip()})
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-
-
 def _names(text: str, allowed, what: str) -> list[str]:
     names = [x.strip() for x in text.split(",") if x.strip()]
     bad = [n for n in names if n not in allowed]
@@ -178,7 +170,7 @@ def build_parser() -> argparse.ArgumentParser:
     from kernels.attention_backends import BACKENDS
 
     p = argparse.ArgumentParser(prog="python -m recipe.bench attention", description=__doc__.split("\n\n")[0])
-    p.add_argument("--lengths", type=lengths_arg, default=[512, 1024, 2048, 4096], help="e.g. 512,1k,2k (k = 1024)")
+    p.add_argument("--lengths", type=length_list, default=[512, 1024, 2048, 4096], help="e.g. 512,1k,2k (k = 1024)")
     p.add_argument("--dtypes", type=lambda t: _names(t, DTYPES, "dtype"), default=["fp32", "bf16"])
     p.add_argument("--backends", type=lambda t: _names(t, BACKENDS, "backend"),
                    help=f"subset of {','.join(BACKENDS)} (default: those that run on the device)")

@@ -24,7 +24,7 @@ from rich.table import Table
 
 from recipe.bench.common import add_draft_shape_arguments
 from recipe.bench.measure import LAYOUTS, BenchSpec, run_measurement
-from recipe.plan.spec import length_list, parse_length  # noqa: F401 (parse_length: the benchmarks' name)
+from recipe.cli import length_list
 
 GIB = 1024 ** 3
 

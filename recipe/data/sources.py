@@ -26,6 +26,8 @@ that holds it.
 """
 from __future__ import annotations
 
+import ast
+
 import hashlib
 from dataclasses import dataclass
 from pathlib import Path
@@ -120,10 +122,11 @@ def _load_table(item: DataFile, cache_dir: str | None) -> tuple[datasets.Dataset
 
 
 def check_conversation_column(item: DataFile, found: list[str], columns: dict[str, str] | None) -> None:
-    """ValueError naming the file, the columns it has and the ``--data-column`` flag when a Parquet/CSV file (or hub
-    dataset) has none of the columns the conversations are read from (``conversations``, ``messages``, or what
-    ``columns`` maps them to) and no long-document shape (a ``document``/``context`` column, or ``instruction`` and
-    ``output``; ``conversations.document_turns``): every row would otherwise be skipped as ``unknown_schema``."""
+    """ValueError naming the file, the columns it has and the ``--data-column`` flag when a file (or hub dataset; for
+    JSON/JSONL the keys of its records) has none of the columns the conversations are read from (``conversations``,
+    ``messages``, or what ``columns`` maps them to) and no long-document shape (a ``document``/``context`` column, or
+    ``instruction`` and ``output``; ``conversations.document_turns``): every row would otherwise be skipped as
+    ``unknown_schema``."""
     columns = columns or {}
     wanted = sorted({columns.get(f, f) for f in ("conversations", "messages")})
     documents = {columns.get("document", "document"), *DOCUMENT_FIELDS}
@@ -131,11 +134,22 @@ def check_conversation_column(item: DataFile, found: list[str], columns: dict[st
         return
     example = next((c for c in found if c not in ("id", "text")), found[0] if found else "COLUMN")
     mapped = f" (--data-column maps them to {wanted})" if columns else ""
-    raise ValueError(f"{item.name}: no conversation column: the {item.kind} file has columns {list(found)}, the "
+    what = "records have the keys" if item.kind == "json" else "file has columns"
+    raise ValueError(f"{item.name}: no conversation column: the {item.kind} {what} {list(found)}, the "
                      f"conversations are read from {wanted}{mapped}; name the column that holds them with "
                      f"--data-column FIELD=COLUMN, e.g. --data-column conversations={example} (ShareGPT turns "
                      f"{{from, value}}) or --data-column messages={example} (OpenAI turns {{role, content}}); a "
                      f"long-document set needs a document/context column (or --data-column document=COLUMN)")
+
+
+def _record_keys(detail: str) -> list[str]:
+    """The keys an ``unknown_schema`` skip's detail lists (``"found ['id', 'text']"``, the first five of a record)."""
+    text = detail.removeprefix("found ").split(";")[0]
+    try:
+        keys = ast.literal_eval(text)
+    except (ValueError, SyntaxError):
+        return []
+    return [str(k) for k in keys] if isinstance(keys, list) else []
 
 
 def load_rows(item: DataFile, limit: int | None = None, columns: dict[str, str] | None = None,
@@ -144,8 +158,8 @@ def load_rows(item: DataFile, limit: int | None = None, columns: dict[str, str] 
 
     Cached by ``datasets`` under ``cache_dir`` with a fingerprint of the file's name and content (sha256; a hub
     dataset's own fingerprint), ``limit`` and ``columns``. Raises ValueError naming the file when it cannot be read,
-    holds no record, or (Parquet/CSV/hub) has no conversation column (:func:`check_conversation_column`); a
-    malformed record is a skip row, not an error.
+    holds no record, or has no conversation column (:func:`check_conversation_column`; JSON/JSONL: when no record
+    has the field, naming the keys the records have); a malformed record is a skip row, not an error.
     """
     key = (READER_VERSION, item.name, limit, sorted((columns or {}).items()))
     if item.kind == "json":
@@ -153,6 +167,12 @@ def load_rows(item: DataFile, limit: int | None = None, columns: dict[str, str] 
         rows = datasets.Dataset.from_generator(
             _generate_rows, features=ROW_FEATURES, cache_dir=cache_dir, fingerprint=fingerprint(*key, digest),
             gen_kwargs={"path": item.name, "digest": digest, "limit": limit, "columns": columns})
+        reasons = set(rows.unique("reason")) if len(rows) else set()
+        if reasons == {"unknown_schema"}:  # not one record has the conversation field: name the keys it has
+            details = rows.unique("detail")
+            keys = sorted({k for d in details for k in _record_keys(d)})
+            if keys:
+                check_conversation_column(item, keys, columns)
     else:
         table, content = _load_table(item, cache_dir)
         check_conversation_column(item, table.column_names, columns)

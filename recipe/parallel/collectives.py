@@ -83,6 +83,13 @@ class Collectives:
         return bool(self._all_reduce(torch.tensor([int(bool(flag))], dtype=torch.int32), dist.ReduceOp.MAX,
                                      group).item())
 
+    def any_each(self, flags: list[bool], group=None) -> list[bool]:
+        """Element-wise :meth:`any` of several flags in one int32 MAX all-reduce: entry i is True on every rank iff
+        ``flags[i]`` is true on some rank of ``group`` (every rank passes as many flags)."""
+        agreed = self._all_reduce(torch.tensor([int(bool(f)) for f in flags], dtype=torch.int32), dist.ReduceOp.MAX,
+                                  group)
+        return [bool(v) for v in agreed.tolist()]
+
     def barrier(self, group=None) -> None:
         """Return once every rank of ``group`` has arrived: an all-reduce of one int32 on the run's device whose
         result is read back on the host (so the call blocks under NCCL too, whose collectives are asynchronous)."""

@@ -19,6 +19,8 @@ from rich.console import Console
 from rich.table import Table
 
 from recipe.plan import GIB, PlanError, load_inputs, plan_rows, states
+from recipe.cli import length_list
+from recipe.plan.spec import spec_draft_config
 
 SHOWN = (("activations", ("draft_activations",)), ("ZeRO states", ("weights", "grads", "optimizer")),
          ("ZeRO buffers", ("zero_buffers",)), ("batch", ("batch",)), ("target w", ("target_weights",)),
@@ -56,18 +58,12 @@ def _tiles(text: str) -> list[int | None]:
     return out
 
 
-def _lengths(text: str) -> list[int]:
-    from recipe.plan.spec import length_list
-
-    return length_list(text)
-
-
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="python -m recipe.plan", description=__doc__.split("\n\n")[0])
     p.add_argument("--ds_config", "--ds-config", dest="ds_config", type=Path, required=True,
                    help="the run's DeepSpeed JSON")
     p.add_argument("--target", type=Path, required=True, help="target folder with config.json, or a config.json")
-    p.add_argument("--length", type=_lengths, required=True, help="tokens per sequence, e.g. 32k or 4k,8k,128k")
+    p.add_argument("--length", type=length_list, required=True, help="tokens per sequence, e.g. 32k or 4k,8k,128k")
     p.add_argument("--gpu", default="h200", help=f"one of {sorted(states.GPUS_MIB)} or a size in GiB")
     p.add_argument("--world-size", type=int, help="ranks (default tp·cp, i.e. dp = 1)")
     p.add_argument("--tp", type=_ints, help="tensor-parallel degree(s), overriding the JSON, e.g. 1,2")
@@ -91,8 +87,10 @@ def make_plan(args, argv: list[str]) -> dict:
                                  args.draft_vocab_size, args.offline, args.freeze_lm_head)
             for tile in args.mlp_tile or [inputs.spec.mlp_tile]:
                 spec = dataclasses.replace(inputs.spec, mlp_tile=tile)
-                layouts.append(plan_rows(dataclasses.replace(inputs, spec=spec), args.length))
+                layouts.append({**plan_rows(dataclasses.replace(inputs, spec=spec), args.length),
+                                "trainable_params_per_rank": inputs.params.trainable})
     spec = inputs.spec
+    whole = states.count_draft_params(spec_draft_config(spec), 1, args.freeze_lm_head)  # the draft, unsplit
     return {"command": "python -m recipe.plan " + " ".join(shlex.quote(a) for a in argv),
             "gpu": {"name": args.gpu, "bytes": inputs.gpu_bytes, "gib": inputs.gpu_bytes / GIB},
             "draft": {"hidden": spec.hidden, "heads": spec.heads, "kv_heads": spec.kv_heads,
@@ -101,8 +99,7 @@ def make_plan(args, argv: list[str]) -> dict:
                       "loss_chunk_size": spec.loss_chunk_size if "chunked" in spec.layout else None,
                       "attention_tile_size": spec.attention_tile,
                       "mlp_tile_sizes": sorted({t["mlp_tile"] for t in layouts}, key=lambda t: t or 0),
-                      "trainable_params": inputs.params.trainable,
-                      "frozen_params": inputs.params.frozen},
+                      "trainable_params": whole.trainable, "frozen_params": whole.frozen},
             "zero_stage": inputs.zero_stage, "target_params": inputs.target.params, "offline": args.offline,
             "partitioned_target": inputs.partitioned_target,
             "constants": {"cuda_context_bytes": states.CUDA_CONTEXT_BYTES,

@@ -1,13 +1,11 @@
 """The one draft training step that ``recipe.bench`` measures and ``recipe.plan`` predicts: its geometry, length,
-layout, parallel degrees and dtype (:class:`BenchSpec`), the draft config it stands for, and the length syntax of both
-command lines ("4k" = 4096 tokens; ``recipe.cli.parse_length``, shared with the data flags)."""
+layout, parallel degrees and dtype (:class:`BenchSpec`), the draft config it stands for."""
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import torch
 
-from recipe.cli import length_list, parse_length  # noqa: F401 (the length syntax, shared with the data flags)
 from recipe.parallel.dims import check_tp_divides, seq_divisor
 
 LAYOUTS = {"full": (False, False), "chunked": (True, False), "ckpt": (False, True), "chunked+ckpt": (True, True)}

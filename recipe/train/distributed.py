@@ -141,9 +141,10 @@ def cuda_device_index(local_rank: int, visible: int) -> int:
                      "or exactly one")
 
 
-def init_distributed() -> tuple[torch.device, bool]:
-    """Initialise torch.distributed through DeepSpeed; return (this rank's device, whether this call created the
-    default process group — the caller that created it destroys it at exit; an embedding program keeps its own).
+def init_distributed(timeout=None) -> tuple[torch.device, bool]:
+    """Initialise torch.distributed through DeepSpeed with the process group's ``timeout`` (a ``datetime.timedelta``;
+    None: DeepSpeed's default, 30 min, ``DEEPSPEED_TIMEOUT``); return (this rank's device, whether this call created
+    the default process group — the caller that created it destroys it at exit; an embedding program keeps its own).
 
     The rank comes from whichever launcher started the process (``launcher_environment``; rank 0 prints which), an
     initialised group is used as it is. Sets ``OMP_NUM_THREADS=1`` when the launcher left it unset and several ranks
@@ -175,7 +176,7 @@ def init_distributed() -> tuple[torch.device, bool]:
         device = torch.device("cuda", local_rank)
     else:
         device = torch.device("cpu")
-    deepspeed.init_distributed()
+    deepspeed.init_distributed(**({} if timeout is None else {"timeout": timeout}))
     formed = (dist.get_rank(), dist.get_world_size())
     if created and formed != (int(found["RANK"]), int(found["WORLD_SIZE"])):
         dist.destroy_process_group()

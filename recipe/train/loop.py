@@ -12,11 +12,12 @@ checkpoint of another layout (world size, dp, tp, cp, ZeRO stage, dtype) is resh
 of other data or global batch is refused before DeepSpeed touches it (``recipe.train.resume_checks``), and so is a
 resume for another run length (with an LR scheduler) unless ``--extend`` re-plans the schedule
 (:meth:`Trainer._replan_schedule`). SIGTERM/SIGINT stop all ranks after the same step, save and return
-``EXIT_INTERRUPTED`` (``recipe.train.signals``). A NaN/inf loss on any rank stops with the step and sample indices,
-or with ``--skip-nonfinite`` skips the step (engine untouched) and is counted in metrics.jsonl (``"skipped"``) and at
-the end. The finite flags of the micro-batches stay on the device and are agreed over the world ONCE per optimizer
-step, after the forward of the last micro-batch and before its backward (so before the optimizer step; with
-``--skip-nonfinite``, which needs one micro-batch per step, before any backward).
+``EXIT_INTERRUPTED`` (``recipe.train.signals``); checkpoints by wall time (agreed in the same all-reduce) and the hang
+watchdog (stacks to ``OUTPUT/hang-rank-R.txt``, ``EXIT_HUNG``) are ``recipe.train.watch``. A NaN/inf loss on any rank
+stops with the step and sample indices, or with ``--skip-nonfinite`` skips the step (engine untouched) and is counted
+in metrics.jsonl (``"skipped"``) and at the end. The finite flags of the micro-batches stay on the device and are
+agreed over the world ONCE per optimizer step, after the forward of the last micro-batch and before its backward (so
+before the optimizer step; with ``--skip-nonfinite``, which needs one micro-batch per step, before any backward).
 
 Host syncs. Per optimizer step the loop reads the device once for that agreement and once at the end for the
 metrics (plus the grad norm); the loss sums, correct counts and the global valid counts stay on the device in between.
@@ -26,7 +27,7 @@ are built one at a time, the next one's store reads in a background thread (``re
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -42,33 +43,18 @@ from recipe.parallel.parallelize import gather_full_state
 from recipe.plot import plot_note
 from recipe.train import checkpoint, reshard, resume_checks
 from recipe.train.batches import StepBatches
-from recipe.train.metrics import MetricsLog, TrainProgress, ttt_metrics
+from recipe.train.metrics import MetricsLog, TrainProgress, ttt_metrics, zero0_grad_norm
 from recipe.train.monitor import StepMonitor
 from recipe.train.oom import StepOutOfMemory, out_of_memory_message
 from recipe.train.sampler import rank_micro_batches
 from recipe.train.setup import RunParts, layout_state
+from recipe.train.distributed import release_shm_buffer
 from recipe.train.signals import EXIT_INTERRUPTED, StopRequest
+from recipe.train.watch import HangWatchdog, SaveClock
 
 
 class NonFiniteLossError(ValueError):
     """A step's loss was NaN/inf on some rank; the message names the step, the ranks and the sample indices."""
-
-
-def zero0_grad_norm(engine, comm, tp_group) -> float:
-    """Global L2 norm of the (already data-parallel reduced) gradients, for ZeRO stage 0 in fp32 where DeepSpeed
-    clips but does not report the norm. TP-sharded gradients are summed over the tp group (``comm``: the run's
-    ``recipe.parallel.collectives.Collectives``); replicated ones count once. Call after the last backward of the
-    step and before ``engine.step()``."""
-    sharded, replicated = [], []
-    for p in engine.module.parameters():
-        if p.grad is not None:
-            (sharded if getattr(p, "tensor_model_parallel", False) else replicated).append(p.grad.float().pow(2).sum())
-    zero = torch.zeros((), device=next(engine.module.parameters()).device)
-    sq_sharded = torch.stack(sharded).sum() if sharded else zero.clone()
-    if tp_group is not None and dist.get_world_size(tp_group) > 1:
-        sq_sharded = comm.sum(sq_sharded, tp_group)
-    sq = sq_sharded + (torch.stack(replicated).sum() if replicated else zero)
-    return float(sq.sqrt())
 
 
 @dataclass(frozen=True)
@@ -83,6 +69,8 @@ class TrainSettings:
     max_length: int
     seed: int
     save_every: int = 0
+    save_every_minutes: float = 0.0
+    hang_timeout_minutes: float = 0.0
     keep_checkpoints: int = 2
     skip_nonfinite: bool = False
     no_export: bool = False
@@ -93,7 +81,8 @@ class TrainSettings:
     @classmethod
     def from_args(cls, args: TrainArgs) -> "TrainSettings":
         return cls(output=args.output, ttt_steps=args.ttt_steps, max_length=args.max_length, seed=args.seed,
-                   save_every=args.save_every, keep_checkpoints=args.keep_checkpoints,
+                   save_every=args.save_every, save_every_minutes=args.save_every_minutes,
+                   hang_timeout_minutes=args.hang_timeout_minutes, keep_checkpoints=args.keep_checkpoints,
                    skip_nonfinite=args.skip_nonfinite, no_export=args.no_export, log_every=args.log_every,
                    extend=args.extend, freeze_lm_head=args.freeze_lm_head)
 
@@ -313,7 +302,10 @@ class Trainer:
         progress = TrainProgress(total, self.step, self.rank0, self.console, log_every=settings.log_every)
         epoch = parts.sampler.epoch_of(self.step)
         interrupted = False
-        with StopRequest() as stop:
+        clock = SaveClock(settings.save_every_minutes)
+        watchdog = HangWatchdog(settings.output, dist.get_rank(), settings.hang_timeout_minutes,
+                                on_exit=release_shm_buffer)
+        with StopRequest() as stop, watchdog:
             try:
                 while self.step < total:
                     lr = self.lr()
@@ -326,6 +318,7 @@ class Trainer:
                             shape=self.batch_shape, memory=self.config.memory, cp_size=self.config.dims.cp,
                             max_length=settings.max_length)) from None
                     self.step += 1
+                    watchdog.beat(f"what follows step {self.step} (log, validation, agreement, checkpoint)")
                     record = {"step": self.step, "epoch": epoch, **record, "lr": lr,
                               "time_s": round(time.perf_counter() - t0, 4)}
                     self.metrics.write(record)
@@ -338,18 +331,25 @@ class Trainer:
                         progress.update(record)
                     if self.validator is not None and self.validator.due(self.step, total):
                         self.validate()
-                    if stop.agreed(self.pstate.comm) and self.step < total:
+                        watchdog.beat(f"what follows the validation at step {self.step}")
+                    # one all-reduce: a stop request (any rank) and a checkpoint by wall time (any rank's clock)
+                    stopping, time_due = self.pstate.comm.any_each([stop.requested, clock.due()])
+                    if stopping and self.step < total:
                         interrupted = True
                         break
-                    if settings.save_every and self.step % settings.save_every == 0 and self.step < total:
+                    by_steps = settings.save_every and self.step % settings.save_every == 0
+                    if (by_steps or time_due) and self.step < total:
                         self.save()
+                        clock.reset()
                     new_epoch = parts.sampler.epoch_of(self.step)
                     if new_epoch != epoch or self.step == total:
                         progress.end_epoch(epoch)
                         epoch = new_epoch
+                    watchdog.beat(f"step {self.step + 1}")
             finally:
                 progress.close()
                 self.monitor.close()
+            watchdog.beat(f"the checkpoint of step {self.step}")
             final_state = self.save(attempts=2)  # the end of the run: a failed save is retried once
         if self.rank0 and self.skipped_steps:
             self.console.print(f"skipped {len(self.skipped_steps)} step(s) with a non-finite loss: "
@@ -396,17 +396,3 @@ class Trainer:
             raise WriteError(f"writing the export failed twice ({message}); the run is not complete, but its final "
                              f"checkpoint {ckpt} is saved: `python -m recipe.export {ckpt} "
                              f"{self.settings.output / 'export'}` writes the export once there is room")
-
-
-def plan_summary(parts: RunParts) -> str:
-    """One line: layout, ZeRO stage, batch plan, steps, samples and dtype of a built run."""
-    config = parts.config
-    d, p = config.dims, config.plan
-    return (f"layout dp={d.dp} cp={d.cp} tp={d.tp} (world {d.world_size}); ZeRO stage "
-            f"{parts.engine.zero_optimization_stage()}; global batch {p.global_batch} = micro {p.micro_batch} × "
-            f"accum {p.grad_accum} × dp {p.dp}; {config.total_steps} steps over {len(parts.builder)} samples; "
-            f"dtype {str(config.dtype).removeprefix('torch.')}; attention {config.kernels.attention} "
-            f"(tile {config.memory.attention_tile_size}); batch {asdict(p)}; collectives {dist.get_backend()} on "
-            f"{parts.pstate.device}" + (f"; {parts.resharding}" if parts.resharding else "")
-            + (f"; target forward split over {parts.builder.target.ring_size} ranks (cp·tp)"
-               if parts.builder.split_target else ""))

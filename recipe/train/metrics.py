@@ -8,9 +8,11 @@ from __future__ import annotations
 import json
 import os
 import time
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
@@ -158,3 +160,35 @@ class TrainProgress:
     def close(self) -> None:
         if self.enabled:
             self.progress.stop()
+
+
+def zero0_grad_norm(engine, comm, tp_group) -> float:
+    """Global L2 norm of the (already data-parallel reduced) gradients, for ZeRO stage 0 in fp32 where DeepSpeed
+    clips but does not report the norm. TP-sharded gradients are summed over the tp group (``comm``: the run's
+    ``recipe.parallel.collectives.Collectives``); replicated ones count once. Call after the last backward of the
+    step and before ``engine.step()``."""
+    sharded, replicated = [], []
+    for p in engine.module.parameters():
+        if p.grad is not None:
+            (sharded if getattr(p, "tensor_model_parallel", False) else replicated).append(p.grad.float().pow(2).sum())
+    zero = torch.zeros((), device=next(engine.module.parameters()).device)
+    sq_sharded = torch.stack(sharded).sum() if sharded else zero.clone()
+    if tp_group is not None and dist.get_world_size(tp_group) > 1:
+        sq_sharded = comm.sum(sq_sharded, tp_group)
+    sq = sq_sharded + (torch.stack(replicated).sum() if replicated else zero)
+    return float(sq.sqrt())
+
+
+def plan_summary(parts) -> str:
+    """One line: layout, ZeRO stage, batch plan, steps, samples and dtype of a built run (``parts``:
+    ``recipe.train.setup.RunParts``)."""
+    config = parts.config
+    d, p = config.dims, config.plan
+    return (f"layout dp={d.dp} cp={d.cp} tp={d.tp} (world {d.world_size}); ZeRO stage "
+            f"{parts.engine.zero_optimization_stage()}; global batch {p.global_batch} = micro {p.micro_batch} × "
+            f"accum {p.grad_accum} × dp {p.dp}; {config.total_steps} steps over {len(parts.builder)} samples; "
+            f"dtype {str(config.dtype).removeprefix('torch.')}; attention {config.kernels.attention} "
+            f"(tile {config.memory.attention_tile_size}); batch {asdict(p)}; collectives {dist.get_backend()} on "
+            f"{parts.pstate.device}" + (f"; {parts.resharding}" if parts.resharding else "")
+            + (f"; target forward split over {parts.builder.target.ring_size} ranks (cp·tp)"
+               if parts.builder.split_target else ""))

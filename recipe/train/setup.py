@@ -87,20 +87,32 @@ def existing_run(output: Path) -> list[str]:
     return found
 
 
-def _refusal(args: TrainArgs) -> str | None:
-    """Rank 0's decision for ``--output``: None when the run may write there, else the message naming the folder,
-    what it holds and the choices."""
-    if args.resume is not None or args.overwrite:
-        return None
+def resume_mode(args: TrainArgs) -> tuple[str | None, str | None]:
+    """Rank 0's decision for ``--output`` and ``--resume``: ``(what to resume, refusal)``. ``what to resume`` is the
+    ``--resume`` value to resolve (``"latest"``, a folder) or None for a fresh run; ``refusal`` None when the run may
+    go on, else the message naming the folder, what it holds and the choices. ``--resume auto`` resumes
+    ``checkpoints/latest`` when there is one and starts afresh in a folder that holds no run; a folder with a run
+    but no complete checkpoint is refused as without ``--resume``. Reads only."""
+    root = args.output / "checkpoints"
+    if args.resume == "auto":
+        if (root / checkpoint.LATEST).is_file():
+            return "latest", None
+    elif args.resume == "latest" and not (root / checkpoint.LATEST).is_file():
+        return None, (f"--resume: no checkpoint to resume from ({root / checkpoint.LATEST} does not exist); "
+                      "--resume auto starts afresh in a folder that holds no run")
+    if args.resume not in (None, "auto") or args.overwrite:
+        return args.resume, None
     found = existing_run(args.output)
     if not found:
-        return None
-    latest = checkpoint.latest_tag(args.output / "checkpoints") if (args.output / "checkpoints").is_dir() else None
+        return None, None
+    latest = checkpoint.latest_tag(root) if root.is_dir() else None
     resume = (f"continue it with --resume (from {latest})" if latest else
               "--resume is not possible (no complete checkpoint)")
-    return (f"--output {args.output} already holds a run ({', '.join(found)}); without --resume this run would "
-            f"overwrite it. Choose: {resume}; write to a new --output folder; or pass --overwrite to delete the old "
-            "run's checkpoints and metrics first")
+    flag = ("--resume auto found no complete checkpoint to resume, and" if args.resume == "auto"
+            else "without --resume")
+    return None, (f"--output {args.output} already holds a run ({', '.join(found)}); {flag} this run would "
+                  f"overwrite it. Choose: {resume}; write to a new --output folder; or pass --overwrite to delete "
+                  "the old run's checkpoints and metrics first")
 
 
 def _probe_writable(output: Path) -> str | None:
@@ -116,23 +128,26 @@ def _probe_writable(output: Path) -> str | None:
     return None
 
 
-def check_output(args: TrainArgs, comm) -> None:
-    """Collective over the world (through ``comm``), before the run writes anything into ``--output``: refuse a run
-    without ``--resume`` into a folder that holds a previous run (:func:`existing_run`; rank 0 decides, every rank
-    raises its message) unless ``--overwrite`` is given, and a folder some rank cannot write (each rank probes its
-    own view). Raises ValueError naming the folder and the choices (``--resume``, a new ``--output``,
-    ``--overwrite``), or naming the ranks that cannot write it or do not share it with rank 0 (:func:`check_shared`).
-    The old run is deleted only once the run is built (:func:`write_resolved_config`)."""
+def check_output(args: TrainArgs, comm) -> str | None:
+    """Collective over the world (through ``comm``), before the run writes anything into ``--output`` or reads any
+    data: refuse a run without ``--resume`` into a folder that holds a previous run (:func:`existing_run`; rank 0
+    decides by :func:`resume_mode`, every rank raises its message) unless ``--overwrite`` is given, a ``--resume``
+    without a checkpoint, and a folder some rank cannot write (each rank probes its own view). Returns the
+    ``--resume`` value to resolve (``--resume auto`` decided: ``"latest"`` or None), the same on every rank. Raises
+    ValueError naming the folder and the choices (``--resume``, a new ``--output``, ``--overwrite``), or naming the
+    ranks that cannot write it or do not share it with rank 0 (:func:`check_shared`). The old run is deleted only once
+    the run is built (:func:`write_resolved_config`)."""
     rank = dist.get_rank()
-    refusal = _refusal(args) if rank == 0 else None
-    reports = comm.all_gather_object((refusal, _probe_writable(args.output)))
-    if reports[0][0] is not None:
-        raise ValueError(reports[0][0])
-    failed = [(r, probe) for r, (_, probe) in enumerate(reports) if probe is not None]
+    mode, refusal = resume_mode(args) if rank == 0 else (None, None)
+    reports = comm.all_gather_object((mode, refusal, _probe_writable(args.output)))
+    if reports[0][1] is not None:
+        raise ValueError(reports[0][1])
+    failed = [(r, probe) for r, (_, _, probe) in enumerate(reports) if probe is not None]
     if failed:
         r, probe = failed[0]
         raise ValueError(probe + (f" on rank {r}" if len(reports) > 1 else ""))
     check_shared(args.output, comm)
+    return reports[0][0]
 
 
 def check_shared(output: Path, comm) -> None:
@@ -237,7 +252,12 @@ def build_run(args: TrainArgs, device: torch.device, console: Console) -> RunPar
     config = config.for_device(device)
     dims, memory = config.dims, config.memory
     pstate = ParallelState(dims, device)
-    check_output(args, pstate.comm)  # before anything is written into --output
+    resume = check_output(args, pstate.comm)  # before anything is written into --output or data is read
+    if args.resume == "auto" and dist.get_rank() == 0:
+        console.print("--resume auto: " + ("resuming the run in " if resume else "no run in ")
+                      + f"{args.output}" + ("" if resume else "; starting afresh"))
+    # verified before the data is read: a damaged or missing checkpoint costs no tokenisation
+    resume_from = checkpoint.resolve(resume, args.output / "checkpoints") if resume else None
 
     examples, store, fingerprint = _data(args, console, pstate.comm)
     examples, store, eval_examples, eval_store, eval_tag = held_out_data(args, examples, store, console, pstate.comm)
@@ -247,7 +267,6 @@ def build_run(args: TrainArgs, device: torch.device, console: Console) -> RunPar
     if store is not None:
         notes.append(store.check_compatible(args.target, args.aux_layer_ids))
 
-    resume_from = checkpoint.resolve(args.resume, args.output / "checkpoints") if args.resume else None
     overrides = load_draft_config_overrides(args.draft_config) if args.draft_config else {}
     if args.aux_layer_ids:
         overrides["aux_layer_ids"] = list(args.aux_layer_ids)

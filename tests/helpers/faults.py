@@ -2,7 +2,8 @@
 SIGTERM to rank 0 after a given step, NaN hidden states for one sample, ENOSPC on rank 0's checkpoint write, write
 failures of a given kind, path and count on a given rank (:class:`WriteFault`: DeepSpeed's ``torch.save`` failing like
 on a full disk, safetensors' ``save_file`` of the checkpoint or the export), a CUDA out-of-memory error from the
-engine's forward at a given step, environment variables (e.g. ``RECIPE_CHECKPOINT_FAULT``), or a function run on
+engine's forward at a given step, a rank that blocks in a collective the others never join (a hang), a checkpoint
+by wall time due on some ranks only, environment variables (e.g. ``RECIPE_CHECKPOINT_FAULT``), or a function run on
 rank 0 before the job (e.g. damaging a checkpoint). Returns per job: exit code (or the exception's class name), the
 captured stderr and, on rank 0, the metrics.jsonl records."""
 from __future__ import annotations
@@ -46,6 +47,8 @@ class Job:
     env: dict = field(default_factory=dict)
     write_faults: list[WriteFault] = field(default_factory=list)
     before: tuple | None = None         # (module-level function, *args): run on rank 0 before the job, then barrier
+    hang_at: tuple[int, int] | None = None  # (rank, step): that rank blocks in a collective before the step
+    save_due: dict[int, set[int]] | None = None  # rank -> steps after which its SaveClock is due (no other)
 
 
 @dataclass
@@ -79,6 +82,31 @@ def _faults(job: Job, rank: int):
                 os.kill(os.getpid(), signal.SIGTERM)
             return out
         patch(loop.Trainer, "train_step", step_then_signal)
+    if job.hang_at is not None:
+        import torch
+        import torch.distributed as dist
+
+        hang_rank, hang_step = job.hang_at
+        hang_group, step_once = [], loop.Trainer.train_step
+
+        def step_or_hang(self):
+            if not hang_group:  # every rank, at its first step: a group of the whole world
+                hang_group.append(dist.new_group(list(range(dist.get_world_size()))))
+            if rank == hang_rank and self.step + 1 == hang_step:
+                dist.all_reduce(torch.ones(1), group=hang_group[0])  # no other rank joins: blocks
+            return step_once(self)
+        patch(loop.Trainer, "train_step", step_or_hang)
+    if job.save_due is not None:
+        from recipe.train import watch
+
+        steps = job.save_due.get(rank, set())
+        trainers = []
+
+        def init(self, settings, parts, console, _init=loop.Trainer.__init__):
+            trainers.append(self)
+            _init(self, settings, parts, console)
+        patch(loop.Trainer, "__init__", init)
+        patch(watch.SaveClock, "due", lambda self: trainers[-1].step in steps)
     if job.nan_sample is not None:
         build = batches.BatchBuilder.build
 
