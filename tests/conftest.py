@@ -1,4 +1,5 @@
 import os
+import shutil
 import sys
 from pathlib import Path
 
@@ -78,3 +79,29 @@ def real_store(assets, tmp_path_factory):
              "--draft-vocab-size", "2048", "--ttt-steps", "3", "--seed", "0", "--epochs", "2",
              "--cache-dir", str(tmp / "cache")]
     return tmp, flags
+
+
+CHATML = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n' }}{% endfor %}"
+          "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+CHARS = "abcdefghijklmnopqrstuvwxyz ABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789.,!?'\n:;-()"
+
+
+@pytest.fixture(scope="session")
+def chat_target(tiny_target, tmp_path_factory):
+    """The tiny target (vocab 96) with a character-level tokenizer: 3 special tokens + CHARS (< 96 ids)."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    folder = tmp_path_factory.mktemp("chat_target") / "target"
+    shutil.copytree(tiny_target, folder)
+    specials = ["<pad>", "<|im_start|>", "<|im_end|>"]
+    vocab = {tok: i for i, tok in enumerate(specials + list(CHARS) + ["<unk>"])}
+    assert len(vocab) <= 96
+    core = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    core.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    core.decoder = decoders.Fuse()
+    tok = PreTrainedTokenizerFast(tokenizer_object=core, pad_token="<pad>", eos_token="<|im_end|>",
+                                  unk_token="<unk>", additional_special_tokens=["<|im_start|>"])
+    tok.chat_template = CHATML
+    tok.save_pretrained(folder)
+    return folder

@@ -16,7 +16,6 @@ from recipe.data.chat_mask import tokenize_conversation
 from recipe.data.conversations import iter_rows
 from recipe.data.examples import build_examples, examples_fingerprint
 from recipe.data.lengths import LengthReport
-from test_regenerate import chat_target  # noqa: F401 (fixture: the tiny target with a ChatML tokenizer)
 
 FIXTURES = Path(__file__).resolve().parent / "data" / "long_context"
 DOC = ("The harbour town of Kessel kept its lighthouse lit for two hundred years. " * 6).strip()

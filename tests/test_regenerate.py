@@ -4,36 +4,8 @@ split the work, bad rows are counted, and the output reads back as training data
 from __future__ import annotations
 
 import json
-import shutil
-
-import pytest
 
 from recipe.regenerate import finished_ids, main, rank_output
-
-CHATML = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n' }}{% endfor %}"
-          "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
-CHARS = "abcdefghijklmnopqrstuvwxyz ABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789.,!?'\n:;-()"
-
-
-@pytest.fixture(scope="module")
-def chat_target(tiny_target, tmp_path_factory):
-    """The tiny target (vocab 96) with a character-level tokenizer: 3 special tokens + CHARS (< 96 ids)."""
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    folder = tmp_path_factory.mktemp("chat_target") / "target"
-    shutil.copytree(tiny_target, folder)
-    specials = ["<pad>", "<|im_start|>", "<|im_end|>"]
-    vocab = {tok: i for i, tok in enumerate(specials + list(CHARS) + ["<unk>"])}
-    assert len(vocab) <= 96
-    core = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    core.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
-    core.decoder = decoders.Fuse()
-    tok = PreTrainedTokenizerFast(tokenizer_object=core, pad_token="<pad>", eos_token="<|im_end|>",
-                                  unk_token="<unk>", additional_special_tokens=["<|im_start|>"])
-    tok.chat_template = CHATML
-    tok.save_pretrained(folder)
-    return folder
 
 
 def _data(path, n=5):

@@ -23,7 +23,7 @@ from helpers.training import ROOT, train_argv, write_ds_config
 from recipe.cli import build_parser, parse_args
 from recipe.train import checkpoint
 from recipe.train.distributed import free_port
-from recipe.train.setup import resume_mode
+from recipe.train.output_dir import resume_mode
 from recipe.train.signals import EXIT_INTERRUPTED, INTERRUPTED_FILE
 from recipe.train.watch import EXIT_HUNG, HangWatchdog, SaveClock, group_timeout
 
