@@ -151,9 +151,9 @@ def test_the_report_source_comes_from_the_carried_provenance_file(tmp_path):
 @pytest.mark.slow
 def test_a_missing_online_export_is_replaced_by_a_random_one_and_checked(tmp_path):
     gpu_check = _gpu_check()
-    save_tiny_llama(tmp_path / "target")
+    save_tiny_llama(tmp_path / "target", vocab=320)  # the smoke draft vocabulary is 256
     with open(tmp_path / "log", "w") as log:
-        ctx = dict(smoke=True, work=tmp_path, env=gpu_check._e2e_env(True), schedule=gpu_check.Schedule(True),
+        ctx = dict(smoke=True, work=tmp_path, env=gpu_check.e2e_env(True), schedule=gpu_check.Schedule(True),
                    log=log, cmds=gpu_check.e2e_commands(True, tmp_path / "assets", tmp_path))
         record = gpu_check.run_e2e_stage("check_export", ctx)
     assert record["rc"] == 0 and record["export_source"].startswith("random weights"), record
