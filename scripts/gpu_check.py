@@ -165,7 +165,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--work", type=Path, help="folder for the target and runs (default: a temporary one)")
     p.add_argument("--smoke", action="store_true", help="tiny sizes on the CPU (gloo), the same code paths")
     p.add_argument("--parts", default="e2e,table", help="comma-separated subset of e2e,table")
-    p.add_argument("--dry-run", action="store_true", help="print the stages, their time caps and estimates; run nothing")
+    p.add_argument("--dry-run", action="store_true",
+                   help="print the stages, their time caps and estimates; run nothing")
     p.add_argument("--prepare", type=Path, metavar="DIR", help="only write the carried assets folder and exit")
     p.add_argument("--assets", type=Path, help="a folder written by --prepare (default: prepared from recipe.assets)")
     p.add_argument("--wheels", type=Path, default=ROOT / ".whl",
@@ -247,12 +248,13 @@ def table_child(smoke: bool, out: Path, deadline: float) -> None:
     plan = [(n, c * (SMOKE_CAP_FACTOR if smoke else 1)) for n, c in zip(lengths, row_caps().values())]
     plans = ({str(n): planned_peak(table_spec(True, n)) for n in lengths} if smoke else
              json.loads(PLAN_FILE.read_text())["rows"] if PLAN_FILE.is_file() else {})
-    table_rows(plan, lambda n: table_spec(smoke, n), deadline - time.time(), out, dict(ESTIMATES_S, steps=TABLE_STEPS), smoke, plans)
+    table_rows(plan, lambda n: table_spec(smoke, n), deadline - time.time(), out, dict(ESTIMATES_S, steps=TABLE_STEPS),
+               smoke, plans)
 
 
 def run_child(kind: str, args, out: Path, timeout: float, cap: int, log) -> dict:
     """``--child kind`` as a subprocess capped at ``timeout`` seconds (the parent's hard limit)."""
-    from recipe.demo import subprocess_env
+    from recipe.cli import subprocess_env
 
     cmd = [sys.executable, str(Path(__file__).resolve()), "--child", kind, "--out", str(out), "--deadline",
            f"{time.time() + timeout:.1f}", "--wheels", str(args.wheels)] + (["--smoke"] if args.smoke else [])

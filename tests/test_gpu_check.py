@@ -178,3 +178,20 @@ def test_smoke_runs_the_recipe_end_to_end(tmp_path):
     assert online["steps"] == 3 and online["export"] and online["backend"] == "gloo on cpu" and online["loss_last"] > 0
     assert stages["check_export"]["export_source"] == "online"
     assert list(stages["eval"]["draft_dtypes"].values()) == ["bfloat16"] and stages["eval"]["tau"] >= 1.0
+
+
+@pytest.mark.slow
+def test_a_wheel_that_does_not_import_skips_the_e2e_stages_in_seconds(tmp_path):
+    """The fail-fast import stage: a carried wheel whose module is missing fails it; the e2e stages are recorded as
+    skipped without starting, the report is still written, and the check exits 1."""
+    (tmp_path / "whl").mkdir()
+    _wheel(tmp_path / "whl" / "nope-1.0-py3-none-any.whl", {"nope_missing_module/__init__.py": ""})
+    out = tmp_path / "out"
+    assert _gpu_check().main(["--smoke", "--parts", "e2e", "--out", str(out), "--work", str(tmp_path / "work"),
+                              "--wheels", str(tmp_path / "whl")]) == 1
+    report = json.loads((out / "gpu_check.json").read_text())
+    assert report["imports"]["rc"] == 1
+    assert report["imports"]["failed"] == ["nope-1.0-py3-none-any.whl:nope_missing_module"]
+    assert [(s["stage"], s["rc"]) for s in report["e2e"]] == [(n, "skipped") for n in ("target", "online",
+                                                                                     "check_export", "eval")]
+    assert not (tmp_path / "work" / "target").exists()
