@@ -12,17 +12,24 @@ never run uncompiled: a call with ``compiled=False`` on CUDA raises :class:`Flex
 function is ``torch.compile(flex_attention, dynamic=True, fullgraph=True)`` called under Dynamo's
 ``fail_on_recompile_limit_hit`` (past ``recompile_limit`` Dynamo would otherwise fall back to the uncompiled function
 without an error) and ``suppress_errors=False`` (a failed compile raises instead of running eager). ``fullgraph``
-turns a graph break, which would also run flex eagerly, into an error. Every compile is counted and logged
+turns a graph break, which would also run flex eagerly, into an error. The softmax scale, a Python float, is
+specialised (Dynamo's ``specialize_float``): left symbolic, Dynamo's float-to-tensor pass restarts the analysis after
+the backend has compiled the graph, so every graph was compiled twice (seen with ``aot_eager``,
+``tests/test_flex_compiled.py``); the scale is fixed per model. Every compile is counted and logged
 (``flex_compile_stats``; logger ``kernels.flex_attention``).
 
 Why dynamic shapes and not length buckets: training lengths vary per micro-batch (the batch is padded to its longest
 sample), and under a static policy every new length is a new compile (tens of seconds for flex forward + backward
 on a GPU); buckets would bound the count but pad the attention's q/k/v (extra copies and up to a bucket's worth of
 wasted work), and a useful ladder from 128 to 128k still holds dozens of buckets. ``dynamic=True`` makes the
-sequence length and batch symbolic from the first call; the block mask's block counts are specialised by that first
-compile and made symbolic at the first call with another block count (Dynamo's automatic dynamic), so each call
-variant compiles at most twice, whatever the lengths that follow (``tests/test_flex_policy.py``). The variants: with
-and without autograd (training, validation) and, under CP, the ring's detached pair forward and its recompute.
+sequence length, batch and the block mask's block counts symbolic from the first call, with duck sizing off
+(``use_duck_shape=False``: otherwise two sizes that happen to be equal at the first call, a tile length and the head
+count say, share one symbol, and a guard on one specialises both). Dynamo still specialises sizes 0 and 1, so a first
+call of a single block (a micro-batch of <= 128 tokens) compiles once more at the first longer one, and guards on
+strides: each call variant compiles at most twice, whatever the lengths that follow (``tests/test_flex_policy.py``,
+``tests/test_flex_compiled.py``). The variants: with and without autograd (training, validation), under CP the
+ring's detached pair forward and its recompute, and in the eval's KV cache the prefill (the projection's strided
+views), the concatenated cache and single-token queries (three layouts: three compiles).
 ``FLEX_RECOMPILE_LIMIT`` leaves room for those with margin; a run that exceeds it is told so instead of crawling.
 
 The ``BlockMask`` depends only on the query/key positions and the key validity, which are the same tensors for every
@@ -111,9 +118,12 @@ class CompiledFlex:
         from torch._dynamo import config as dynamo_config
         from torch._dynamo.exc import BackendCompilerFailed, FailOnRecompileLimitHit, Unsupported
 
+        from torch.fx.experimental import _config as shape_config
+
         try:
             with dynamo_config.patch(recompile_limit=self.recompile_limit, fail_on_recompile_limit_hit=True,
-                                     suppress_errors=False):
+                                     suppress_errors=False, specialize_float=True), \
+                    shape_config.patch(use_duck_shape=False):
                 return self._compiled(*args, **kwargs)
         except FailOnRecompileLimitHit as exc:
             raise FlexCompileError(
