@@ -120,10 +120,12 @@ class CompiledFlex:
 
         from torch.fx.experimental import _config as shape_config
 
+        # the float scale specialised, duck sizing off (module docstring); skipped where a torch lacks the switch
+        floats = {"specialize_float": True} if hasattr(dynamo_config, "specialize_float") else {}
+        duck = {"use_duck_shape": False} if hasattr(shape_config, "use_duck_shape") else {}
         try:
             with dynamo_config.patch(recompile_limit=self.recompile_limit, fail_on_recompile_limit_hit=True,
-                                     suppress_errors=False, specialize_float=True), \
-                    shape_config.patch(use_duck_shape=False):
+                                     suppress_errors=False, **floats), shape_config.patch(**duck):
                 return self._compiled(*args, **kwargs)
         except FailOnRecompileLimitHit as exc:
             raise FlexCompileError(
