@@ -70,7 +70,7 @@ ESTIMATES_S = dict(
     start=15,        # a fresh python3: torch, transformers, DeepSpeed, datasets and the recipe imported, CUDA context
     cuda=5,          # the import stage's CUDA probe
     target_build=10,  # a 135M-parameter target drawn on the CPU and saved in bf16
-    ds_init=10,      # deepspeed.initialize (ZeRO-3, NCCL at world size 1) and the target's load
+    ds_init=15,      # deepspeed.initialize (ZeRO-3, NCCL at world size 1) and the target's load
     data=10,         # tokenizing 40 conversations (datasets map), the draft vocabulary
     flex_fwd=20,     # first Inductor/Triton compile of flex attention's forward (dynamic shapes)
     flex_bwd=40,     # ... and of its backward (the larger kernel)
@@ -78,7 +78,7 @@ ESTIMATES_S = dict(
     export=5,        # the ZeRO-3 gather and safetensors write of the export
     check=5,         # reloading an export and checking it
     model_8b=15,     # the 8B-shaped draft (0.95 B parameters) drawn on the CPU, moved to the GPU in bf16
-    row_step=0.35,   # one 4k-token step of the 8B-shaped draft (K = 7, checkpointed: ~1e14 FLOP at ~400 TFLOP/s)
+    row_step=0.5,    # one 4k-token step of the 8B-shaped draft (K = 7, checkpointed: ~1e14 FLOP at ~200-400 TFLOP/s)
     row_batch=2,     # drawing a row's batch on the GPU
     attn_crossover=32768,  # tokens where the draft's attention costs its linear layers' time (flex ~half as fast)
     table_margin=5,  # the table child's slack before its hard cap
@@ -92,11 +92,12 @@ each row's first step beside its later ones). ``STAGE_COSTS`` adds them up into 
 STAGE_COSTS = {
     "imports": {"start": 1, "cuda": 1},
     "target": {"start": 1, "target_build": 1},
-    # the training variant compiles twice: first call, then the dynamic block count (kernels.flex_attention)
+    # the training variant compiles twice when the first micro-batch is one flex block (kernels.flex_attention)
     "online": {"start": 1, "ds_init": 1, "data": 1, "flex_fwd": 2, "flex_bwd": 2, "online_steps": 1, "export": 1},
     "check_export": {"start": 1, "check": 1, "export": 1},
     "table": {"start": 1, "model_8b": 1},  # + the rows' caps (row_costs)
-    "eval": {"start": 1, "eval_load": 1, "flex_fwd": 2, "eval_decode": 1},  # inference variant: twice too
+    # the inference variant compiles per KV-cache layout: prefill, concatenated cache, one-token queries
+    "eval": {"start": 1, "eval_load": 1, "flex_fwd": 3, "eval_decode": 1},
 }
 TABLE_LENGTHS = (4096, 32768, 131072)
 TABLE_STEPS = {4096: 2, 32768: 2, 131072: 1}
@@ -120,11 +121,11 @@ def _cost(parts: dict) -> float:
 
 def row_costs(index: int, length: int) -> dict:
     """A table row's ``ESTIMATES_S`` terms: the flex compiles it triggers (the first row compiles forward and
-    backward, the second their dynamic-block-count version: ``kernels.flex_attention``, "Compile policy"), its steps
-    in 4k-step units (``gpu_check_parts.step_units``) and drawing its batch."""
+    backward with every size symbolic, so later rows compile nothing: ``kernels.flex_attention``, "Compile
+    policy"), its steps in 4k-step units (``gpu_check_parts.step_units``) and drawing its batch."""
     from scripts.gpu_check_parts import step_units
 
-    compiles = {"flex_fwd": 1, "flex_bwd": 1} if index < 2 else {}
+    compiles = {"flex_fwd": 1, "flex_bwd": 1} if index == 0 else {}
     units = TABLE_STEPS[length] * step_units(length, ESTIMATES_S["attn_crossover"])
     return {**compiles, "row_step": round(units, 2), "row_batch": 1}
 

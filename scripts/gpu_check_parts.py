@@ -148,10 +148,10 @@ def step_units(length: int, crossover: float) -> float:
 
 def gpu_row_estimate(length: int, index: int, last: dict | None, est: dict) -> float:
     """Predicted seconds of a table row: the flex forward + backward compiles it triggers (the first row compiles
-    the kernels, the second their dynamic-block-count version: ``kernels.flex_attention``, "Compile policy"), plus
+    the kernels with every size symbolic: ``kernels.flex_attention``, "Compile policy"), plus
     ``est["steps"][length]`` steps (from the previous row's measured step scaled by ``step_units``, before any
     measurement ``est["row_step"]`` per 4k-step unit), plus drawing the batch."""
-    compiles = est["flex_fwd"] + est["flex_bwd"] if index < 2 else 0
+    compiles = est["flex_fwd"] + est["flex_bwd"] if index == 0 else 0
     units = step_units(length, est["attn_crossover"])
     if last and last.get("seconds"):
         step = last["seconds"] * units / step_units(last["length"], est["attn_crossover"])
