@@ -286,7 +286,9 @@ def run_check(args, parts: list[str], out: Path) -> dict:
     import torch
 
     sched = Schedule(args.smoke)
-    report = {"info": {"device": torch.cuda.get_device_name(0) if not args.smoke else "cpu (smoke)",
+    # this process never touches the GPU (its context would sit in every row's mem_get_info): the import stage
+    # names the device
+    report = {"info": {"device": None if not args.smoke else "cpu (smoke)",
                        "torch": torch.__version__, "date": date.today().isoformat(), "parts": parts,
                        "stage_caps_s": dict(stage_plan(args.smoke)), "estimates_s": ESTIMATES_S,
                        "budget_s": BUDGET_S}, "e2e": []}
@@ -309,6 +311,7 @@ def run_check(args, parts: list[str], out: Path) -> dict:
         found = out / "imports.json"
         imports = json.loads(found.read_text()) if found.is_file() else {"failed": ["<no imports.json>"]}
         report["imports"].update(imports)
+        report["info"]["device"] = report["info"]["device"] or imports.get("cuda", {}).get("device")
         save()
         e2e_ok = not imports.get("failed")
         ctx = dict(smoke=args.smoke, work=work, env=None, schedule=sched, log=log,
