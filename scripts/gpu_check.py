@@ -67,7 +67,7 @@ BUDGET_S = 540
 take the rest), and the lease is 15 minutes with a 1-2 minute start."""
 
 ESTIMATES_S = dict(
-    start=15,        # a fresh python3: torch, transformers, DeepSpeed, datasets and the recipe imported, CUDA context
+    start=15,        # a fresh python3: torch, transformers, DeepSpeed, datasets, the recipe, CUDA (3 s here, warm)
     cuda=5,          # the import stage's CUDA probe
     target_build=10,  # a 135M-parameter target drawn on the CPU and saved in bf16
     ds_init=15,      # deepspeed.initialize (ZeRO-3, NCCL at world size 1) and the target's load
