@@ -67,6 +67,9 @@ def main(argv: list[str] | None = None) -> int:
     from recipe.cli import parse_args
 
     args = parse_args(argv)
+    from recipe.train.distributed import default_cuda_alloc_conf
+
+    default_cuda_alloc_conf()  # expandable segments on CUDA unless the user set the allocator (before any allocation)
 
     import torch.distributed as dist
     from rich.console import Console

@@ -12,17 +12,24 @@ never run uncompiled: a call with ``compiled=False`` on CUDA raises :class:`Flex
 function is ``torch.compile(flex_attention, dynamic=True, fullgraph=True)`` called under Dynamo's
 ``fail_on_recompile_limit_hit`` (past ``recompile_limit`` Dynamo would otherwise fall back to the uncompiled function
 without an error) and ``suppress_errors=False`` (a failed compile raises instead of running eager). ``fullgraph``
-turns a graph break, which would also run flex eagerly, into an error. Every compile is counted and logged
+turns a graph break, which would also run flex eagerly, into an error. The softmax scale, a Python float, is
+specialised (Dynamo's ``specialize_float``): left symbolic, Dynamo's float-to-tensor pass restarts the analysis after
+the backend has compiled the graph, so every graph was compiled twice (seen with ``aot_eager``,
+``tests/test_flex_compiled.py``); the scale is fixed per model. Every compile is counted and logged
 (``flex_compile_stats``; logger ``kernels.flex_attention``).
 
 Why dynamic shapes and not length buckets: training lengths vary per micro-batch (the batch is padded to its longest
 sample), and under a static policy every new length is a new compile (tens of seconds for flex forward + backward
 on a GPU); buckets would bound the count but pad the attention's q/k/v (extra copies and up to a bucket's worth of
 wasted work), and a useful ladder from 128 to 128k still holds dozens of buckets. ``dynamic=True`` makes the
-sequence length and batch symbolic from the first call; the block mask's block counts are specialised by that first
-compile and made symbolic at the first call with another block count (Dynamo's automatic dynamic), so each call
-variant compiles at most twice, whatever the lengths that follow (``tests/test_flex_policy.py``). The variants: with
-and without autograd (training, validation) and, under CP, the ring's detached pair forward and its recompute.
+sequence length, batch and the block mask's block counts symbolic from the first call, with duck sizing off
+(``use_duck_shape=False``: otherwise two sizes that happen to be equal at the first call, a tile length and the head
+count say, share one symbol, and a guard on one specialises both). Dynamo still specialises sizes 0 and 1, so a first
+call of a single block (a micro-batch of <= 128 tokens) compiles once more at the first longer one, and guards on
+strides: each call variant compiles at most twice, whatever the lengths that follow (``tests/test_flex_policy.py``,
+``tests/test_flex_compiled.py``). The variants: with and without autograd (training, validation), under CP the
+ring's detached pair forward and its recompute, and in the eval's KV cache the prefill (the projection's strided
+views), the concatenated cache and single-token queries (three layouts: three compiles).
 ``FLEX_RECOMPILE_LIMIT`` leaves room for those with margin; a run that exceeds it is told so instead of crawling.
 
 The ``BlockMask`` depends only on the query/key positions and the key validity, which are the same tensors for every
@@ -30,10 +37,13 @@ TTT step of a micro-batch and for the per-step recompute in backward: :class:`Bl
 live position tensors (keyed by the tensors' identity, storage and version, dropped when the tensors are freed), so
 one mask is built per micro-batch and reused by the K steps and the recompute.
 
-What is supported where (torch 2.13): on CUDA forward and backward, including the gradient through the returned LSE,
-in float32 and bfloat16 (LSE float32). On CPU the eager (uncompiled, O(Sq·Sk) memory) forward only: flex attention
-has no CPU backward and its compiled CPU kernel returns no LSE; ``flex_block_attention(..., compiled=False)`` on
-detached CPU tensors is what the CPU tests check the mask and LSE conventions with.
+What is supported where (torch 2.13): on CUDA forward and backward, including the gradient through the returned
+LSE, in float32 and bfloat16 (LSE float32); Inductor's kernel needs a head dim of at least 16. On CPU the eager
+(uncompiled, O(Sq·Sk) memory) forward only: ``flex_attention`` refuses a CPU input that requires grad, and
+Inductor's CPU flex kernel is inference-only and returns no LSE. The CPU tests (``tests/test_flex_compiled.py``) run
+the compiled path through AOTAutograd with Dynamo's ``aot_eager`` backend (``compiled=CompiledFlex(backend=
+"aot_eager")``, torch's device check lifted for the test): the same joint graph, LSE gradient, captured mask tensors
+and grouped-query heads as on CUDA, with flex's reference implementation in place of the Triton kernels.
 
 In the ring (``make_flex_kernel``) the backward cannot be handed the final LSE, so each hop's block is recomputed under
 autograd and the final merge's gradient is pulled through its own (out, lse)
@@ -108,9 +118,14 @@ class CompiledFlex:
         from torch._dynamo import config as dynamo_config
         from torch._dynamo.exc import BackendCompilerFailed, FailOnRecompileLimitHit, Unsupported
 
+        from torch.fx.experimental import _config as shape_config
+
+        # the float scale specialised, duck sizing off (module docstring); skipped where a torch lacks the switch
+        floats = {"specialize_float": True} if hasattr(dynamo_config, "specialize_float") else {}
+        duck = {"use_duck_shape": False} if hasattr(shape_config, "use_duck_shape") else {}
         try:
             with dynamo_config.patch(recompile_limit=self.recompile_limit, fail_on_recompile_limit_hit=True,
-                                     suppress_errors=False):
+                                     suppress_errors=False, **floats), shape_config.patch(**duck):
                 return self._compiled(*args, **kwargs)
         except FailOnRecompileLimitHit as exc:
             raise FlexCompileError(
@@ -255,19 +270,22 @@ def _has_key(q_pos_BS, k_pos_BS, k_valid_BS) -> torch.Tensor:
 
 
 def flex_block_attention(q_BHSD, k_BHkvSD, v_BHkvSD, q_pos_BS, k_pos_BS, k_valid_BS=None, scale=None, *,
-                         compiled: bool = True, block_size: int = FLEX_BLOCK, masks: BlockMaskCache | None = None):
+                         compiled: "bool | CompiledFlex" = True, block_size: int = FLEX_BLOCK,
+                         masks: BlockMaskCache | None = None):
     """``block_attention``'s (out, lse) through flex attention; differentiable in q, k, v (through lse too) on CUDA.
 
     q [B, H, Sq, D], k/v [B, Hkv, Sk, D] (GQA), positions [B, Sq] / [B, Sk] int64, k_valid [B, Sk] bool or None.
     Returns out [B, H, Sq, D] in q's dtype (0 on rows with no readable key) and lse [B, H, Sq] in the accumulation
     dtype (-inf there). ``compiled=False`` runs flex's eager path (O(Sq·Sk) memory; on CPU forward only, with inputs
-    that do not require grad). ``masks``: a :class:`BlockMaskCache` to take the block mask from (None: built here).
+    that do not require grad); a :class:`CompiledFlex` is called as given, on any device (the CPU tests pass one on
+    Dynamo's ``aot_eager`` backend). ``masks``: a :class:`BlockMaskCache` to take the block mask from (None: built
+    here).
     Raises :class:`FlexCompileError` for ``compiled=False`` on CUDA (and from the compiled call, see
     :class:`CompiledFlex`), NotImplementedError (torch's) for a CPU call that needs gradients.
     """
     from torch.nn.attention.flex_attention import AuxRequest, flex_attention
 
-    if not compiled and q_BHSD.is_cuda:
+    if compiled is False and q_BHSD.is_cuda:
         raise FlexCompileError("flex attention was asked to run uncompiled on CUDA, which materialises the full "
                                f"[B, H, Sq, Sk] = {[*q_BHSD.shape[:3], k_BHkvSD.shape[2]]} scores; call it compiled")
     if masks is not None:
@@ -275,7 +293,7 @@ def flex_block_attention(q_BHSD, k_BHkvSD, v_BHkvSD, q_pos_BS, k_pos_BS, k_valid
     else:
         block_mask = flex_block_mask(q_pos_BS, k_pos_BS, k_valid_BS, block_size)
         has_key = _has_key(q_pos_BS, k_pos_BS, k_valid_BS)
-    fn = _compiled_flex() if compiled else flex_attention
+    fn = compiled if isinstance(compiled, CompiledFlex) else _compiled_flex() if compiled else flex_attention
     out, aux = fn(q_BHSD, k_BHkvSD, v_BHkvSD, block_mask=block_mask, scale=scale, enable_gqa=True,
                   return_aux=AuxRequest(lse=True))
     lse = aux.lse.to(accum_dtype(q_BHSD.dtype))
@@ -283,9 +301,11 @@ def flex_block_attention(q_BHSD, k_BHkvSD, v_BHkvSD, q_pos_BS, k_pos_BS, k_valid
             torch.where(has_key, lse, torch.full_like(lse, float("-inf"))))
 
 
-def make_flex_kernel(masks: BlockMaskCache | None = None) -> BlockKernel:
+def make_flex_kernel(masks: BlockMaskCache | None = None, compiled: CompiledFlex | None = None) -> BlockKernel:
     """Flex attention as the ``BlockKernel`` of the tile loops (the ring), with its own block-mask cache (so the
-    backward's per-pair recompute reuses the forward's mask of the same saved key block).
+    backward's per-pair recompute reuses the forward's mask of the same saved key block). ``compiled``: the
+    :class:`CompiledFlex` to call on every device (default: the process's Inductor one on CUDA, flex's eager
+    forward on the CPU).
 
     Inputs stay in their dtype (bf16 runs bf16, LSE float32); forward on CUDA (compiled) or CPU (eager), backward on
     CUDA only. In the ring the backward cannot be handed the final LSE, so each pair is recomputed under autograd and
@@ -295,11 +315,12 @@ def make_flex_kernel(masks: BlockMaskCache | None = None) -> BlockKernel:
 
     def pair_forward(q_BHSD, k_BHkvSD, v_BHkvSD, q_pos_BS, k_pos_BS, k_valid_BS, scale):
         q, k, v = (t.detach() for t in (q_BHSD, k_BHkvSD, v_BHkvSD))
-        return flex_block_attention(q, k, v, q_pos_BS, k_pos_BS, k_valid_BS, scale, compiled=q.is_cuda, masks=masks)
+        return flex_block_attention(q, k, v, q_pos_BS, k_pos_BS, k_valid_BS, scale,
+                                    compiled=compiled or q.is_cuda, masks=masks)
 
     def pair_differentiable(q_BHSD, k_BHkvSD, v_BHkvSD, q_pos_BS, k_pos_BS, k_valid_BS, scale):
         return flex_block_attention(q_BHSD, k_BHkvSD, v_BHkvSD, q_pos_BS, k_pos_BS, k_valid_BS, scale,
-                                    compiled=q_BHSD.is_cuda, masks=masks)
+                                    compiled=compiled or q_BHSD.is_cuda, masks=masks)
 
     kernel = BlockKernel("flex", pair_forward, recompute_block_backward(pair_differentiable),
                          compute_dtype=lambda dtype: dtype)
@@ -315,17 +336,19 @@ class FlexCausalAttention:
     """Callable with the draft's causal-block signature ``(q, k, v, q_pos, k_pos, k_valid) -> (out, lse)`` on one
     device: one compiled flex call (its 128-position blocks do the causal skipping; memory O(S·D), so no tile size),
     differentiated by flex's own backward. The block mask of a micro-batch's positions is built once and reused by
-    every TTT step and the recompute (``masks``, a :class:`BlockMaskCache`). Raises ValueError (naming the shapes)
-    when they disagree, :class:`FlexCompileError` as :class:`CompiledFlex` does."""
+    every TTT step and the recompute (``masks``, a :class:`BlockMaskCache`). ``compiled``: the :class:`CompiledFlex`
+    to call on every device (default: the process's Inductor one on CUDA, flex's eager forward on the CPU). Raises
+    ValueError (naming the shapes) when they disagree, :class:`FlexCompileError` as :class:`CompiledFlex` does."""
 
-    def __init__(self, masks: BlockMaskCache | None = None):
+    def __init__(self, masks: BlockMaskCache | None = None, compiled: CompiledFlex | None = None):
         self.masks = BlockMaskCache() if masks is None else masks
+        self.compiled = compiled
 
     def __call__(self, q_BHSD, k_BHkvSD, v_BHkvSD, q_pos_BS, k_pos_BS, k_valid_BS=None):
         check_block_shapes(q_BHSD, k_BHkvSD, v_BHkvSD, q_pos_BS, k_pos_BS, k_valid_BS, "flex attention")
         scale = 1.0 / math.sqrt(q_BHSD.shape[-1])
         return flex_block_attention(q_BHSD, k_BHkvSD, v_BHkvSD, q_pos_BS, k_pos_BS, k_valid_BS, scale,
-                                    compiled=q_BHSD.is_cuda, masks=self.masks)
+                                    compiled=self.compiled or q_BHSD.is_cuda, masks=self.masks)
 
     def __repr__(self) -> str:
         return "FlexCausalAttention()"

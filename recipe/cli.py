@@ -1,9 +1,11 @@
 """The command line of ``run.py`` (``TrainArgs``, :func:`parse_args`) and the flag types and data flags shared by
-``recipe.dump``, ``recipe.eval``, ``recipe.demo`` and the benchmarks. The ``--ds_config`` JSON is ``recipe.config``.
+``recipe.dump``, ``recipe.eval``, ``recipe.demo`` and the benchmarks, and the environment of the recipe's subprocesses
+(``subprocess_env``). The ``--ds_config`` JSON is ``recipe.config``.
 """
 from __future__ import annotations
 
 import argparse
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -304,3 +306,14 @@ def parse_args(argv: list[str] | None = None) -> TrainArgs:
                      "(a frozen random lm_head cannot learn)")
     values = {k: v for k, v in vars(ns).items() if k != "local_rank"}
     return TrainArgs(**values)
+
+
+def subprocess_env(threads: int) -> dict:
+    """The environment for the recipe's command lines run as subprocesses: this one, offline Hugging Face, ``threads``
+    OpenMP threads, the repository on ``PYTHONPATH`` (used by ``recipe.demo`` and ``scripts/gpu_check.py``; this
+    module imports nothing heavy, so a launcher can build it before torch or transformers are known to import)."""
+    repo = Path(__file__).resolve().parent.parent
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads), HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1",
+               TOKENIZERS_PARALLELISM="false")
+    env["PYTHONPATH"] = os.pathsep.join([str(repo), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    return env

@@ -31,7 +31,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from recipe.cli import positive_int_list
+from recipe.cli import positive_int_list, subprocess_env
 from recipe.eval.tree import add_tree_arguments, tree_from_args
 from recipe.plot import CURVES_FILE, plot_note
 from recipe.train.distributed import free_port
@@ -79,15 +79,6 @@ def _run(cmd: list[str], env: dict, console: Console, what: str) -> None:
     rc = subprocess.call(cmd, env=env, cwd=REPO)
     if rc != 0:
         raise RuntimeError(f"{what} failed with exit code {rc}: {' '.join(cmd)}")
-
-
-def subprocess_env(threads: int) -> dict:
-    """The environment for the recipe's command lines run as subprocesses: this one, offline Hugging Face, ``threads``
-    OpenMP threads, the repository on ``PYTHONPATH`` (also used by ``scripts/gpu_check.py``)."""
-    env = dict(os.environ, OMP_NUM_THREADS=str(threads), HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1",
-               TOKENIZERS_PARALLELISM="false")
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
-    return env
 
 
 def _cuda_count() -> int:

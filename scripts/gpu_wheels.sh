@@ -1,20 +1,48 @@
 #!/usr/bin/env bash
-# Wheels the GPU machine lacks, for scripts/gpu_check.py (see its docstring): DeepSpeed built from its sdist here
-# (pure Python, py3-none-any; its ops JIT-compile on first use with the device's ninja), and DeepSpeed's and the
-# e2e stages' other missing packages downloaded for the device's CPython 3.12 on x86-64. The device image already
-# has torch, transformers, safetensors, rich, pyarrow, pandas, xxhash, fsspec, msgpack, einops, psutil, py-cpuinfo,
-# ninja and tqdm. Versions: those pyproject.toml pins, else the ones this venv has.
-#   usage: bash scripts/gpu_wheels.sh [DIR]      (default .whl; add it to .git/info/exclude and name it in carry)
+# Wheels the GPU machine lacks, for scripts/gpu_check.py (see its docstring), and the size check of what the device
+# call carries. DeepSpeed is built from its sdist here (pure Python, py3-none-any; its ops are JIT-compiled on first
+# use, and the recipe's configs use none: torch_adam). The rest are downloaded for the device's CPython 3.12 on
+# x86-64 (manylinux). The device image already has torch, transformers, safetensors, accelerate, rich, pyarrow,
+# pandas, xxhash, fsspec, huggingface-hub, pyyaml, msgpack, einops, psutil, py-cpuinfo, ninja, tqdm and packaging;
+# it lacks hjson, pydantic (+ pydantic-core, annotated-types, typing-inspection), datasets, dill and multiprocess.
+# typing-extensions travels too: pydantic-core needs >= 4.16 and the image's version is not known here.
+# Versions: deepspeed and datasets as pyproject.toml pins them, the others as this venv has them (the versions the
+# tests pass with). Keep one version of each: two stop the device's install.
+#   usage: bash scripts/gpu_wheels.sh [DIR]      (default .whl; git-ignored; name it in the device call's carry)
+# Then it checks that the tree that travels (tracked + untracked-not-ignored files) plus DIR and .gpu_assets (if
+# present) fits the device call's 64 MiB, and fails (exit 1) when it does not.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 dir="${1:-.whl}"
 py="${PYTHON:-.venv/bin/python}"
+limit=$((64 * 1024 * 1024))
 mkdir -p "$dir"
 rm -f "$dir"/*.whl
 "$py" -m pip wheel -q --no-deps --no-build-isolation deepspeed==0.19.8 -w "$dir"
+pins=$("$py" - <<'EOF'
+from importlib.metadata import version
+fixed = {"datasets": "5.2.0"}
+names = ["hjson", "pydantic", "pydantic_core", "annotated-types", "typing-inspection", "typing_extensions", "dill",
+         "multiprocess"]
+print(" ".join([f"{n}=={v}" for n, v in fixed.items()] + [f"{n}=={version(n)}" for n in names]))
+EOF
+)
+# shellcheck disable=SC2086
 "$py" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-    --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d "$dir" \
-    hjson==3.1.0 pydantic==2.14.4 pydantic_core==2.50.5 annotated-types typing-inspection \
-    datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19
-du -sh "$dir"
-ls "$dir"
+    --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64 \
+    --platform manylinux2014_x86_64 --platform manylinux1_x86_64 -d "$dir" $pins
+ls -l "$dir"
+# The travelling size: every file git would send (tracked, and untracked but not ignored) plus the carried folders.
+tree=$(git ls-files -z --cached --others --exclude-standard | xargs -0 stat -L -c %s 2>/dev/null | awk '{s+=$1} END {print s+0}')
+carried=0
+for c in "$dir" .gpu_assets; do
+    [ -d "$c" ] && carried=$((carried + $(find "$c" -type f -printf '%s\n' | awk '{s+=$1} END {print s+0}')))
+done
+total=$((tree + carried))
+printf 'travels: tree %.1f MiB + carried (%s, .gpu_assets) %.1f MiB = %.1f MiB of %d MiB\n' \
+    "$(echo "$tree / 1048576" | bc -l)" "$dir" "$(echo "$carried / 1048576" | bc -l)" \
+    "$(echo "$total / 1048576" | bc -l)" $((limit / 1048576))
+if [ "$total" -gt "$limit" ]; then
+    echo "too large for one device call: carry less" >&2
+    exit 1
+fi

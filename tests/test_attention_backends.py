@@ -3,7 +3,6 @@ padding, GQA, rows with no readable key and Sq != Sk; the fused kernel's mask la
 attention's block mask and forward (its backward needs CUDA); backend selection; the whole draft with ``auto``."""
 from __future__ import annotations
 
-import math
 import subprocess
 import sys
 
@@ -12,47 +11,19 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from kernels.attention_backends import BACKENDS, make_causal_attention, resolve_attention_backend
-from kernels.block_attention import block_attention, expand_kv
+from kernels.block_attention import block_attention
 from kernels.flex_attention import flex_block_attention, flex_block_mask
 from kernels.sdpa_attention import SDPA_KERNEL, pair_mask
 from kernels.tiled_attention import (DENSE_KERNEL, BlockKernel, TiledCausalAttention, _dense_forward,
                                      recompute_block_backward)
 from recipe.model.ttt import TTTModel
-from helpers.attention import run_attention
+from helpers.attention import B, D, attention_case as _case, dense_reference as reference, run_attention
 from helpers.cases import assert_same_run, model_pair, run_model
 
-B, H, HKV, D, SK = 2, 4, 2, 8, 16
+D_CUDA = 16
+"""Head dim of the CUDA cases: Inductor's flex kernel refuses head dims below 16 (``tl.dot``)."""
 RECOMPUTE_DENSE = BlockKernel("dense-recompute", _dense_forward, recompute_block_backward(_dense_forward))
 """The ring backward flex uses (per-pair recompute through the pair's own out and lse), with the dense forward."""
-
-
-def reference(q, k, v, q_pos, k_pos, valid):
-    """Dense masked softmax in float64, written out: (out, lse), out 0 / lse -inf on rows without a key."""
-    s = q.double() @ expand_kv(k.double(), q.shape[1]).transpose(-1, -2) / math.sqrt(q.shape[-1])
-    allowed = ((k_pos[:, None, :] <= q_pos[:, :, None]) & valid[:, None, :])[:, None]
-    s = s.masked_fill(~allowed, float("-inf"))
-    lse = torch.logsumexp(s, dim=-1)
-    p = torch.exp(s - torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))[..., None])
-    return p @ expand_kv(v.double(), q.shape[1]), lse
-
-
-def _case(kind: str, dtype=torch.float64, seed: int = 0):
-    """(q, k, v, q_pos, k_pos, valid, w, u). Keys 0..15, the last 3 padding and, in batch row 1, keys 0-1 too (so
-    its first queries read nothing). kind: "square" (queries = keys), "subset" (7 of the key positions), "later"
-    (5 queries after the last key: inference chain), "mixed" (queries interleaved with keys, Sq > Sk/2)."""
-    g = torch.Generator().manual_seed(seed)
-    k_pos = torch.arange(SK).expand(B, SK).clone()
-    q_pos = {"square": k_pos, "subset": torch.tensor([0, 1, 3, 6, 7, 12, 15]).expand(B, 7),
-             "later": torch.arange(16, 21).expand(B, 5), "mixed": (torch.arange(11) * 3 // 2).expand(B, 11)}[kind]
-    q_pos = q_pos.clone()
-    valid = torch.ones(B, SK, dtype=torch.bool)
-    valid[:, SK - 3:] = False
-    valid[1, :2] = False
-    q = torch.randn(B, H, q_pos.shape[1], D, generator=g, dtype=dtype)
-    k, v = (torch.randn(B, HKV, SK, D, generator=g, dtype=dtype) for _ in range(2))
-    w = torch.randn(q.shape, generator=g, dtype=dtype)
-    u = torch.randn(q.shape[:-1], generator=g, dtype=dtype)
-    return q, k, v, q_pos, k_pos, valid, w, u
 
 
 def _assert_matches_reference(got, case, tol):
@@ -246,7 +217,7 @@ def test_flex_on_cuda_matches_fp64_reference(how, kind, dtype, tol):
     dv; lse within 1e-2, it is float32 from bf16 scores)."""
     from kernels.flex_attention import FLEX_KERNEL, FlexCausalAttention
 
-    case = [t.cuda() for t in _case(kind, dtype=torch.float64)]
+    case = [t.cuda() for t in _case(kind, dtype=torch.float64, d=D_CUDA)]
     case = [t.to(dtype) if t.is_floating_point() else t for t in case]
     attention = FlexCausalAttention() if how == "direct" else TiledCausalAttention(None, FLEX_KERNEL)
     got = [x.cpu() if torch.is_tensor(x) else [g.cpu() for g in x] for x in run_attention(attention, *case)]

@@ -6,7 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from recipe.train.distributed import free_port, launcher_environment, release_shm_buffer
+from recipe.train.distributed import (EXPANDABLE_SEGMENTS, default_cuda_alloc_conf, free_port, launcher_environment,
+                                      release_shm_buffer)
 
 ROOT = Path(__file__).resolve().parent.parent
 MASTER = {"MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "6000"}
@@ -207,3 +208,16 @@ def test_run_py_reports_a_world_it_cannot_form_in_one_line(tmp_path):
     assert proc.returncode == 2, proc.stderr
     assert "error: openmpi launcher: 2 processes but MASTER_ADDR is not set" in proc.stderr
     assert "Traceback" not in proc.stderr and not (tmp_path / "out").exists()
+
+
+def test_expandable_segments_are_set_on_cuda_unless_the_user_set_the_allocator():
+    env = {}
+    assert default_cuda_alloc_conf(env, cuda=True) == EXPANDABLE_SEGMENTS
+    assert env == {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
+    for name in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):  # the user's setting wins, either name
+        env = {name: "max_split_size_mb:128"}
+        assert default_cuda_alloc_conf(env, cuda=True) == "max_split_size_mb:128"
+        assert env == {name: "max_split_size_mb:128"}
+    env = {}
+    assert default_cuda_alloc_conf(env, cuda=False) is None and env == {}  # CPU: nothing to set
+

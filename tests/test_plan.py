@@ -51,6 +51,20 @@ def test_nccl_communicators_count_the_split_targets_ring_only_where_it_is_a_new_
     assert states.communicators(1, 1, 1, True) == 0
 
 
+def test_nccl_overheads_count_point_to_point_communicators_at_their_own_size():
+    """The cp group (the ring) and a split target's cp·tp ring carry send/receive traffic: 1.5 GiB each; every other
+    communicator 0.75 GiB (recipe.plan.states' cited measurements)."""
+    gib = states.GIB
+    assert (states.NCCL_BYTES_PER_COMMUNICATOR, states.NCCL_P2P_BYTES_PER_COMMUNICATOR) == (0.75 * gib, 1.5 * gib)
+    assert states.p2p_communicators(1, 1) == 0 and states.p2p_communicators(1, 2) == 1
+    assert (states.p2p_communicators(2, 2), states.p2p_communicators(2, 2, True)) == (1, 2)
+    assert states.overheads(1, 1, 1, 0)["nccl"] == 0
+    assert states.overheads(1, 1, 4, 0)["nccl"] == 3 * 0.75 * gib  # world, dp, dp·cp (each its own communicator)
+    assert states.overheads(1, 2, 1, 0)["nccl"] == 2 * 0.75 * gib + 1.5 * gib  # world, dp·cp; the cp ring
+    assert states.overheads(2, 2, 2, 0, True)["nccl"] == 4 * 0.75 * gib + 2 * 1.5 * gib
+    assert states.overheads(1, 1, 1, 1000)["allocator_slack"] == 50
+
+
 def test_draft_parameters_are_the_real_drafts_and_respect_tp_and_frozen_lm_head():
     spec = BenchSpec(seq_len=64, **SMALL)
     model = build_model(spec, torch.device("cpu"))

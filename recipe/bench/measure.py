@@ -91,16 +91,22 @@ def build_model(spec: BenchSpec, device: torch.device, pstate=None):
 
 
 def random_batch(spec: BenchSpec, device: torch.device, cp_rank: int = 0):
-    """A TTT batch of random tokens and aux states, every position a valid label; zigzag-split under CP."""
+    """A TTT batch of random tokens and aux states, every position a valid label; zigzag-split under CP.
+
+    Without CP the batch is drawn on ``device`` itself (a CUDA generator: no host copy of the [B, S, 3·H_t] aux
+    states, 3 GiB at 128k for an 8B target); under CP the full batch is drawn on the CPU, split, and the rank's part
+    moved. The values depend on the seed and on where they are drawn."""
     from recipe.model.ttt import make_ttt_batch
     from recipe.parallel.cp_shard import shard_ttt_batch
 
-    g = torch.Generator().manual_seed(spec.seed + 2)
+    where = torch.device(device) if spec.cp == 1 else torch.device("cpu")
+    g = torch.Generator(device=where).manual_seed(spec.seed + 2)
     b, s, dt = spec.batch, spec.seq_len, DTYPES[spec.dtype]
-    ones = torch.ones(b, s, dtype=torch.bool)
-    batch = make_ttt_batch(torch.randint(0, spec.vocab, (b, s), generator=g), ones, ones,
-                           torch.randn(b, s, 3 * spec.target_hidden, generator=g).to(dt),
-                           torch.randn(b, s, spec.target_hidden, generator=g).to(dt), ones, spec.ttt_steps)
+    ones = torch.ones(b, s, dtype=torch.bool, device=where)
+    batch = make_ttt_batch(torch.randint(0, spec.vocab, (b, s), generator=g, device=where), ones, ones,
+                           torch.randn(b, s, 3 * spec.target_hidden, generator=g, device=where).to(dt),
+                           torch.randn(b, s, spec.target_hidden, generator=g, device=where).to(dt), ones,
+                           spec.ttt_steps)
     if spec.cp > 1:
         batch = shard_ttt_batch(batch, spec.cp, cp_rank)
     return batch.to(device)
@@ -110,7 +116,7 @@ def time_step(model, batch, steps: int = 1) -> dict:
     """Peak memory (since just before the first step) and mean seconds of ``steps`` forward+backward steps of
     ``model`` on ``batch`` (the first step is excluded from the time when steps > 1). Memory on the model's device.
     Returns ``{"peak_bytes", "step_bytes" (peak minus memory in use before the step), "base_bytes", "seconds",
-    "method"}``. Raises torch.OutOfMemoryError as torch does."""
+    "seconds_first" (the first step: with any compiles), "method"}``. Raises torch.OutOfMemoryError as torch does."""
     from recipe.model.ttt import ttt_objective
 
     device = next(model.parameters()).device
@@ -130,7 +136,7 @@ def time_step(model, batch, steps: int = 1) -> dict:
     timed = seconds[1:] or seconds
     model.zero_grad(set_to_none=True)
     return {"peak_bytes": int(peak), "step_bytes": int(peak - probe.base), "base_bytes": int(probe.base),
-            "seconds": sum(timed) / len(timed), "method": probe.method}
+            "seconds": sum(timed) / len(timed), "seconds_first": seconds[0], "method": probe.method}
 
 
 def measure_step(spec: BenchSpec, pstate=None) -> dict:

@@ -19,7 +19,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from recipe.bench.attention import lengths_arg
+from recipe.cli import length_list
 from recipe.bench.common import GIB, add_draft_shape_arguments, write_json
 from recipe.bench.measure import DTYPES, LAYOUTS, BenchSpec, run_measurement
 
@@ -34,7 +34,7 @@ def build_parser() -> argparse.ArgumentParser:
         return out
 
     p = argparse.ArgumentParser(prog="python -m recipe.bench step", description=__doc__.split("\n\n")[0])
-    p.add_argument("--lengths", type=lengths_arg, default=[512, 2048], help="e.g. 512,2k (k = 1024)")
+    p.add_argument("--lengths", type=length_list, default=[512, 2048], help="e.g. 512,2k (k = 1024)")
     p.add_argument("--backends", type=names, help="default: every backend that runs on the device")
     p.add_argument("--rounds", type=int, default=3, help="interleaved measurements per (backend, length)")
     p.add_argument("--steps", type=int, default=2, help="steps per measurement (time: mean after the first)")

@@ -104,8 +104,10 @@ def make_plan(args, argv: list[str]) -> dict:
             "partitioned_target": inputs.partitioned_target,
             "constants": {"cuda_context_bytes": states.CUDA_CONTEXT_BYTES,
                           "nccl_bytes_per_communicator": states.NCCL_BYTES_PER_COMMUNICATOR,
+                          "nccl_p2p_bytes_per_communicator": states.NCCL_P2P_BYTES_PER_COMMUNICATOR,
                           "allocator_slack": states.ALLOCATOR_SLACK, "gpus_mib": states.GPUS_MIB,
-                          "note": "fixed overheads are stated constants until a GPU calibrates them"},
+                          "note": "fixed overheads from public measurements (recipe/plan/states.py cites them) "
+                                  "until a GPU calibrates them"},
             "layouts": layouts,
             "longest_fit": {_layout_key(t): t["longest_fit"] for t in layouts}}
 

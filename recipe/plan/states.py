@@ -35,13 +35,28 @@ from dataclasses import dataclass
 GIB = 1024 ** 3
 MIB = 1024 ** 2
 
-# ---- fixed overheads, stated constants until a GPU calibrates them -----------------------------------------------
+# ---- fixed overheads, from public measurements until a GPU calibrates them (scripts/gpu_check.py records
+# mem_get_info beside the allocator's peaks for that) ---------------------------------------------------------------
 CUDA_CONTEXT_BYTES = int(0.5 * GIB)
 """CUDA context + cuBLAS/cuDNN workspaces of one process (until a GPU calibrates it)."""
-NCCL_BYTES_PER_COMMUNICATOR = int(0.25 * GIB)
-"""NCCL buffers of one communicator this rank belongs to (until a GPU calibrates it)."""
+NCCL_BYTES_PER_COMMUNICATOR = int(0.75 * GIB)
+"""NCCL buffers of one communicator this rank runs collectives on. Public measurements, PyTorch front end: 544 MB
+for a 2-rank and 688 MB for a 3-4-rank group after a 4 MB all-reduce, 4×A100 with NVLink (NVIDIA/nccl issue 964);
+about 1.6 GB for one communicator after an all-reduce and about 6 GB for three or more (issue 864). NCCL's
+maintainer there: the buffers grow with the channels NCCL opens for the link's bandwidth (more on H100/H200
+NVLink than A100) and with point-to-point traffic. 0.75 GiB: the 688 MB rounded up."""
+NCCL_P2P_BYTES_PER_COMMUNICATOR = int(1.5 * GIB)
+"""A communicator that also carries point-to-point traffic (the ring attention's ``batch_isend_irecv`` over the cp
+group, a split online target's ring over cp·tp): send/receive opens its own channels per peer (NVIDIA/nccl issue
+1685: an 8×H100 all-to-all took 3.3 GB more on each GPU, 32 channels per peer pair; the ring talks to 2 peers);
+1.5 GiB, issue 864's 1.6 GB for one communicator in use."""
 ALLOCATOR_SLACK = 0.05
-"""Fraction of the tensor bytes lost to the caching allocator's fragmentation (until a GPU calibrates it)."""
+"""Fraction of the tensor bytes lost to the caching allocator's fragmentation, with expandable segments
+(``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True``, which ``run.py`` sets on CUDA unless the user set the
+allocator: ``recipe.train.distributed.default_cuda_alloc_conf``): freed blocks are then unmapped pages of one
+growing segment instead of fixed-size segments that a larger request cannot reuse (PyTorch's CUDA memory notes,
+"Optimizing memory usage with PYTORCH_CUDA_ALLOC_CONF"). Without them the gap between ``max_memory_reserved`` and
+``max_memory_allocated`` can be far larger; the GPU check records both per row."""
 DEFAULT_REDUCE_BUCKET = 500_000_000
 """DeepSpeed's default ``zero_optimization.reduce_bucket_size`` (elements)."""
 
@@ -205,9 +220,18 @@ def communicators(tp: int, cp: int, dp: int, split_target: bool = False) -> int:
     return sum(1 for size in (tp * cp * dp, tp, cp, dp, dp * cp, ring) if size > 1)
 
 
+def p2p_communicators(tp: int, cp: int, split_target: bool = False) -> int:
+    """Those of ``communicators`` that carry point-to-point traffic: the cp group (the ring attention, and a split
+    target's ring at tp = 1) and a split target's cp·tp group at tp > 1."""
+    return int(cp > 1) + int(split_target and tp > 1)
+
+
 def overheads(tp: int, cp: int, dp: int, tensor_bytes: int, split_target: bool = False) -> dict[str, int]:
-    """The fixed overheads (stated constants): ``cuda_context``, ``nccl`` (per communicator) and ``allocator_slack``
-    (``ALLOCATOR_SLACK`` of ``tensor_bytes``)."""
+    """The fixed overheads (constants from public measurements): ``cuda_context``, ``nccl`` (per communicator, those
+    with point-to-point traffic at ``NCCL_P2P_BYTES_PER_COMMUNICATOR``) and ``allocator_slack`` (``ALLOCATOR_SLACK``
+    of ``tensor_bytes``)."""
+    p2p = p2p_communicators(tp, cp, split_target)
+    collective = communicators(tp, cp, dp, split_target) - p2p
     return {"cuda_context": CUDA_CONTEXT_BYTES,
-            "nccl": communicators(tp, cp, dp, split_target) * NCCL_BYTES_PER_COMMUNICATOR,
+            "nccl": collective * NCCL_BYTES_PER_COMMUNICATOR + p2p * NCCL_P2P_BYTES_PER_COMMUNICATOR,
             "allocator_slack": int(ALLOCATOR_SLACK * tensor_bytes)}

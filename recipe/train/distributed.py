@@ -141,6 +141,27 @@ def cuda_device_index(local_rank: int, visible: int) -> int:
                      "or exactly one")
 
 
+ALLOC_CONF_VARS = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
+"""The caching allocator's settings variables (the second is torch's newer, device-neutral name)."""
+EXPANDABLE_SEGMENTS = "expandable_segments:True"
+
+
+def default_cuda_alloc_conf(environ=os.environ, cuda: bool | None = None) -> str | None:
+    """Set ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`` in ``environ`` when CUDA is there (``cuda``; None:
+    ``torch.cuda.is_available()``) and the user set neither ``ALLOC_CONF_VARS``; returns the setting in force (None
+    when none is). The planner's allocator slack (``recipe.plan.states.ALLOCATOR_SLACK``) assumes expandable
+    segments: with fixed-size segments, blocks freed between the K TTT steps and their recomputes are cached in
+    segments a larger request cannot reuse. Must run before the first CUDA allocation (the allocator reads it
+    once); ``run.py`` calls it first thing."""
+    for name in ALLOC_CONF_VARS:
+        if name in environ:
+            return environ[name]
+    if not (torch.cuda.is_available() if cuda is None else cuda):
+        return None
+    environ[ALLOC_CONF_VARS[0]] = EXPANDABLE_SEGMENTS
+    return EXPANDABLE_SEGMENTS
+
+
 def init_distributed(timeout=None) -> tuple[torch.device, bool]:
     """Initialise torch.distributed through DeepSpeed with the process group's ``timeout`` (a ``datetime.timedelta``;
     None: DeepSpeed's default, 30 min, ``DEEPSPEED_TIMEOUT``); return (this rank's device, whether this call created
