@@ -3,11 +3,11 @@ layout, parallel degrees and dtype (:class:`BenchSpec`), the draft config it sta
 command lines ("4k" = 4096 tokens)."""
 from __future__ import annotations
 
-import argparse
 from dataclasses import dataclass
 
 import torch
 
+from recipe.cli import length_list, parse_length  # noqa: F401 (the length syntax, shared with recipe.eval)
 from recipe.parallel.dims import check_tp_divides, seq_divisor
 
 LAYOUTS = {"full": (False, False), "chunked": (True, False), "ckpt": (False, True), "chunked+ckpt": (True, True)}
@@ -76,23 +76,3 @@ def spec_draft_config(spec: BenchSpec):
         num_key_value_heads=spec.kv_heads, head_dim=spec.head_dim, vocab_size=spec.vocab,
         draft_vocab_size=spec.draft_vocab, target_hidden_size=spec.target_hidden, aux_layer_ids=[1, 2, 3],
         max_position_embeddings=max(2048, spec.seq_len + spec.ttt_steps))
-
-
-def parse_length(text: str) -> int:
-    """``"4k"`` -> 4096, ``"1.5k"`` -> 1536, ``"512"`` -> 512; ValueError naming the text otherwise."""
-    t = text.strip().lower()
-    try:
-        value = float(t[:-1]) * 1024 if t.endswith("k") else float(t)
-    except ValueError:
-        raise ValueError(f"bad length {text!r}: expected an integer or a number followed by k (e.g. 4k)") from None
-    if value < 1 or value != int(value):
-        raise ValueError(f"bad length {text!r}: must be a positive whole number of tokens")
-    return int(value)
-
-
-def length_list(text: str) -> list[int]:
-    """argparse type: ``"2k,4k,512"`` -> sorted distinct lengths in tokens (k = 1024); ArgumentTypeError otherwise."""
-    try:
-        return sorted({parse_length(x) for x in text.split(",") if x.strip()})
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
