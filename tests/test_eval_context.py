@@ -320,3 +320,60 @@ def test_cli_by_context_length_on_real_target(assets, tmp_path, monkeypatch):
     assert cli.main(argv[:-4] + ["--context-request", "about-context"]) == 2  # no context lengths
     bucketed = [a for a in argv if a not in ("--context-data", str(assets.conversations))]
     assert cli.main(bucketed + ["--context-request", "about-context"]) == 2
+
+
+def test_plot_of_tau_by_length_and_the_note_without_matplotlib(tmp_path, monkeypatch):
+    """One line per draft and k / tree with the entries' mean context as x; without matplotlib nothing is written."""
+    import sys
+
+    from recipe.eval.length_report import plot_tau_by_length, tau_by_length_figure
+
+    pytest.importorskip("matplotlib", reason="the plot extra (pip install -e '.[plot]')")
+    run = {"draft": "out/export", "num_draft_tokens": 3, "tau": 1.5, "tau_se": 0.1}
+    entries = [{"mean_context_tokens": m, "runs": [dict(run, tau=t)], "tree_runs": [dict(run, tree={}, tau=t + 0.2)]}
+               for m, t in ((0.0, 1.5), (1000.0, 1.4))]
+    fig = tau_by_length_figure(entries)
+    lines = fig.axes[0].get_lines()
+    xs = sorted({tuple(line.get_xdata()) for line in lines if len(line.get_xdata()) == 2})
+    assert xs == [(0.0, 1000.0)]
+    assert [t.get_text() for t in fig.axes[0].get_legend().get_texts()] == ["export k=3", "export tree d=3"]
+    assert plot_tau_by_length(entries, tmp_path / "a.png") == tmp_path / "a.png" and (tmp_path / "a.png").stat().st_size
+    monkeypatch.setitem(sys.modules, "matplotlib.figure", None)  # import fails as if not installed
+    assert plot_tau_by_length(entries, tmp_path / "b.png") is None and not (tmp_path / "b.png").exists()
+
+
+def test_cli_buckets_prompts_alone_and_inserts_context_data_without_assets(conversations, tiny_target, tmp_path,
+                                                                           monkeypatch):
+    """``--prompts`` alone: bucketed by length; with ``--context-data``: context inserted; neither prepares assets."""
+    from recipe.eval import __main__ as cli
+
+    calls = []
+
+    def fake_evaluate(target, drafts, buckets, ks, max_new_tokens, **kw):
+        calls.append((buckets, kw))
+        return {"lengths": []}
+
+    def no_assets(*_a, **_k):
+        raise AssertionError("prepare_assets called")
+    monkeypatch.setattr("recipe.target.capture.load_tokenizer", lambda _path: WordTokenizer())
+    monkeypatch.setattr("recipe.eval.by_length.evaluate_by_length", fake_evaluate)
+    monkeypatch.setattr("recipe.assets.prepare_assets", no_assets)
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": _words(n, "w"), "id": f"n{n}"}) + "\n" for n in (5, 30, 80, 300)))
+    base = ["--target", str(tiny_target), "--draft", str(tmp_path), "--prompts", str(prompts), "--max-new-tokens",
+            "8", "--num-draft-tokens", "3", "--tree-depth", "0", "--context-lengths", "20,50",
+            "--draft-window-size", "16", "--dtype", "fp32", "--output", str(tmp_path / "r.json")]
+    assert cli.main(base) == 0
+    buckets, kw = calls[-1]
+    assert {n: [p.name for p in b] for n, b in buckets.items()} == {20: ["n30"], 50: ["n80"]}
+    assert kw["window"] == 16 and kw["target_dtype"] == torch.float32
+    result = json.loads((tmp_path / "r.json").read_text())
+    assert result["bucketed_by_prompt_length"] and result["skipped_prompts"] == {"shorter_than_lengths": 1,
+                                                                                 "too_long_for_target": 1}
+    assert cli.main(base + ["--context-data", str(conversations[0]), "--context-request", "about-context"]) == 0
+    buckets, _ = calls[-1]
+    assert [len(b) for b in buckets.values()] == [4, 4]
+    assert all(p.category in ABOUT_CONTEXT_REQUESTS and 0 < p.context_tokens <= p.length
+               for b in buckets.values() for p in b)
+    assert json.loads((tmp_path / "r.json").read_text())["context_data"] == [str(conversations[0])]
+    assert cli.main(base + ["--reference", "batched"]) == 2

@@ -104,7 +104,15 @@ def _context_run(args, console, tree) -> dict:
     tokenizer = load_tokenizer(args.target)
     skipped = {}
     if bucketed:
-        buckets, skipped = bucket_prompts(tokenizer, prompts, args.context_lengths)
+        from transformers import AutoConfig
+
+        try:  # prompts too long for the target are skipped (counted); a GGUF target is checked later instead
+            limit = getattr(AutoConfig.from_pretrained(args.target), "max_position_embeddings", None)
+        except (OSError, ValueError):
+            limit = None
+        drafted = max(max(args.num_draft_tokens), tree.budget if tree is not None else 0) + 1
+        buckets, skipped = bucket_prompts(tokenizer, prompts, args.context_lengths,
+                                          None if limit is None else limit - args.max_new_tokens - drafted)
         console.print(f"{len(prompts)} prompts bucketed by their token length; skipped: {dict(skipped) or 'none'}")
     else:
         data = read_context_data(args.context_data)

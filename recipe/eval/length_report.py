@@ -106,7 +106,8 @@ def tau_by_length_figure(entries: list[dict], title: str = ""):
     ax.set_xlabel("context tokens (mean per length)")
     ax.set_ylabel("acceptance length τ")
     ax.grid(alpha=0.3)
-    ax.legend(fontsize="small")
+    if series:
+        ax.legend(fontsize="small")
     if title:
         ax.set_title(title)
     return fig
