@@ -63,6 +63,8 @@ def conversations(tmp_path_factory):
             {"role": "user" if m["from"] == "human" else "assistant", "content": m["value"]} for m in conv]}))
     rows_s.append(json.dumps({"conversations": [{"from": "human", "value": "What is the capital of France?"},
                                                 {"from": "gpt", "value": "Paris."}]}))  # the prompt's own
+    rows_s.append(json.dumps({"conversations": [{"from": "gpt", "value": "continued"}, {"from": "human", "value": "ok"},
+                                                {"from": "gpt", "value": "fine"}]}))  # opens with the assistant
     rows_s.append("{broken")
     sharegpt.write_text("\n".join(rows_s) + "\n")
     openai.write_text("\n".join(rows_o) + "\n")
@@ -84,7 +86,8 @@ def test_context_lengths_syntax():
 def test_inserted_context_length_seed_and_never_the_prompts_own(conversations):
     sharegpt, openai = conversations
     data = read_context_data([sharegpt, openai])
-    assert len(data.pairs) == 61 and data.skipped == {"invalid_json": 1}
+    assert len(data.pairs) == 62 and data.skipped == {"invalid_json": 1}
+    assert [u["content"] for u, _ in data.pairs[31]] == ["ok"]  # the leading assistant turn left out
     tok = WordTokenizer()
     lengths = [0, 150, 400]
     out = context_prompts(tok, PROMPTS, data, lengths, seed=0)

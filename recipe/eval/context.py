@@ -59,7 +59,8 @@ class ContextPrompt:
 @dataclass
 class ContextData:
     """Conversations usable as inserted context: ``pairs[c]`` the whole ``(user, assistant)`` turn pairs of
-    conversation c, in order (system turns left out; a conversation stops at its first turn out of alternation);
+    conversation c, in order (system turns and turns before the first user turn left out; a conversation stops at its
+    first turn out of alternation);
     ``skipped``: rows of the files that could not be used, by reason (``recipe.data.conversations.SKIP_REASONS``,
     plus ``no_turn_pair``)."""
 
@@ -83,6 +84,8 @@ def read_context_data(files: list[str | Path], limit: int | None = None) -> Cont
                 skipped[row.reason] += 1
                 continue
             turns = [m for m in row.messages if m["role"] != "system"]
+            while turns and turns[0]["role"] != "user":  # a split conversation may open with the assistant
+                turns = turns[1:]
             conv = []
             for i in range(0, len(turns) - 1, 2):
                 if (turns[i]["role"], turns[i + 1]["role"]) != ("user", "assistant"):
