@@ -184,10 +184,11 @@ def _explicit_attention(window):
 
 
 @pytest.mark.parametrize("window", [1, 3, 6, 100])
-def test_draft_window_matches_an_explicitly_masked_reference(tiny, window):
+def test_draft_window_matches_an_explicitly_masked_reference(tiny, window, monkeypatch):
     """Chain drafting with ``window`` equals a full-cache drafter whose attention masks ``q - window < k <= q``
-    explicitly (float64), also after a dropped chain and a second extend; tree drafting's children at every expanded
-    node are the reference's top-k after that path."""
+    explicitly (float64), also after a dropped chain and a second extend (queries in chunks of 3); tree drafting's
+    children at every expanded node are the reference's top-k after that path."""
+    monkeypatch.setattr("recipe.eval.draft_runtime.WINDOW_QUERY_CHUNK", 3)
     _, base = tiny
     draft = Eagle3Draft(base.config, seed=3).double().eval()
     ref_draft = Eagle3Draft(base.config, seed=3).double().eval()

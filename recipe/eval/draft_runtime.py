@@ -60,6 +60,9 @@ def load_draft_export(path: str | Path, embed_VH: torch.Tensor, device: str | to
     return draft.to(device=device, dtype=dtype).eval().requires_grad_(False)
 
 
+WINDOW_QUERY_CHUNK = 1024  # queries per masked attention call of a windowed extend
+
+
 class DraftKVCache:
     """The draft layer's inference KV cache for one sequence (batch 1): keys/values with their positions.
 
@@ -71,7 +74,7 @@ class DraftKVCache:
     a query at RoPE position ``p`` attends only the keys at positions ``p - window < q <= p`` (its last ``window``
     positions, itself included); RoPE positions stay absolute. Keys older than the window of every new query are
     left out of the attention; a single query then runs the causal block on the rest, several (an extend) an explicit
-    window mask (``window_mask``).
+    window mask (``window_mask``) over chunks of ``WINDOW_QUERY_CHUNK`` queries.
     """
 
     def __init__(self, window: int | None = None) -> None:
@@ -109,13 +112,21 @@ class DraftKVCache:
         if self.window is None:
             out_BHSD, _ = causal_attention(q_BHSD, self.k_BHkvSD, self.v_BHkvSD, position_ids_BS, self.pos_BS, None)
             return out_BHSD
-        keep = self.in_window(position_ids_BS).nonzero()[:, 0]
-        k, v, pos = self.k_BHkvSD[:, :, keep], self.v_BHkvSD[:, :, keep], self.pos_BS[:, keep]
         if q_BHSD.shape[2] == 1:
-            out_BHSD, _ = causal_attention(q_BHSD, k, v, position_ids_BS, pos, None)
+            keep = self.in_window(position_ids_BS).nonzero()[:, 0]
+            out_BHSD, _ = causal_attention(q_BHSD, self.k_BHkvSD[:, :, keep], self.v_BHkvSD[:, :, keep],
+                                           position_ids_BS, self.pos_BS[:, keep], None)
             return out_BHSD
-        allowed_QK = window_mask(position_ids_BS[0], pos[0], self.window)
-        return F.scaled_dot_product_attention(q_BHSD, k, v, attn_mask=allowed_QK[None, None], enable_gqa=True)
+        outs = []  # query chunks: a mask of chunk × (window + chunk) at most, not of m × cache length
+        for c in range(0, q_BHSD.shape[2], WINDOW_QUERY_CHUNK):
+            q_pos_Q = position_ids_BS[0, c:c + WINDOW_QUERY_CHUNK]
+            pos_K = self.pos_BS[0]
+            keep = ((pos_K > q_pos_Q.min() - self.window) & (pos_K <= q_pos_Q.max())).nonzero()[:, 0]
+            allowed_QK = window_mask(q_pos_Q, self.pos_BS[0, keep], self.window)
+            outs.append(F.scaled_dot_product_attention(q_BHSD[:, :, c:c + WINDOW_QUERY_CHUNK],
+                                                       self.k_BHkvSD[:, :, keep], self.v_BHkvSD[:, :, keep],
+                                                       attn_mask=allowed_QK[None, None], enable_gqa=True))
+        return torch.cat(outs, dim=2)
 
     def crop(self, length: int) -> None:
         """Keep the first ``length`` cached entries (ValueError if the cache holds fewer)."""

@@ -38,7 +38,8 @@ def evaluate(target_dir: str | Path, drafts: dict[str, Path], prompts: list[Prom
     The target runs in ``target_dtype`` (None: float32 on the CPU, so batched verification and one-token decoding
     agree to the last bit as far as possible; bfloat16 on a GPU); each draft in ``draft_dtype`` (None: the export's
     own dtype, see ``load_draft_export``), attending its last ``window`` positions only when set
-    (``recipe.eval.draft_runtime.DraftKVCache``); EOS is the tokenizer's. Returns ``{"target", "num_prompts", "max_new_tokens", "reference", "greedy_tokens_per_s",
+    (``recipe.eval.draft_runtime.DraftKVCache``); EOS is the tokenizer's. Returns ``{"target", "num_prompts",
+    "max_new_tokens", "reference", "greedy_tokens_per_s",
     "draft_dtypes": {label: "bfloat16" | "float32" | ...}, "runs": [summarise_run(...), ...]}`` in ``drafts`` × ``ks``
     order, and with ``tree`` also ``"tree": spec.as_dict()`` and ``"tree_runs"``: one ``summarise_run`` per draft,
     with ``num_draft_tokens`` = the tree depth (per-position counts are per depth).
