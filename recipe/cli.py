@@ -72,17 +72,36 @@ def positive_int_list(text: str) -> list[int]:
     return int_list(text, minimum=1)
 
 
-def parse_length(text: str) -> int:
-    """``"4k"`` -> 4096, ``"1.5k"`` -> 1536, ``"512"`` -> 512 (k = 1024 tokens); ValueError naming the text
-    otherwise. The length syntax of ``run.py --max-length``, ``python -m recipe.plan`` and the benchmarks."""
+def parse_length(text: str, minimum: int = 1) -> int:
+    """``"4k"`` -> 4096, ``"1.5k"`` -> 1536, ``"512"`` -> 512 (tokens; k = 1024), the length syntax of
+    ``recipe.plan``, ``recipe.bench`` and ``recipe.eval --context-lengths``; ValueError naming the text for anything
+    else or a value below ``minimum``."""
     t = text.strip().lower()
     try:
         value = float(t[:-1]) * 1024 if t.endswith("k") else float(t)
     except ValueError:
         raise ValueError(f"bad length {text!r}: expected an integer or a number followed by k (e.g. 4k)") from None
-    if value < 1 or value != int(value):
-        raise ValueError(f"bad length {text!r}: must be a positive whole number of tokens")
+    if value < minimum or value != int(value):
+        what = "positive whole number of tokens" if minimum == 1 else f"whole number of tokens >= {minimum}"
+        raise ValueError(f"bad length {text!r}: must be a {what}")
     return int(value)
+
+
+def length_list(text: str, minimum: int = 1) -> list[int]:
+    """argparse type: ``"2k,4k,512"`` -> sorted distinct lengths in tokens (k = 1024), each >= ``minimum``;
+    ArgumentTypeError otherwise (also for an empty list)."""
+    try:
+        values = sorted({parse_length(x, minimum) for x in text.split(",") if x.strip()})
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    if not values:
+        raise argparse.ArgumentTypeError(f"expected comma-separated lengths, got {text!r}")
+    return values
+
+
+def context_length_list(text: str) -> list[int]:
+    """argparse type of ``recipe.eval --context-lengths``: ``length_list`` that also accepts 0 (no context)."""
+    return length_list(text, minimum=0)
 
 
 def length(text: str) -> int:
@@ -133,14 +152,6 @@ def _positive_float(text: str) -> float:
     if not value > 0 or value == float("inf"):
         raise argparse.ArgumentTypeError(f"must be a positive finite number, got {text}")
     return value
-
-
-def length_list(text: str) -> list[int]:
-    """argparse type: ``"2k,4k,512"`` -> sorted distinct lengths in tokens (k = 1024); ArgumentTypeError otherwise."""
-    try:
-        return sorted({parse_length(x) for x in text.split(",") if x.strip()})
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 CONVERSATION_FIELDS = ("conversations", "messages", "document", "question", "answer")

@@ -2,7 +2,8 @@
 
     python -m recipe.eval --target DIR --draft EXPORT_DIR [--draft EXPORT_DIR2 ...] [--prompts FILE]
         [--num-draft-tokens 5[,3]] [--max-new-tokens N] [--limit N] [--output JSON] [--draft-dtype bf16|fp32]
-        [--tree-topk 4] [--tree-depth 5] [--tree-budget 16]
+        [--tree-topk 4] [--tree-depth 5] [--tree-budget 16] [--dtype fp32|bf16] [--draft-window-size N]
+        [--context-lengths 0,1k,4k [--context-data FILE ...] [--context-request unrelated|about-context] [--seed S]]
 
 Chain drafting of k tokens per round and dynamic-tree drafting (EAGLE-2/3: top-k expansion per depth, a budget of
 draft tokens verified in one target forward; ``--tree-depth 0`` turns it off), greedy verification; every
@@ -10,6 +11,9 @@ speculative output is checked against plain greedy decoding of the target (exit 
 mismatch). Default prompts: the MT-Bench first turns from ``recipe.assets``. The JSON's top level has ``tau``,
 ``num_draft_tokens`` and ``num_prompts`` of the first draft at the first k, ``tau_tree`` of the first draft's tree
 (null without trees), ``runs`` with every (draft, k) and ``tree_runs`` with every draft's tree.
+
+``--context-lengths``: τ by context length (``recipe.eval.context``, ``recipe.eval.by_length``); the JSON then has one
+entry per length under ``lengths`` (docs/evaluation.md, "Acceptance by context length").
 """
 from __future__ import annotations
 
@@ -21,7 +25,8 @@ from pathlib import Path
 
 import torch
 
-from recipe.cli import positive_int_list
+from recipe.cli import context_length_list, positive_int_list
+from recipe.eval.context import CONTEXT_REQUESTS
 from recipe.eval.harness import REFERENCE_MODES
 from recipe.eval.tree import add_tree_arguments, tree_from_args
 
@@ -41,12 +46,88 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--output", type=Path, help="write the results as JSON here")
     p.add_argument("--device", help="cpu, cuda, ... (default: cuda when available)")
     p.add_argument("--draft-dtype", choices=sorted(DRAFT_DTYPES),
-                   help="the draft's compute dtype (default: the export's own; the target always runs in fp32)")
+                   help="the draft's compute dtype (default: the export's own)")
+    p.add_argument("--dtype", choices=sorted(DRAFT_DTYPES),
+                   help="the target's dtype (default: fp32 on the CPU, bf16 on a GPU)")
+    p.add_argument("--draft-window-size", type=_positive, metavar="N",
+                   help="the draft attends only to its last N positions (chain and tree drafting), as SGLang's "
+                        "--speculative-draft-window-size serves it (default: full attention)")
+    p.add_argument("--context-lengths", type=context_length_list, metavar="L[,L...]",
+                   help="τ by context length, e.g. 0,1k,4k (k = 1024 tokens): each prompt is preceded by about L "
+                        "tokens of earlier conversation from --context-data; with --prompts and no --context-data "
+                        "the prompts (long by themselves) are instead bucketed by their measured token length, each "
+                        "into the largest L at or below it")
+    p.add_argument("--context-data", type=Path, nargs="+", metavar="FILE",
+                   help="conversations (ShareGPT or OpenAI form, .json/.jsonl) whose whole earlier turns are "
+                        "inserted as context (default: the packaged ShareGPT conversations)")
+    p.add_argument("--context-request", choices=CONTEXT_REQUESTS, default="unrelated",
+                   help="the final user turn after the inserted context: the prompt itself (unrelated), or a "
+                        "request about the inserted context drawn by --seed (about-context: summarise, list points, "
+                        "quote, answer a question)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the context drawn for each prompt and length")
     p.add_argument("--reference", choices=REFERENCE_MODES, default="sequential",
                    help="greedy reference of the lossless check: prompt by prompt (also times greedy decoding), or "
                         "all prompts in one batch (fewer target forwards; greedy speed timed on the shortest prompt)")
     add_tree_arguments(p)
     return p
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
+    return value
+
+
+def _context_run(args, console, tree) -> dict:
+    """The ``--context-lengths`` run: prompts per length (inserted context or bucketed prompts), then
+    ``evaluate_by_length``. Calls ``prepare_assets`` only for a default it needs (MT-Bench prompts, ShareGPT)."""
+    from recipe.eval.by_length import evaluate_by_length
+    from recipe.eval.context import bucket_prompts, context_prompts, read_context_data
+    from recipe.eval.prompts import read_prompts
+    from recipe.target.capture import load_tokenizer
+
+    if args.reference != "sequential":
+        raise ValueError("--reference batched does not apply with --context-lengths (each prompt's prefill and "
+                         "greedy reference are computed once and shared by all drafts)")
+    bucketed = args.prompts is not None and args.context_data is None
+    if bucketed and args.context_request != "unrelated":
+        raise ValueError("--context-request about-context needs inserted context (--context-data); prompts given "
+                         "alone are bucketed by their own length")
+    if args.prompts is None or (args.context_data is None and not bucketed):
+        from recipe.assets import prepare_assets
+
+        assets = prepare_assets()
+        args.prompts = args.prompts or assets.prompts
+        args.context_data = args.context_data or [assets.conversations]
+    prompts = read_prompts(args.prompts, args.limit)
+    tokenizer = load_tokenizer(args.target)
+    skipped = {}
+    if bucketed:
+        from transformers import AutoConfig
+
+        try:  # prompts too long for the target are skipped (counted); a GGUF target is checked later instead
+            limit = getattr(AutoConfig.from_pretrained(args.target), "max_position_embeddings", None)
+        except (OSError, ValueError):
+            limit = None
+        drafted = max(max(args.num_draft_tokens), tree.budget if tree is not None else 0) + 1
+        buckets, skipped = bucket_prompts(tokenizer, prompts, args.context_lengths,
+                                          None if limit is None else limit - args.max_new_tokens - drafted)
+        console.print(f"{len(prompts)} prompts bucketed by their token length; skipped: {dict(skipped) or 'none'}")
+    else:
+        data = read_context_data(args.context_data)
+        console.print(f"context data: {len(data.pairs)} conversations with turn pairs (skipped rows: "
+                      f"{data.skip_note()})")
+        buckets = context_prompts(tokenizer, prompts, data, args.context_lengths, args.seed, args.context_request)
+    result = evaluate_by_length(args.target, {str(d): d for d in args.draft}, buckets, args.num_draft_tokens,
+                                args.max_new_tokens, device=args.device, console=console,
+                                draft_dtype=DRAFT_DTYPES[args.draft_dtype] if args.draft_dtype else None, tree=tree,
+                                target_dtype=DRAFT_DTYPES[args.dtype] if args.dtype else None,
+                                window=args.draft_window_size, eos_token_id=tokenizer.eos_token_id)
+    return {"context_lengths": args.context_lengths, "context_request": args.context_request, "seed": args.seed,
+            "prompts": str(args.prompts), "bucketed_by_prompt_length": bucketed,
+            "context_data": None if bucketed else [str(f) for f in args.context_data],
+            "skipped_prompts": dict(skipped), **result}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -61,6 +142,10 @@ def main(argv: list[str] | None = None) -> int:
     console = Console(stderr=True)
     try:
         tree = tree_from_args(args)
+        if args.context_lengths is not None:
+            return _finish(args, console, _context_run(args, console, tree))
+        if args.context_data is not None or args.context_request != "unrelated":
+            raise ValueError("--context-data and --context-request need --context-lengths")
         if args.prompts is None:
             from recipe.assets import prepare_assets
 
@@ -70,7 +155,8 @@ def main(argv: list[str] | None = None) -> int:
         result = evaluate(args.target, dict(zip(labels, args.draft)), prompts, args.num_draft_tokens,
                           args.max_new_tokens, device=args.device, console=console,
                           draft_dtype=DRAFT_DTYPES[args.draft_dtype] if args.draft_dtype else None, tree=tree,
-                          reference=args.reference)
+                          reference=args.reference, target_dtype=DRAFT_DTYPES[args.dtype] if args.dtype else None,
+                          window=args.draft_window_size)
     except MismatchError as exc:
         console.print(f"[bold red]lossless check failed[/bold red]: {exc}")
         return 1
@@ -81,10 +167,22 @@ def main(argv: list[str] | None = None) -> int:
     tau_tree = result["tree_runs"][0]["tau"] if result.get("tree_runs") else None
     result = {"tau": head["tau"], "tau_tree": tau_tree, "num_draft_tokens": head["num_draft_tokens"],
               "num_prompts": len(prompts), "prompts": str(args.prompts), **result}
+    return _finish(args, console, result)
+
+
+def _finish(args, console, result: dict) -> int:
+    """Write the JSON to ``--output`` and, for a ``--context-lengths`` run, the plot of τ against context length
+    beside it (same name, ``.png``; a one-line note instead without matplotlib)."""
     if args.output:
         args.output.parent.mkdir(parents=True, exist_ok=True)
         args.output.write_text(json.dumps(result, indent=2) + "\n")
         console.print(f"results written to {args.output}")
+        if "lengths" in result:
+            from recipe.eval.length_report import NO_MATPLOTLIB, plot_tau_by_length
+
+            plot = plot_tau_by_length(result["lengths"], args.output.with_suffix(".png"),
+                                      title=f"τ by context length ({result['context_request']} requests)")
+            console.print(f"plot written to {plot}" if plot is not None else NO_MATPLOTLIB)
     return 0
 
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 from recipe.export import check_tensors, load_export
 from recipe.model.draft import Eagle3Draft
@@ -59,15 +60,27 @@ def load_draft_export(path: str | Path, embed_VH: torch.Tensor, device: str | to
     return draft.to(device=device, dtype=dtype).eval().requires_grad_(False)
 
 
+WINDOW_QUERY_CHUNK = 1024  # queries per masked attention call of a windowed extend
+
+
 class DraftKVCache:
     """The draft layer's inference KV cache for one sequence (batch 1): keys/values with their positions.
 
     Implements the two methods ``Eagle3Draft.step`` talks to: ``rope_positions`` (identity: the RoPE position of a
     query is its cache position) and ``attend`` (append this call's keys, then causal attention of the new queries
     over every cached key at a position ``<=`` theirs). ``crop(n)`` keeps the first ``n`` entries.
+
+    ``window`` (None: off): the draft's sliding window, as SGLang serves it (``--speculative-draft-window-size``):
+    a query at RoPE position ``p`` attends only the keys at positions ``p - window < q <= p`` (its last ``window``
+    positions, itself included); RoPE positions stay absolute. Keys older than the window of every new query are
+    left out of the attention; a single query then runs the causal block on the rest, several (an extend) an explicit
+    window mask (``window_mask``) over chunks of ``WINDOW_QUERY_CHUNK`` queries.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, window: int | None = None) -> None:
+        if window is not None and window < 1:
+            raise ValueError(f"draft window must be >= 1 position, got {window}")
+        self.window = window
         self.k_BHkvSD: torch.Tensor | None = None
         self.v_BHkvSD: torch.Tensor | None = None
         self.pos_BS: torch.Tensor | None = None
@@ -78,16 +91,42 @@ class DraftKVCache:
     def rope_positions(self, position_ids_BS: torch.Tensor) -> torch.Tensor:
         return position_ids_BS
 
-    def attend(self, causal_attention, q_BHSD, k_BHkvSD, v_BHkvSD, position_ids_BS, key_valid_BS):
-        """Append the keys, then ``causal_attention`` over the whole cache; returns out_BHSD."""
+    def _append(self, k_BHkvSD, v_BHkvSD, position_ids_BS) -> None:
         if self.pos_BS is None:
             self.k_BHkvSD, self.v_BHkvSD, self.pos_BS = k_BHkvSD, v_BHkvSD, position_ids_BS
         else:
             self.k_BHkvSD = torch.cat([self.k_BHkvSD, k_BHkvSD], dim=2)
             self.v_BHkvSD = torch.cat([self.v_BHkvSD, v_BHkvSD], dim=2)
             self.pos_BS = torch.cat([self.pos_BS, position_ids_BS], dim=1)
-        out_BHSD, _ = causal_attention(q_BHSD, self.k_BHkvSD, self.v_BHkvSD, position_ids_BS, self.pos_BS, None)
-        return out_BHSD
+
+    def in_window(self, position_ids_BS: torch.Tensor) -> torch.Tensor:
+        """Bool [cache length]: the cached keys inside the window of at least one of the queries at
+        ``position_ids_BS`` (all True without a window)."""
+        if self.window is None:
+            return torch.ones_like(self.pos_BS[0], dtype=torch.bool)
+        return self.pos_BS[0] > position_ids_BS.min() - self.window
+
+    def attend(self, causal_attention, q_BHSD, k_BHkvSD, v_BHkvSD, position_ids_BS, key_valid_BS):
+        """Append the keys, then ``causal_attention`` over the whole cache (or its window); returns out_BHSD."""
+        self._append(k_BHkvSD, v_BHkvSD, position_ids_BS)
+        if self.window is None:
+            out_BHSD, _ = causal_attention(q_BHSD, self.k_BHkvSD, self.v_BHkvSD, position_ids_BS, self.pos_BS, None)
+            return out_BHSD
+        if q_BHSD.shape[2] == 1:
+            keep = self.in_window(position_ids_BS).nonzero()[:, 0]
+            out_BHSD, _ = causal_attention(q_BHSD, self.k_BHkvSD[:, :, keep], self.v_BHkvSD[:, :, keep],
+                                           position_ids_BS, self.pos_BS[:, keep], None)
+            return out_BHSD
+        outs = []  # query chunks: a mask of chunk × (window + chunk) at most, not of m × cache length
+        for c in range(0, q_BHSD.shape[2], WINDOW_QUERY_CHUNK):
+            q_pos_Q = position_ids_BS[0, c:c + WINDOW_QUERY_CHUNK]
+            pos_K = self.pos_BS[0]
+            keep = ((pos_K > q_pos_Q.min() - self.window) & (pos_K <= q_pos_Q.max())).nonzero()[:, 0]
+            allowed_QK = window_mask(q_pos_Q, self.pos_BS[0, keep], self.window)
+            outs.append(F.scaled_dot_product_attention(q_BHSD[:, :, c:c + WINDOW_QUERY_CHUNK],
+                                                       self.k_BHkvSD[:, :, keep], self.v_BHkvSD[:, :, keep],
+                                                       attn_mask=allowed_QK[None, None], enable_gqa=True))
+        return torch.cat(outs, dim=2)
 
     def crop(self, length: int) -> None:
         """Keep the first ``length`` cached entries (ValueError if the cache holds fewer)."""
@@ -99,23 +138,34 @@ class DraftKVCache:
             self.pos_BS = self.pos_BS[:, :length]
 
 
+def window_mask(q_pos_Q: torch.Tensor, k_pos_K: torch.Tensor, window: int | None) -> torch.Tensor:
+    """Bool [Q, K], True where query i may read key j: ``k_pos[j] <= q_pos[i]`` and, with a ``window``,
+    ``k_pos[j] > q_pos[i] - window`` (positions are RoPE positions)."""
+    allowed = k_pos_K[None, :] <= q_pos_Q[:, None]
+    if window is not None:
+        allowed &= k_pos_K[None, :] > q_pos_Q[:, None] - window
+    return allowed
+
+
 class EagleDrafter:
     """Chain drafting with an exported EAGLE-3 draft; the ``Drafter`` interface of ``recipe.eval.speculative``.
 
     ``begin()`` starts a sequence. ``propose(aux_SA, next_ids_S, k)`` receives the target features ``a_j`` [m, A] of
     the ``m`` anchors accepted since the last call (the prompt, at the first call) and the tokens ``t_{j+1}`` [m]
     that follow them (the last one is the target's newest greedy token), and returns ``k`` proposed target ids.
+    ``window``: the draft's sliding window in positions (``DraftKVCache``; None: full attention).
     """
 
-    def __init__(self, draft: Eagle3Draft):
+    def __init__(self, draft: Eagle3Draft, window: int | None = None):
         self.draft = draft
+        self.window = window
         self.device = draft.fc.weight.device
         self.draft_to_target = draft.draft_token_ids()
-        self.cache = DraftKVCache()
+        self.cache = DraftKVCache(window)
         self.committed = 0  # anchors with step-0 entries in the cache (positions 0..committed-1)
 
     def begin(self) -> None:
-        self.cache = DraftKVCache()
+        self.cache = DraftKVCache(self.window)
         self.committed = 0
 
     @torch.no_grad()

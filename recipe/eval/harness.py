@@ -30,13 +30,16 @@ REFERENCE_MODES = ("sequential", "batched")
 def evaluate(target_dir: str | Path, drafts: dict[str, Path], prompts: list[Prompt], ks: list[int],
              max_new_tokens: int, device: str | torch.device | None = None,
              console: Console | None = None, draft_dtype: torch.dtype | None = None,
-             tree: TreeSpec | None = None, reference: str = "sequential") -> dict:
+             tree: TreeSpec | None = None, reference: str = "sequential", target_dtype: torch.dtype | None = None,
+             window: int | None = None) -> dict:
     """τ and speed of each draft export in ``drafts`` (label -> folder) at each k in ``ks`` (chain drafting) and,
     with ``tree``, of dynamic-tree drafting with that shape (``recipe.eval.tree``).
 
-    The target runs in float32 (so batched verification and one-token decoding agree to the last bit as far as
-    possible); each draft in ``draft_dtype`` (None: the export's own dtype, see ``load_draft_export``); EOS is the
-    tokenizer's. Returns ``{"target", "num_prompts", "max_new_tokens", "reference", "greedy_tokens_per_s",
+    The target runs in ``target_dtype`` (None: float32 on the CPU, so batched verification and one-token decoding
+    agree to the last bit as far as possible; bfloat16 on a GPU); each draft in ``draft_dtype`` (None: the export's
+    own dtype, see ``load_draft_export``), attending its last ``window`` positions only when set
+    (``recipe.eval.draft_runtime.DraftKVCache``); EOS is the tokenizer's. Returns ``{"target", "num_prompts",
+    "max_new_tokens", "reference", "greedy_tokens_per_s",
     "draft_dtypes": {label: "bfloat16" | "float32" | ...}, "runs": [summarise_run(...), ...]}`` in ``drafts`` × ``ks``
     order, and with ``tree`` also ``"tree": spec.as_dict()`` and ``"tree_runs"``: one ``summarise_run`` per draft,
     with ``num_draft_tokens`` = the tree depth (per-position counts are per depth).
@@ -58,7 +61,8 @@ def evaluate(target_dir: str | Path, drafts: dict[str, Path], prompts: list[Prom
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     configs = {label: _aux_ids(path) for label, path in drafts.items()}
     aux_ids = next(iter(configs.values()))
-    model = TargetModel(target_dir, aux_layer_ids=aux_ids, dtype=torch.float32, device=dev)
+    model = TargetModel(target_dir, aux_layer_ids=aux_ids, device=dev,
+                        dtype=target_dtype or (torch.bfloat16 if dev.type == "cuda" else torch.float32))
     if dev.type == "cpu":  # few-row forwards: weights packed once for oneDNN (recipe.model.packed_linear)
         pack_linear_layers(model.model)
     tokenizer = model.load_tokenizer()
@@ -77,7 +81,7 @@ def evaluate(target_dir: str | Path, drafts: dict[str, Path], prompts: list[Prom
         dtypes[label] = str(draft.fc.weight.dtype).removeprefix("torch.")
         if dev.type == "cpu":
             pack_linear_layers(draft)  # a float32 draft; other dtypes keep nn.Linear
-        drafter = EagleTreeDrafter(draft)
+        drafter = EagleTreeDrafter(draft, window=window)
         for k in ks:
             gens = [refs.check(i, speculative_generate(target, drafter, prompt, k, max_new_tokens, eos))
                     for i, prompt in enumerate(ids)]

@@ -74,19 +74,55 @@ def stop_index(tokens: list[int], budget: int, eos_token_id: int | None) -> int:
     return n
 
 
+@dataclass
+class PromptPrefill:
+    """The target's forward over one prompt, shared by every decoding of that prompt (``prefill_prompt``):
+    ``num_ids`` prompt tokens, ``first`` (the target's greedy token after them), ``aux_SA`` [S, A] (the prompt's aux
+    features; A = 0 without aux layers) and ``seconds`` (its wall time, counted into every decoding that reuses it)."""
+
+    num_ids: int
+    first: int
+    aux_SA: torch.Tensor
+    seconds: float
+
+
 @torch.no_grad()
-def greedy_generate(target: CachedTarget, prompt_ids: list[int], max_new_tokens: int,
-                    eos_token_id: int | None = None) -> Generation:
-    """Plain greedy decoding with the target's KV cache: one forward per token. Returns the new tokens."""
+def prefill_prompt(target: CachedTarget, prompt_ids: list[int]) -> PromptPrefill:
+    """Reset ``target``'s cache and run the prompt through it once; the cache then holds the prompt, and a decoding
+    given this ``PromptPrefill`` (``shared=``) crops the cache back to it instead of running the prompt again.
+    Raises ValueError for an empty prompt."""
+    if not prompt_ids:
+        raise ValueError("empty prompt")
     start = time.perf_counter()
     target.begin()
-    logits = target.forward(prompt_ids).logits_SV
-    tokens: list[int] = []
-    while True:
-        tokens.append(int(logits[-1].argmax()))
-        if len(tokens) >= max_new_tokens or tokens[-1] == eos_token_id:
-            break
-        logits = target.forward([tokens[-1]]).logits_SV
+    out = target.forward(prompt_ids)
+    return PromptPrefill(num_ids=len(prompt_ids), first=int(out.logits_SV[-1].argmax()), aux_SA=out.aux_SA,
+                         seconds=time.perf_counter() - start)
+
+
+def _reuse(target: CachedTarget, shared: PromptPrefill, prompt_ids: list[int]) -> float:
+    """Crop ``target``'s cache back to the shared prompt; returns the start time that counts the prefill's seconds."""
+    if shared.num_ids != len(prompt_ids) or len(target) < shared.num_ids:
+        raise ValueError(f"the shared prefill holds {shared.num_ids} prompt tokens, the prompt has {len(prompt_ids)} "
+                         f"and the target cache {len(target)}")
+    target.crop(shared.num_ids)
+    return time.perf_counter() - shared.seconds
+
+
+@torch.no_grad()
+def greedy_generate(target: CachedTarget, prompt_ids: list[int], max_new_tokens: int,
+                    eos_token_id: int | None = None, shared: PromptPrefill | None = None) -> Generation:
+    """Plain greedy decoding with the target's KV cache: one forward per token. Returns the new tokens.
+    ``shared``: the prompt's ``PromptPrefill`` on this ``target`` (its cache is cropped back to the prompt)."""
+    if shared is None:
+        start = time.perf_counter()
+        target.begin()
+        first = int(target.forward(prompt_ids).logits_SV[-1].argmax())
+    else:
+        start, first = _reuse(target, shared, prompt_ids), shared.first
+    tokens: list[int] = [first]
+    while len(tokens) < max_new_tokens and tokens[-1] != eos_token_id:
+        tokens.append(int(target.forward([tokens[-1]]).logits_SV[-1].argmax()))
     return Generation(tokens=tokens, seconds=time.perf_counter() - start)
 
 
@@ -137,30 +173,33 @@ def greedy_generate_batched(model, prompts: list[list[int]], max_new_tokens: int
 
 
 @torch.no_grad()
-def prefill(target: CachedTarget, drafter, prompt_ids: list[int]):
-    """Start a speculative generation: reset the target's and the drafter's caches, run the prompt through the
-    target. Returns ``(start time, [the target's first token], aux features [S, A] of the anchors not yet given to
-    the drafter, the token after each of those anchors [S])``. Raises ValueError for an empty prompt."""
-    if not prompt_ids:
-        raise ValueError("empty prompt")
-    start = time.perf_counter()
-    target.begin()
+def prefill(target: CachedTarget, drafter, prompt_ids: list[int], shared: PromptPrefill | None = None):
+    """Start a speculative generation: reset the drafter's cache and run the prompt through the target (or, with
+    ``shared``, crop the target's cache back to that prefill of the prompt and reuse it). Returns ``(start time,
+    [the target's first token], aux features [S, A] of the anchors not yet given to the drafter, the token after
+    each of those anchors [S])``. Raises ValueError for an empty prompt."""
+    if shared is None:
+        shared = prefill_prompt(target, prompt_ids)
+        start = time.perf_counter() - shared.seconds
+    else:
+        start = _reuse(target, shared, prompt_ids)
     drafter.begin()
-    out = target.forward(prompt_ids)
-    tokens = [int(out.logits_SV[-1].argmax())]
-    return start, tokens, out.aux_SA, torch.tensor(list(prompt_ids[1:]) + tokens)
+    tokens = [shared.first]
+    return start, tokens, shared.aux_SA, torch.tensor(list(prompt_ids[1:]) + tokens)
 
 
 def speculative_generate(target: CachedTarget, drafter: Drafter, prompt_ids: list[int], k: int,
-                         max_new_tokens: int, eos_token_id: int | None = None) -> Generation:
+                         max_new_tokens: int, eos_token_id: int | None = None,
+                         shared: PromptPrefill | None = None) -> Generation:
     """Chain speculative decoding with greedy verification; ``k`` >= 1 draft tokens per round.
 
     The target's first token comes from the prompt's forward pass (no verification step); every later token is
-    emitted by a verification step. Raises ValueError for ``k < 1`` or an empty prompt.
+    emitted by a verification step. ``shared``: the prompt's ``PromptPrefill`` on this ``target``, reused instead of
+    a new forward over the prompt (its seconds are counted). Raises ValueError for ``k < 1`` or an empty prompt.
     """
     if k < 1:
         raise ValueError(f"num_draft_tokens must be >= 1, got {k}")
-    start, tokens, new_aux, new_next = prefill(target, drafter, prompt_ids)
+    start, tokens, new_aux, new_next = prefill(target, drafter, prompt_ids, shared)
     accepted: list[int] = []
     while len(tokens) < max_new_tokens and tokens[-1] != eos_token_id:
         proposal = drafter.propose(new_aux, new_next, k)

@@ -25,7 +25,7 @@ from typing import Protocol
 
 import torch
 
-from recipe.eval.speculative import Generation, stop_index, prefill
+from recipe.eval.speculative import Generation, PromptPrefill, prefill, stop_index
 from recipe.target.runtime import CachedTarget
 
 
@@ -130,13 +130,15 @@ def accepted_path(tree: DraftTree, greedy: list[int]) -> list[int]:
 
 @torch.no_grad()
 def tree_speculative_generate(target: CachedTarget, drafter: TreeDrafter, prompt_ids: list[int], spec: TreeSpec,
-                              max_new_tokens: int, eos_token_id: int | None = None) -> Generation:
+                              max_new_tokens: int, eos_token_id: int | None = None,
+                              shared: PromptPrefill | None = None) -> Generation:
     """Tree speculative decoding with greedy verification (see the module docstring).
 
-    Returns a ``Generation`` with ``k = spec.depth`` (the most draft tokens a round can accept). Raises ValueError
+    Returns a ``Generation`` with ``k = spec.depth`` (the most draft tokens a round can accept). ``shared``: the
+    prompt's ``PromptPrefill`` on this ``target``, reused (``recipe.eval.speculative.prefill``). Raises ValueError
     for an empty prompt or a tree over ``spec.budget`` nodes / deeper than ``spec.depth``.
     """
-    start, tokens, new_aux, new_next = prefill(target, drafter, prompt_ids)
+    start, tokens, new_aux, new_next = prefill(target, drafter, prompt_ids, shared)
     accepted: list[int] = []
     while len(tokens) < max_new_tokens and tokens[-1] != eos_token_id:
         tree = drafter.propose_tree(new_aux, new_next, spec)

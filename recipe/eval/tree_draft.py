@@ -20,44 +20,48 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from recipe.eval.draft_runtime import DraftKVCache, EagleDrafter
+from recipe.eval.draft_runtime import DraftKVCache, EagleDrafter, window_mask
 from recipe.eval.tree import DraftTree, TreeSpec
 
 
 class TreeDraftKVCache(DraftKVCache):
     """``DraftKVCache`` that, while ``allowed_QK`` is set ([m, cache length after this call's keys] bool, True:
     query i reads key j), attends by that mask instead of by positions (scaled dot-product attention, softmax scale
-    1/sqrt(D), grouped-query heads shared as in the draft layer)."""
+    1/sqrt(D), grouped-query heads shared as in the draft layer). With a ``window`` the mask is also limited to the
+    keys at positions ``p - window < q <= p`` of each query at ``p`` (``window_mask``), and keys outside every
+    query's window are left out."""
 
-    def __init__(self) -> None:
-        super().__init__()
+    def __init__(self, window: int | None = None) -> None:
+        super().__init__(window)
         self.allowed_QK: torch.Tensor | None = None
 
     def attend(self, causal_attention, q_BHSD, k_BHkvSD, v_BHkvSD, position_ids_BS, key_valid_BS):
         if self.allowed_QK is None:
             return super().attend(causal_attention, q_BHSD, k_BHkvSD, v_BHkvSD, position_ids_BS, key_valid_BS)
-        self.k_BHkvSD = torch.cat([self.k_BHkvSD, k_BHkvSD], dim=2)
-        self.v_BHkvSD = torch.cat([self.v_BHkvSD, v_BHkvSD], dim=2)
-        self.pos_BS = torch.cat([self.pos_BS, position_ids_BS], dim=1)
+        self._append(k_BHkvSD, v_BHkvSD, position_ids_BS)
         if self.allowed_QK.shape != (q_BHSD.shape[2], self.k_BHkvSD.shape[2]):
             raise ValueError(f"tree mask {tuple(self.allowed_QK.shape)} does not fit {q_BHSD.shape[2]} queries "
                              f"over {self.k_BHkvSD.shape[2]} keys")
-        return F.scaled_dot_product_attention(q_BHSD, self.k_BHkvSD, self.v_BHkvSD,
-                                              attn_mask=self.allowed_QK[None, None], enable_gqa=True)
+        allowed_QK, k, v = self.allowed_QK, self.k_BHkvSD, self.v_BHkvSD
+        if self.window is not None:
+            keep = self.in_window(position_ids_BS).nonzero()[:, 0]
+            allowed_QK = allowed_QK[:, keep] & window_mask(position_ids_BS[0], self.pos_BS[0, keep], self.window)
+            k, v = k[:, :, keep], v[:, :, keep]
+        return F.scaled_dot_product_attention(q_BHSD, k, v, attn_mask=allowed_QK[None, None], enable_gqa=True)
 
 
 class EagleTreeDrafter(EagleDrafter):
     """``EagleDrafter`` that also proposes dynamic draft trees (the ``TreeDrafter`` interface of
     ``recipe.eval.tree``); ``propose`` (chain drafting) still works on the same cache."""
 
-    def __init__(self, draft):
-        super().__init__(draft)
-        self.cache = TreeDraftKVCache()
+    def __init__(self, draft, window: int | None = None):
+        super().__init__(draft, window)
+        self.cache = TreeDraftKVCache(window)
         self.to_target = self.draft_to_target.tolist()
 
     def begin(self) -> None:
         super().begin()
-        self.cache = TreeDraftKVCache()
+        self.cache = TreeDraftKVCache(self.window)
 
     def _log_probs(self, hidden_SH: torch.Tensor) -> torch.Tensor:
         return torch.log_softmax(self.draft.logits(hidden_SH).float(), dim=-1)
