@@ -48,7 +48,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--draft-dtype", choices=sorted(DRAFT_DTYPES),
                    help="the draft's compute dtype (default: the export's own)")
     p.add_argument("--dtype", choices=sorted(DRAFT_DTYPES),
-                   help="the target's dtype (default: fp32 on the CPU, bf16 on a GPU)")
+                   help="the target's dtype (default: fp32 on every device; bf16 is faster, but its batched verification and "
+                        "one-token decoding round differently, so the lossless check can fail at near-tied logits)")
     p.add_argument("--draft-window-size", type=_positive, metavar="N",
                    help="the draft attends only to its last N positions (chain and tree drafting), as SGLang's "
                         "--speculative-draft-window-size serves it (default: full attention)")

@@ -73,7 +73,7 @@ def evaluate_by_length(target_dir: str | Path, drafts: dict[str, Path], buckets:
     """τ of every draft export in ``drafts`` (label -> folder) at each k of ``ks`` and, with ``tree``, of tree
     drafting, for each context length of ``buckets`` (``{L: prompts}``, from ``recipe.eval.context``).
 
-    ``target_dtype``: the target's dtype (None: float32 on the CPU, bfloat16 on a GPU); ``draft_dtype`` as in
+    ``target_dtype``: the target's dtype (None: float32 on every device, see ``recipe.eval.harness.evaluate``); ``draft_dtype`` as in
     ``recipe.eval.harness.evaluate``; ``window``: the draft's sliding window in positions (``DraftKVCache``);
     ``eos_token_id``: the tokenizer's EOS (decoding stops after it; None: only ``max_new_tokens`` stops).
     Returns ``{"target", "target_dtype", "max_new_tokens", "draft_window_size", "draft_dtypes", "tree",
@@ -87,7 +87,7 @@ def evaluate_by_length(target_dir: str | Path, drafts: dict[str, Path], buckets:
 
     console = console or Console(stderr=True)
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    dtype = target_dtype or (torch.bfloat16 if dev.type == "cuda" else torch.float32)
+    dtype = target_dtype or torch.float32
     aux = {label: _aux_ids(path) for label, path in drafts.items()}
     union = sorted({i for ids in aux.values() for i in ids})
     model = TargetModel(target_dir, aux_layer_ids=union, dtype=dtype, device=dev)

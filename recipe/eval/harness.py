@@ -35,8 +35,9 @@ def evaluate(target_dir: str | Path, drafts: dict[str, Path], prompts: list[Prom
     """τ and speed of each draft export in ``drafts`` (label -> folder) at each k in ``ks`` (chain drafting) and,
     with ``tree``, of dynamic-tree drafting with that shape (``recipe.eval.tree``).
 
-    The target runs in ``target_dtype`` (None: float32 on the CPU, so batched verification and one-token decoding
-    agree to the last bit as far as possible; bfloat16 on a GPU); each draft in ``draft_dtype`` (None: the export's
+    The target runs in ``target_dtype`` (None: float32 on every device, so batched verification and one-token
+    decoding agree to the last bit as far as possible; in bfloat16 they round differently, and near-tied logits
+    make the lossless check fail: seen on an H200 at the 4th new token); each draft in ``draft_dtype`` (None: the export's
     own dtype, see ``load_draft_export``), attending its last ``window`` positions only when set
     (``recipe.eval.draft_runtime.DraftKVCache``); EOS is the tokenizer's. Returns ``{"target", "num_prompts",
     "max_new_tokens", "reference", "greedy_tokens_per_s",
@@ -62,7 +63,7 @@ def evaluate(target_dir: str | Path, drafts: dict[str, Path], prompts: list[Prom
     configs = {label: _aux_ids(path) for label, path in drafts.items()}
     aux_ids = next(iter(configs.values()))
     model = TargetModel(target_dir, aux_layer_ids=aux_ids, device=dev,
-                        dtype=target_dtype or (torch.bfloat16 if dev.type == "cuda" else torch.float32))
+                        dtype=target_dtype or torch.float32)
     if dev.type == "cpu":  # few-row forwards: weights packed once for oneDNN (recipe.model.packed_linear)
         pack_linear_layers(model.model)
     tokenizer = model.load_tokenizer()
