@@ -24,8 +24,11 @@ from recipe.model.loss import target_logits
 
 def target_rows(target_hidden_BLH: torch.Tensor, target_row_S: torch.Tensor, flat_index_N: torch.Tensor,
                 seq_len: int) -> torch.Tensor:
-    """Target hidden rows of flattened positions: ``target_hidden[n // S, target_row[n % S]]`` → [N, H_t]."""
+    """Target hidden rows of flattened positions: ``target_hidden[n // S, target_row[n % S]]`` → [N, H_t];
+    ``target_row_S`` may also be [B, S] (a row per batch row: the sparse path's compacted anchors), read at ``n``."""
     b_idx = torch.div(flat_index_N, seq_len, rounding_mode="floor")
+    if target_row_S.dim() == 2:
+        return target_hidden_BLH[b_idx, target_row_S.reshape(-1)[flat_index_N]]
     return target_hidden_BLH[b_idx, target_row_S[flat_index_N % seq_len]]
 
 
@@ -40,7 +43,7 @@ def chunked_soft_ce(logits_fn: Callable[[torch.Tensor], torch.Tensor], loss_fn: 
         loss_fn: ``soft_ce(logits, target_logits, valid) -> (loss_sum, correct)`` or its vocab-parallel version.
         hidden_BSH: [B, S, H] the step's draft output (before the final norm).
         target_hidden_BLH: [B, L, H_t] target last hidden rows; target_row_S: [S] int64, the row of each anchor's
-            label (``TTTBatch.target_row_KS[k]``).  target_head_VdH: [Vd (or Vd/tp), H_t] target head rows.
+            label (``TTTBatch.target_row_KS[k]``), or [B, S] when each batch row has its own (compacted anchors).  target_head_VdH: [Vd (or Vd/tp), H_t] target head rows.
         valid_BS: [B, S] bool.  chunk_size: positions per chunk (>= 1).
         target_softcap: the target's final logit soft-cap (None: none), see ``recipe.model.loss.target_logits``.
     Returns:
@@ -51,10 +54,11 @@ def chunked_soft_ce(logits_fn: Callable[[torch.Tensor], torch.Tensor], loss_fn: 
     if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
         raise ValueError(f"loss chunk size {chunk_size!r} must be a positive integer")
     b, s, h = hidden_BSH.shape
-    if tuple(valid_BS.shape) != (b, s) or tuple(target_row_S.shape) != (s,) or target_hidden_BLH.shape[0] != b:
+    if tuple(valid_BS.shape) != (b, s) or tuple(target_row_S.shape) not in ((s,), (b, s)) \
+            or target_hidden_BLH.shape[0] != b:
         raise ValueError(f"chunked_soft_ce: hidden {tuple(hidden_BSH.shape)}, valid {tuple(valid_BS.shape)}, "
                          f"target_row {tuple(target_row_S.shape)}, target hidden {tuple(target_hidden_BLH.shape)} "
-                         "disagree (expected [B, S, H], [B, S], [S], [B, L, H_t])")
+                         "disagree (expected [B, S, H], [B, S], [S] or [B, S], [B, L, H_t])")
     hidden_NH = hidden_BSH.reshape(b * s, h)
     valid_N = valid_BS.reshape(b * s).bool()
     head = target_head_VdH.detach()
