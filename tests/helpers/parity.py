@@ -13,7 +13,7 @@ import copy
 import torch
 import torch.distributed as dist
 
-from helpers.cases import PARITY, build_case
+from helpers.cases import PARITY, answer_only, build_case
 from recipe.config import KernelOptions, MemoryOptions
 from recipe.model.ttt import TTTModel, ttt_objective
 from recipe.parallel.parallelize import parallelize
@@ -53,15 +53,21 @@ def full_grads(model: TTTModel, cp_group, tp_group) -> dict[str, torch.Tensor]:
 
 
 def run_layout(rank: int, world: int, tp: int, cp: int, K: int, seed: int, seq_len: int,
-               dtype: torch.dtype = torch.float64, attention_backend: str | None = None) -> dict:
+               dtype: torch.dtype = torch.float64, attention_backend: str | None = None, sparse: bool = False,
+               answers: tuple[int, ...] | None = None, tile_size: int | None = None) -> dict:
     """Reference and (tp, cp) layout on this rank (world = tp·cp·dp, dp ignored: every dp rank repeats the case).
     ``attention_backend``: the attention backend of the layout by ``make_causal_attention`` name (None: "tiled",
-    the pure-PyTorch kernel; untiled, i.e. the dense block on one cp rank and one tile per zigzag chunk in the ring).
+    the pure-PyTorch kernel; untiled, i.e. the dense block on one cp rank and one tile per zigzag chunk in the ring;
+    ``tile_size`` tiles it). ``sparse``: the layout runs with ``TTTModel.sparse_anchors`` (the reference stays
+    dense). ``answers``: per row, supervise only the last that many real tokens (``cases.answer_only``; a
+    long-prompt/short-answer mask, 0: a row with nothing supervised).
 
     Returns {"ref": (loss_K, correct_K, valid_K, grads), "par": (same, full), "counts": RingCounts dict or None,
     "cp_rank", "tp_rank", "local_valid" (this rank's valid_K), "local_seq" (S/cp), "lm_head_shape" (local shard)}.
     """
     draft, head_VH, batch = build_case(seed, K, seq_len, geometry=PARITY, dtype=dtype)
+    if answers is not None:
+        batch = answer_only(batch, answers)
     model = TTTModel(draft, head_VH)
     n_valid = batch.valid_KBS.sum(dim=(1, 2))
     ref_model = copy.deepcopy(model)
@@ -69,9 +75,10 @@ def run_layout(rank: int, world: int, tp: int, cp: int, K: int, seed: int, seq_l
     ref_grads = {n: p.grad.clone() for n, p in ref_model.named_parameters() if p.requires_grad}
 
     pstate = ParallelState(ParallelDims(world_size=world, tp=tp, cp=cp))
-    memory = MemoryOptions(attention_tile_size=None)
+    memory = MemoryOptions(attention_tile_size=tile_size)
     par_model = parallelize(copy.deepcopy(model), pstate, memory,
                             kernel_options=KernelOptions(attention=attention_backend or "tiled"))
+    par_model.sparse_anchors = sparse
     counts = None
     local = batch
     if cp > 1:

@@ -1,0 +1,172 @@
+"""Sparse anchors (``memory.sparse_anchors``, ``recipe.model.sparse_anchors``): each TTT step computed only at the
+anchors some loss reads gives the dense path's loss sums, correct/valid counts, every parameter gradient and the aux
+input gradient (fp32, rel ≤ 1e-6): on one process for every CPU attention backend, tiled and untiled, with step
+checkpointing, the chunked loss, the tiled MLP and the teacher logits computed once or per step; on a
+long-prompt/short-answer mask, with a row that has nothing supervised and a batch with nothing supervised at all
+(zero gradients, every parameter still reached); on the real SmolLM2 target over ShareGPT; and at tp2, cp2 and
+tp2·cp2 (gloo) against the single-process dense draft."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from helpers.cases import PARITY, answer_only, assert_same_run, build_case, run_model
+from helpers.parity import assert_parity, run_layout
+from helpers.ranks import run_ranks
+
+from recipe.config import KernelOptions, MemoryOptions
+from recipe.model.sparse_anchors import anchor_sets, needed_steps
+from recipe.model.ttt import TTTBatch, TTTModel
+from recipe.parallel.parallelize import parallelize
+
+K = 4
+SEQ = 16  # MEMORY geometry: rows of 13 and 9 tokens
+
+
+def test_needed_sets_are_the_later_valid_steps_and_shrink():
+    valid = torch.zeros(3, 2, 6, dtype=torch.bool)
+    valid[0, 0, 1] = valid[2, 0, 4] = valid[1, 0, 2] = True  # row 1: nothing valid
+    needed = needed_steps(valid)
+    assert needed[0, 0].tolist() == [False, True, True, False, True, False]
+    assert needed[1, 0].tolist() == [False, False, True, False, True, False]
+    assert needed[2, 0].tolist() == [False, False, False, False, True, False]
+    assert not needed[:, 1].any()
+    positions = torch.arange(6).expand(2, 6) + 10
+    rows = torch.stack([torch.arange(6) + k + 1 for k in range(3)]).clamp(max=5)
+    sets = anchor_sets(valid, positions, rows)
+    assert sets.counts_KB.tolist() == [[3, 0], [2, 0], [1, 0]]
+    assert [t.tolist() for t in sets.index_K] == [[[1, 2, 4], [0, 0, 0]], [[2, 4], [0, 0]], [[4], [0]]]
+    assert [t.tolist() for t in sets.select_K[1:]] == [[[1, 2], [0, 0]], [[1], [0]]]
+    assert sets.positions_K[2].tolist() == [[14], [10]]
+    assert [t.tolist() for t in sets.valid_K] == [[[True, False, False], [False] * 3], [[True, False], [False] * 2],
+                                                  [[True], [False]]]
+    # teacher rows: the distinct label rows of the live anchors (row 0: 1+1, 2+1, 4+1 | 2+2, 4+2->5 | 4+3->5)
+    assert sets.teacher_rows_BU[0].tolist() == [2, 3, 4, 5]
+    for k in range(3):
+        want = sets.target_rows(rows, k)[0, : int(sets.counts_KB[k, 0])]
+        got = sets.teacher_rows_BU[0][sets.teacher_index_K[k][0, : int(sets.counts_KB[k, 0])]]
+        assert torch.equal(got, want), k
+
+
+def _pair(batch_fn=None, seed=8, **switches):
+    draft, head, batch = build_case(seed=seed, K=K, seq_len=SEQ)
+    if batch_fn is not None:
+        batch = batch_fn(batch)
+    memory = MemoryOptions(attention_tile_size=switches.pop("tile", None), mlp_tile_size=switches.pop("mlp", None))
+    backend = switches.pop("backend", "tiled")
+    once = switches.pop("once", True)
+
+    def run(sparse):
+        model = TTTModel(copy.deepcopy(draft), head, sparse_anchors=sparse, **switches)
+        model.teacher_logits_once = once
+        return run_model(parallelize(model, None, memory, kernel_options=KernelOptions(backend)), batch)
+
+    return run(True), run(False), batch
+
+
+LONG_PROMPT = lambda batch: answer_only(batch, (4, 3))  # noqa: E731  a long prompt and a short answer per row
+ONE_EMPTY_ROW = lambda batch: answer_only(batch, (6, 0))  # noqa: E731  row 1 supervises nothing
+
+SWITCHES = {
+    "dense-block": {}, "tiled": {"tile": 4}, "sdpa": {"backend": "sdpa", "tile": 5}, "sdpa-untiled": {"backend": "sdpa"},
+    "ckpt-steps": {"checkpoint_steps": True, "tile": 4}, "chunked-loss": {"loss_chunk_size": 5},
+    "tiled-mlp": {"mlp": 3}, "teacher-per-step": {"once": False},
+    "all": {"backend": "sdpa", "tile": 3, "mlp": 5, "checkpoint_steps": True, "loss_chunk_size": 7},
+}
+
+
+@pytest.mark.parametrize("mask", [None, LONG_PROMPT, ONE_EMPTY_ROW], ids=["random", "long-prompt", "empty-row"])
+@pytest.mark.parametrize("name", list(SWITCHES))
+def test_sparse_matches_dense(name, mask):
+    got, ref, batch = _pair(mask, **dict(SWITCHES[name]))
+    assert_same_run(got, ref, tol=1e-6)
+    if mask is not None:  # the case is sparse: step 0 needs under 60 % of the real positions, later steps fewer
+        counts_KB = anchor_sets(batch.valid_KBS, batch.position_ids_BS, batch.target_row_KS).counts_KB
+        assert counts_KB[0].sum() < 0.6 * batch.key_valid_BS.sum() and counts_KB[-1].sum() < counts_KB[0].sum()
+        assert mask is not ONE_EMPTY_ROW or counts_KB[:, 1].sum() == 0
+
+
+@pytest.mark.parametrize("checkpoint_steps", [False, True])
+def test_nothing_supervised_gives_zero_gradients_everywhere(checkpoint_steps):
+    def nothing(batch):
+        return TTTBatch(**{**batch.__dict__, "valid_KBS": torch.zeros_like(batch.valid_KBS)})
+
+    got, ref, _ = _pair(nothing, checkpoint_steps=checkpoint_steps, loss_chunk_size=4)
+    out, grads, aux_grad = got
+    assert out.loss_sum_K.abs().sum() == 0 and out.valid_K.sum() == 0 and out.correct_K.sum() == 0
+    assert len(grads) == 13  # every trainable parameter reached (a grad tensor, not None: ZeRO's hooks fire)
+    for name, grad in grads.items():
+        assert torch.equal(grad, torch.zeros_like(grad)) and torch.equal(grad, ref[1][name]), name
+    assert torch.equal(aux_grad, torch.zeros_like(aux_grad))
+
+
+@pytest.mark.slow
+def test_sparse_matches_dense_on_smollm2_sharegpt(assets):
+    """Two real ShareGPT conversations through SmolLM2-135M (fp32), the draft of its geometry with a 2048-token draft
+    vocabulary: the template's mask (the system/user turns unsupervised) and a long-prompt/short-answer one."""
+    from recipe.data.examples import build_examples
+    from recipe.data.vocab import build_vocab_map
+    from recipe.model.draft import Eagle3Draft
+    from recipe.model.ttt import make_ttt_batch, target_in_draft_vocab
+    from recipe.target.capture import TargetModel
+    from recipe.target.registry import draft_config_for
+
+    target = TargetModel(assets.target, dtype=torch.float32, device="cpu")
+    examples, _ = build_examples(assets.conversations, target.load_tokenizer(), 192, limit=4)
+    rows = examples.select(range(2))
+    vocab = build_vocab_map(examples, target.vocab_size, 2048)
+    s = max(len(r) for r in rows["input_ids"])
+    ids = torch.zeros(2, s, dtype=torch.int64)
+    loss = torch.zeros(2, s, dtype=torch.int64)
+    attn = torch.zeros(2, s, dtype=torch.int64)
+    for b, row in enumerate(rows):
+        n = len(row["input_ids"])
+        ids[b, :n], loss[b, :n], attn[b, :n] = torch.tensor(row["input_ids"]), torch.tensor(row["loss_mask"]), 1
+    cap = target.capture(ids, attn)
+    batch = make_ttt_batch(ids, loss, attn, cap.aux_hidden_BSA, cap.last_hidden_BSH,
+                           target_in_draft_vocab(cap.argmax_BS, vocab.t2d), 3)
+    supervised = batch.valid_KBS[0].sum().item() / attn.sum().item()
+    assert 0.2 < supervised < 0.95, supervised  # the template's mask: prompts unsupervised, answers supervised
+    draft = Eagle3Draft(draft_config_for(target.config, 2048), seed=0)
+    draft.load_target_embeddings(target.embed_tokens_weight)
+    draft.set_vocab_map(vocab.d2t, vocab.t2d)
+    draft.init_lm_head_from_target(target.lm_head_weight, vocab.draft_ids)
+    head = target.lm_head_weight[vocab.draft_ids].clone()
+    for case in (batch, answer_only(batch, (8, 5))):
+        def run(sparse):
+            model = TTTModel(copy.deepcopy(draft), head, loss_chunk_size=64, checkpoint_steps=True,
+                             sparse_anchors=sparse)
+            return run_model(parallelize(model, None, MemoryOptions(attention_tile_size=48, mlp_tile_size=40),
+                                         kernel_options=KernelOptions("sdpa")), case)
+
+        assert_same_run(run(True), run(False), tol=1e-6)
+
+
+SEQ_PAR = 24  # PARITY rows of 19 and 14 tokens padded to a multiple of 2·cp·tp = 8
+# (tp, cp, answers, backend, tile): the template-like random mask and long-prompt/short-answer masks (row 1 empty)
+WORLD2 = {"tp2": (2, 1, None, "tiled", None), "tp2-long": (2, 1, (5, 0), "sdpa", 4),
+          "cp2": (1, 2, None, "tiled", None), "cp2-long": (1, 2, (6, 0), "sdpa", 4)}
+WORLD4 = {"tp2cp2": (2, 2, None, "tiled", 4), "tp2cp2-long": (2, 2, (6, 2), "sdpa", None)}
+
+
+def _layouts(rank, world, cases):
+    return {name: run_layout(rank, world, tp=tp, cp=cp, K=3, seed=2, seq_len=SEQ_PAR, dtype=torch.float32,
+                             attention_backend=backend, sparse=True, answers=answers, tile_size=tile)
+            for name, (tp, cp, answers, backend, tile) in cases.items()}
+
+
+@pytest.mark.slow
+def test_sparse_tp2_and_cp2_match_single_process_dense():
+    results = run_ranks(2, _layouts, WORLD2)
+    for name in WORLD2:
+        for rank, result in enumerate(results):
+            assert assert_parity(result[name], 1e-6, f"{name} rank {rank}") == 13
+
+
+@pytest.mark.slow
+def test_sparse_tp2_cp2_matches_single_process_dense():
+    results = run_ranks(4, _layouts, WORLD4)
+    for name in WORLD4:
+        for rank, result in enumerate(results):
+            assert assert_parity(result[name], 1e-6, f"{name} rank {rank}") == 13
