@@ -145,28 +145,38 @@ def test_sparse_matches_dense_on_smollm2_sharegpt(assets):
 
 SEQ_PAR = 24  # PARITY rows of 19 and 14 tokens padded to a multiple of 2·cp·tp = 8
 # (tp, cp, answers, backend, tile): the template-like random mask and long-prompt/short-answer masks (row 1 empty)
-WORLD2 = {"tp2": (2, 1, None, "tiled", None), "tp2-long": (2, 1, (5, 0), "sdpa", 4),
+WORLD2 = {"tp2": (2, 1, None, "tiled", None), "tp2-long": (2, 1, (6, 0), "sdpa", 4),
           "cp2": (1, 2, None, "tiled", None), "cp2-long": (1, 2, (6, 0), "sdpa", 4)}
 WORLD4 = {"tp2cp2": (2, 2, None, "tiled", 4), "tp2cp2-long": (2, 2, (6, 2), "sdpa", None)}
 
 
 def _layouts(rank, world, cases):
-    return {name: run_layout(rank, world, tp=tp, cp=cp, K=3, seed=2, seq_len=SEQ_PAR, dtype=torch.float32,
+    return {name: run_layout(rank, world, tp=tp, cp=cp, K=3, seed=10, seq_len=SEQ_PAR, dtype=torch.float32,
                              attention_backend=backend, sparse=True, answers=answers, tile_size=tile)
             for name, (tp, cp, answers, backend, tile) in cases.items()}
 
 
+def _check_layouts(results, cases):
+    for name, (tp, cp, answers, _, _) in cases.items():
+        needed = torch.zeros(3, dtype=torch.int64)
+        for rank, result in enumerate(results):
+            r = result[name]
+            assert assert_parity(r, 1e-6, f"{name} rank {rank}") == 13
+            if r["tp_rank"] == 0:
+                needed += r["local_needed"]
+            else:  # every rank of a tp group holds the same data, so the same set
+                assert torch.equal(r["local_needed"], results[rank - r["tp_rank"]][name]["local_needed"]), name
+        # the sparse path ran: the cp ranks' own sets add up to fewer anchors than positions, shrinking with k
+        assert needed[0] < results[0][name]["real_positions"] and needed[-1] <= needed[0], (name, needed)
+        if answers is not None:
+            assert needed[0] < 0.5 * results[0][name]["real_positions"], (name, needed)
+
+
 @pytest.mark.slow
 def test_sparse_tp2_and_cp2_match_single_process_dense():
-    results = run_ranks(2, _layouts, WORLD2)
-    for name in WORLD2:
-        for rank, result in enumerate(results):
-            assert assert_parity(result[name], 1e-6, f"{name} rank {rank}") == 13
+    _check_layouts(run_ranks(2, _layouts, WORLD2), WORLD2)
 
 
 @pytest.mark.slow
 def test_sparse_tp2_cp2_matches_single_process_dense():
-    results = run_ranks(4, _layouts, WORLD4)
-    for name in WORLD4:
-        for rank, result in enumerate(results):
-            assert assert_parity(result[name], 1e-6, f"{name} rank {rank}") == 13
+    _check_layouts(run_ranks(4, _layouts, WORLD4), WORLD4)

@@ -63,7 +63,9 @@ def run_layout(rank: int, world: int, tp: int, cp: int, K: int, seed: int, seq_l
     long-prompt/short-answer mask, 0: a row with nothing supervised).
 
     Returns {"ref": (loss_K, correct_K, valid_K, grads), "par": (same, full), "counts": RingCounts dict or None,
-    "cp_rank", "tp_rank", "local_valid" (this rank's valid_K), "local_seq" (S/cp), "lm_head_shape" (local shard)}.
+    "cp_rank", "tp_rank", "local_valid" (this rank's valid_K), "local_seq" (S/cp), "lm_head_shape" (local shard),
+    "local_needed" ([K] this rank's needed anchors per step with ``sparse``, else None), "real_positions" (of the whole
+    batch)}.
     """
     draft, head_VH, batch = build_case(seed, K, seq_len, geometry=PARITY, dtype=dtype)
     if answers is not None:
@@ -84,13 +86,19 @@ def run_layout(rank: int, world: int, tp: int, cp: int, K: int, seed: int, seq_l
     if cp > 1:
         local = shard_ttt_batch(batch, cp, pstate.cp_rank)
     loss_K, correct_K, valid_K = forward_backward(par_model, local, n_valid)
+    needed = None
+    if sparse:
+        from recipe.model.sparse_anchors import anchor_sets
+
+        needed = anchor_sets(local.valid_KBS, local.position_ids_BS, local.target_row_KS).counts_KB.sum(dim=1)
     if cp > 1:
         counts = dict(vars(par_model.draft.midlayer.self_attn.causal_attention.exchange.counts))
     par = (_sum(loss_K, pstate.cp_group), _sum(correct_K, pstate.cp_group), _sum(valid_K, pstate.cp_group),
            full_grads(par_model, pstate.cp_group, pstate.tp_group))
     return {"ref": (*ref, ref_grads), "par": par, "counts": counts, "cp_rank": pstate.cp_rank,
             "tp_rank": pstate.tp_rank, "local_valid": valid_K, "local_seq": local.position_ids_BS.shape[1],
-            "lm_head_shape": tuple(par_model.draft.lm_head.weight.shape)}
+            "lm_head_shape": tuple(par_model.draft.lm_head.weight.shape), "local_needed": needed,
+            "real_positions": int(batch.key_valid_BS.sum())}
 
 
 def max_rel(a: torch.Tensor, b: torch.Tensor) -> float:
