@@ -133,7 +133,7 @@ def test_sparse_matches_dense_on_smollm2_sharegpt(assets):
     draft.set_vocab_map(vocab.d2t, vocab.t2d)
     draft.init_lm_head_from_target(target.lm_head_weight, vocab.draft_ids)
     head = target.lm_head_weight[vocab.draft_ids].clone()
-    for case in (batch, answer_only(batch, (8, 5))):
+    for case in (batch, answer_only(batch, (64, 48))):
         def run(sparse):
             model = TTTModel(copy.deepcopy(draft), head, loss_chunk_size=64, checkpoint_steps=True,
                              sparse_anchors=sparse)
@@ -141,6 +141,9 @@ def test_sparse_matches_dense_on_smollm2_sharegpt(assets):
                                          kernel_options=KernelOptions("sdpa")), case)
 
         assert_same_run(run(True), run(False), tol=1e-6)
+    long = answer_only(batch, (64, 48))
+    needed = anchor_sets(long.valid_KBS, long.position_ids_BS, long.target_row_KS).counts_KB
+    assert needed[0].sum() < 0.4 * attn.sum()  # the long-prompt case is sparse
 
 
 SEQ_PAR = 24  # PARITY rows of 19 and 14 tokens padded to a multiple of 2·cp·tp = 8
