@@ -210,17 +210,20 @@ class BatchBuilder:
             ttt = make_ttt_batch(host.input_ids_BS.to(dev), host.loss_mask_BS.to(dev), host.attention_BS.to(dev),
                                  cap.aux_hidden_BSA, cap.last_hidden_BSH,
                                  target_in_draft_vocab(cap.argmax_BS, self.t2d), self.ttt_steps)
+        host_valid = ttt.valid_KBS if ttt.valid_KBS.device.type == "cpu" else None
         ttt = dataclasses.replace(ttt, **{f.name: getattr(ttt, f.name).to(self.device, non_blocking=True)
                                           for f in dataclasses.fields(ttt)})
         ttt.aux_hidden_BSA = ttt.aux_hidden_BSA.to(self.dtype)
         ttt.target_hidden_BLH = ttt.target_hidden_BLH.to(self.dtype)
-        self._attach_host_copies(ttt, host)
+        self._attach_host_copies(ttt, host, host_valid)
         return MicroBatch(ttt=ttt, samples=host.samples, supervised_tokens=int(host.loss_mask_BS.sum()),
                           supervised_K=supervised_per_step(host.loss_mask_BS, self.ttt_steps))
 
-    def _attach_host_copies(self, ttt: TTTBatch, host: HostTokens) -> None:
+    def _attach_host_copies(self, ttt: TTTBatch, host: HostTokens, host_valid=None) -> None:
         """Attach to the batch's positions and key validity their values on every cp rank, on the CPU (positions:
-        the zigzag arithmetic; validity: the padding), for the attention's pair decision."""
+        the zigzag arithmetic; validity: the padding), for the attention's pair decision; and to ``valid_KBS`` this
+        rank's CPU copy ``host_valid`` when the batch was built on the CPU (the sparse anchors' sets,
+        ``recipe.model.sparse_anchors``, are then decided without a device sync)."""
         from kernels.host_positions import attach_host_copies
         from recipe.parallel.cp_shard import zigzag_split
 
@@ -234,6 +237,8 @@ class BatchBuilder:
             per_valid = [zigzag_split(valid, self.cp_size, r, 1) for r in range(self.cp_size)]
         attach_host_copies(ttt.position_ids_BS, per_pos, self.cp_rank)
         attach_host_copies(ttt.key_valid_BS, per_valid, self.cp_rank)
+        if host_valid is not None and ttt.valid_KBS is not host_valid:
+            attach_host_copies(ttt.valid_KBS, host_valid)
 
     def prefetch(self, host: HostTokens) -> Future:
         """Start ``read(host)`` in the builder's background thread (one worker: reads run in submission order);
