@@ -183,3 +183,28 @@ def test_sparse_tp2_and_cp2_match_single_process_dense():
 @pytest.mark.slow
 def test_sparse_tp2_cp2_matches_single_process_dense():
     _check_layouts(run_ranks(4, _layouts, WORLD4), WORLD4)
+
+
+def test_flex_block_mask_reads_compacted_queries():
+    """The flex kernel's block mask and LSE with the sparse path's compacted queries (Sq ≠ Sk, non-decreasing
+    positions with the padded rows' repeats, a query before every valid key): flex's eager CPU forward equals the
+    dense block (its backward is flex's own for the same mask, CUDA only)."""
+    from kernels.block_attention import block_attention
+    from kernels.flex_attention import flex_block_attention
+
+    g = torch.Generator().manual_seed(0)
+    s = 300  # three 128-blocks of keys, the last one partial
+    k = torch.randn(2, 2, s, 16, generator=g)
+    v = torch.randn(2, 2, s, 16, generator=g)
+    k_pos = torch.arange(s).expand(2, s)
+    k_valid = torch.ones(2, s, dtype=torch.bool)
+    k_valid[1, :5] = False  # left padding in row 1
+    q_pos = torch.tensor([[0, 3, 130, 131, 140, 200, 260, 299, 299, 299],
+                          [2, 4, 5, 127, 128, 129, 250, 251, 251, 251]])
+    q = torch.randn(2, 4, q_pos.shape[1], 16, generator=g)
+    out, lse = flex_block_attention(q, k, v, q_pos, k_pos, k_valid, 0.25, compiled=False)
+    ref_out, ref_lse = block_attention(q, k, v, q_pos, k_pos, k_valid, scale=0.25)
+    assert torch.isneginf(lse[1, :, :2]).all() and torch.equal(torch.isneginf(lse), torch.isneginf(ref_lse))
+    finite = torch.isfinite(ref_lse)
+    assert torch.allclose(lse[finite], ref_lse[finite], rtol=1e-5, atol=1e-5)
+    assert torch.allclose(out, ref_out, rtol=1e-5, atol=1e-5)
