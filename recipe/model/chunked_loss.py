@@ -35,7 +35,8 @@ def target_rows(target_hidden_BLH: torch.Tensor, target_row_S: torch.Tensor, fla
 def chunked_soft_ce(logits_fn: Callable[[torch.Tensor], torch.Tensor], loss_fn: Callable,
                     hidden_BSH: torch.Tensor, target_hidden_BLH: torch.Tensor, target_row_S: torch.Tensor,
                     target_head_VdH: torch.Tensor, valid_BS: torch.Tensor,
-                    chunk_size: int, target_softcap: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                    chunk_size: int, target_softcap: float | None = None,
+                    num_chunks: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Soft CE sum and argmax-match count of one TTT step, ``chunk_size`` flattened positions at a time.
 
     Args:
@@ -46,6 +47,9 @@ def chunked_soft_ce(logits_fn: Callable[[torch.Tensor], torch.Tensor], loss_fn: 
             label (``TTTBatch.target_row_KS[k]``), or [B, S] when each batch row has its own (compacted anchors).  target_head_VdH: [Vd (or Vd/tp), H_t] target head rows.
         valid_BS: [B, S] bool.  chunk_size: positions per chunk (>= 1).
         target_softcap: the target's final logit soft-cap (None: none), see ``recipe.model.loss.target_logits``.
+        num_chunks: cut the B·S positions into exactly that many near-equal chunks (some possibly empty) instead of
+            chunks of ``chunk_size``: the sparse anchors' path makes as many chunks as the dense path would, so every
+            rank calls lm_head equally often (ZeRO-3; ``recipe.model.sparse_anchors.QueryRows``).
     Returns:
         (loss_sum 0-d float32 (float64 for float64 inputs) with grad, correct 0-d int64): the same values as
         ``loss_fn`` over all positions at once, up to float summation order.
@@ -73,8 +77,12 @@ def chunked_soft_ce(logits_fn: Callable[[torch.Tensor], torch.Tensor], loss_fn: 
         return loss_fn(logits_1CV, target_1CV, valid_C.unsqueeze(0))
 
     losses, corrects = [], []
-    for start in range(0, b * s, chunk_size):
-        stop = min(start + chunk_size, b * s)
+    if num_chunks is None:
+        bounds = [(start, min(start + chunk_size, b * s)) for start in range(0, b * s, chunk_size)]
+    else:
+        edges = [b * s * i // num_chunks for i in range(num_chunks + 1)]
+        bounds = list(zip(edges[:-1], edges[1:]))
+    for start, stop in bounds:
         flat_C = torch.arange(start, stop, device=hidden_BSH.device)
         # preserve_rng_state=False: the draft has no dropout, and skipping the RNG stash avoids device syncs.
         loss_sum, correct = checkpoint(chunk_loss, hidden_NH[start:stop], flat_C, valid_N[start:stop],

@@ -48,15 +48,15 @@ class Eagle3Attention(nn.Module):
     def forward(self, x_BS2H, cos_BSD, sin_BSD, position_ids_BS, key_valid_BS, kv_cache, queries=None) -> torch.Tensor:
         """x_BS2H [B, S, 2H]; cos/sin [B, S, D] at the RoPE positions; returns [B, S, H] (see ``TTTKVCache``).
 
-        ``queries``: None (a query at every row) or ``(index_BN, positions_BN)``: keys and values at every row of x,
-        queries (and the output, [B, N, H]) only at rows ``index_BN`` [B, N] int64, whose anchor positions are
-        ``positions_BN`` (``recipe.model.sparse_anchors``)."""
+        ``queries``: None (a query at every row) or a ``recipe.model.sparse_anchors.QueryRows``: with its
+        ``index_BN`` [B, N] int64, keys and values at every row of x, queries (and the output, [B, N, H]) only at
+        those rows, whose anchor positions are its ``positions_BN``."""
         b, s, _ = x_BS2H.shape
         k_BHSD = _rope(self.k_proj(x_BS2H).view(b, s, -1, self.head_dim).transpose(1, 2), cos_BSD, sin_BSD)
         v_BHSD = self.v_proj(x_BS2H).view(b, s, -1, self.head_dim).transpose(1, 2)
         extra = {}
-        if queries is not None:  # only TTTKVCache takes query positions; inference caches never get them
-            index_BN, extra["query_positions_BS"] = queries
+        if queries is not None and queries.index_BN is not None:  # only TTTKVCache takes query positions
+            index_BN, extra["query_positions_BS"] = queries.index_BN, queries.positions_BN
             x_BS2H, cos_BSD, sin_BSD = (gather_rows(t, index_BN) for t in (x_BS2H, cos_BSD, sin_BSD))
             s = index_BN.shape[1]
         q_BHSD = _rope(self.q_proj(x_BS2H).view(b, s, -1, self.head_dim).transpose(1, 2), cos_BSD, sin_BSD)
@@ -105,15 +105,19 @@ class Eagle3DecoderLayer(nn.Module):
 
     def forward(self, emb_BSH, hidden_BSH, cos_BSD, sin_BSD, position_ids_BS, key_valid_BS, kv_cache, queries=None):
         """Returns the layer output [B, S, H] (before the final norm): ``h + attn(...)``, then ``+ mlp(norm(.))``.
-        ``queries`` (``Eagle3Attention.forward``): with ``(index_BN, positions_BN)`` the output is [B, N, H], the
-        rows ``index_BN`` only (keys and values still from every row)."""
+        ``queries`` (``Eagle3Attention.forward``, a ``QueryRows``): with its ``index_BN`` the output is [B, N, H],
+        the rows ``index_BN`` only (keys and values still from every row); the MLP tiles as a sequence of its
+        ``seq_len`` would."""
         x_BS2H = torch.cat([self.input_layernorm(emb_BSH), self.hidden_norm(hidden_BSH)], dim=-1)
-        residual_BSH = hidden_BSH if queries is None else gather_rows(hidden_BSH, queries[0])
+        compact = queries is not None and queries.index_BN is not None
+        residual_BSH = gather_rows(hidden_BSH, queries.index_BN) if compact else hidden_BSH
         h_BSH = residual_BSH + self.self_attn(x_BS2H, cos_BSD, sin_BSD, position_ids_BS, key_valid_BS, kv_cache,
                                               queries)
         tiling = self.mlp_tiling
-        if tiling is not None and tiling.applies_to(h_BSH.shape[1]):
-            return h_BSH + tiled_norm_mlp(self.post_attention_layernorm, self.mlp, h_BSH, tiling)
+        seq_len = h_BSH.shape[1] if queries is None else queries.seq_len
+        if tiling is not None and tiling.applies_to(seq_len):
+            tiles = None if queries is None else -(-seq_len // tiling.tile_size)
+            return h_BSH + tiled_norm_mlp(self.post_attention_layernorm, self.mlp, h_BSH, tiling, tiles)
         return h_BSH + self.mlp(self.post_attention_layernorm(h_BSH))
 
 
@@ -230,9 +234,9 @@ class Eagle3Draft(nn.Module):
                 ``kv_cache.rope_positions(p)`` (= p + k for a ``TTTKVCache``).
             key_valid_BS: [B, S] bool, False where the step-0 key is padding (None: all valid).
             kv_cache: a ``TTTKVCache`` (None: a new one, i.e. step 0), or any object with the same two methods.
-            queries: None, or ``(index_BN, positions_BN)``: keys/values at every row, everything else (and the
-                output, [B, N, H]) only at rows ``index_BN`` (``recipe.model.sparse_anchors``; step 0 of the sparse
-                path).
+            queries: None, or a ``recipe.model.sparse_anchors.QueryRows`` (the sparse path): with its
+                ``index_BN``, keys/values at every row, everything else (and the output, [B, N, H]) only at those
+                rows (step 0).
         The output is the layer's pre-norm hidden state; ``logits`` turns it into draft-vocab logits.
         """
         kv_cache = TTTKVCache() if kv_cache is None else kv_cache

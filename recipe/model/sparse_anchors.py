@@ -19,10 +19,27 @@ rank has no needed anchor). Positions stay non-decreasing along each row.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
 from kernels.host_positions import attach_host_copies, host_copy
+
+
+class QueryRows(NamedTuple):
+    """What one sparse TTT step computes, handed to the draft layer (``Eagle3Draft.step(..., queries=)``).
+
+    index_BN: [B, N] int64 rows of the step's input whose queries (and everything after) are computed, keys and
+    values still at every row (step 0); None: every row of the input (steps ≥ 1, whose input is already compacted).
+    positions_BN: [B, N] int64 anchor positions of those rows (None with ``index_BN`` None). seq_len: the dense path's
+    sequence length S: per-row work that is split into tiles or chunks (``memory.mlp_tile_size``,
+    ``loss_chunk_size``) is split into as many pieces as the dense path would make, so every rank calls every module
+    equally often whatever its anchor count (ZeRO-3 gathers parameters per module call, collectively).
+    """
+
+    index_BN: torch.Tensor | None
+    positions_BN: torch.Tensor | None
+    seq_len: int
 
 
 @dataclass

@@ -20,7 +20,7 @@ from kernels.ttt_attention import TTTKVCache
 from recipe.model.chunked_loss import chunked_soft_ce
 from recipe.model.draft import Eagle3Draft
 from recipe.model.loss import soft_ce, target_logits
-from recipe.model.sparse_anchors import AnchorSets, anchor_sets, gather_rows
+from recipe.model.sparse_anchors import AnchorSets, QueryRows, anchor_sets, gather_rows
 
 
 @dataclass
@@ -272,14 +272,15 @@ class TTTModel(nn.Module):
         losses, corrects = [], []
         for k in range(batch.num_steps):
             step = self._checkpointed_step if self.checkpoint_steps and torch.is_grad_enabled() else self.draft.step
+            seq_len = batch.position_ids_BS.shape[1]
             if k == 0:  # keys/values at every position, queries at the needed anchors
                 ids_BN, positions_BN = batch.input_ids_KBS[0], batch.position_ids_BS
-                queries = (sets.index_K[0], sets.positions_K[0])
+                queries = QueryRows(sets.index_K[0], sets.positions_K[0], seq_len)
             else:  # a subset of step k-1's rows: carry the hidden state and the diagonal keys over
                 kv_cache.keep(sets.select_K[k])
                 hidden_BNH = gather_rows(hidden_BNH, sets.select_K[k])
                 ids_BN = torch.gather(batch.input_ids_KBS[k], 1, sets.index_K[k])
-                positions_BN, queries = sets.positions_K[k], None
+                positions_BN, queries = sets.positions_K[k], QueryRows(None, None, seq_len)
             hidden_BNH, kv_cache = step(hidden_BNH, ids_BN, positions_BN, batch.key_valid_BS, kv_cache, queries)
             loss_sum, correct = self._sparse_step_loss(hidden_BNH, batch, sets, k, teacher)
             losses.append(loss_sum.float())
@@ -292,9 +293,11 @@ class TTTModel(nn.Module):
         ``sets.teacher_rows_BU`` (None: computed here, or per chunk)."""
         valid_BN = sets.valid_K[k]
         if self.loss_chunk_size is not None:
+            b, s = batch.position_ids_BS.shape  # as many chunks as the dense path (QueryRows)
             return chunked_soft_ce(self.draft.logits, self.loss_fn, hidden_BNH, batch.target_hidden_BLH,
                                    sets.target_rows(batch.target_row_KS, k), self.target_head_d, valid_BN,
-                                   self.loss_chunk_size, target_softcap=self.target_softcap)
+                                   self.loss_chunk_size, target_softcap=self.target_softcap,
+                                   num_chunks=-(-b * s // self.loss_chunk_size))
         logits_BNV = self.draft.logits(hidden_BNH)
         with torch.no_grad():
             if teacher is not None:

@@ -155,13 +155,13 @@ def assert_same_run(got, ref, tol: float = 1e-6) -> None:
     assert_rel_close(aux_grad, ref_aux_grad, tol, "aux_hidden_BSA")
 
 
-def zero3_two_steps(model: TTTModel, batch: TTTBatch, K: int, world_size: int):
-    """Two AdamW steps (lr 1e-2) of ``model`` on ``batch`` under DeepSpeed ZeRO-3, one micro-batch per rank; returns
-    (losses [2] fp32, {name: full parameter} gathered after the second step)."""
+def zero3_two_steps(model: TTTModel, batch: TTTBatch, K: int, world_size: int, stage: int = 3):
+    """Two AdamW steps (lr 1e-2) of ``model`` on ``batch`` under DeepSpeed ZeRO (``stage``, default 3), one
+    micro-batch per rank; returns (losses [2] fp32, {name: full parameter} gathered after the second step)."""
     import deepspeed
 
     config = {"train_batch_size": world_size, "train_micro_batch_size_per_gpu": 1,
-              "zero_optimization": {"stage": 3}, "steps_per_print": 10 ** 6,
+              "zero_optimization": {"stage": stage}, "steps_per_print": 10 ** 6,
               "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "torch_adam": True}}}
     engine, *_ = deepspeed.initialize(model=model, config=config,
                                       model_parameters=[p for p in model.parameters() if p.requires_grad])
