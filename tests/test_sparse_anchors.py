@@ -241,3 +241,27 @@ def test_sparse_under_zero_stages_matches_dense():
                 # Adam's g/sqrt(v) turns the ~1e-7 relative gradient differences (summation order) into up to ~1e-5
                 # of the step size on entries whose gradient is near zero; a missing gradient would be ~1e-2
                 assert max_rel(params[name], value) <= 1e-4, (stage, name)
+
+
+@pytest.mark.slow
+def test_online_curve_with_and_without_sparse_anchors(assets, tmp_path):
+    """Eight online steps (SmolLM2 on ShareGPT, fp32, one rank) with ``memory.sparse_anchors`` on and off, the
+    chunked loss, step checkpointing and MLP tiles set: equal curves (rel ≤ 1e-5), the switch in run_config.json."""
+    import json
+
+    from helpers.training import assert_curves_close, run_training, write_ds_config
+
+    def argv(name, sparse):
+        memory = {"sparse_anchors": sparse, "loss_chunk_size": 64, "checkpoint_ttt_steps": True,
+                  "attention_tile_size": 32, "mlp_tile_size": 48}
+        config = write_ds_config(tmp_path / f"{name}.json", train_batch_size=2, scheduler=None, memory=memory)
+        return ["--ds_config", str(config), "--target", str(assets.target), "--data", str(assets.conversations),
+                "--output", str(tmp_path / name), "--max-length", "96", "--limit", "16", "--draft-vocab-size", "512",
+                "--ttt-steps", "3", "--seed", "0", "--epochs", "2", "--max-steps", "8", "--lm-head-init", "random",
+                "--cache-dir", str(tmp_path / "cache"), "--no-export"]
+
+    dense, sparse = run_ranks(1, run_training, [argv("dense", False), argv("sparse", True)])[0]
+    assert len(dense) == 8 and dense[0]["valid"][0] > 0
+    assert_curves_close(dense, sparse, 1e-5, "online, sparse anchors")
+    for name, flag in (("dense", False), ("sparse", True)):
+        assert json.loads((tmp_path / name / "run_config.json").read_text())["memory"]["sparse_anchors"] is flag
