@@ -265,3 +265,29 @@ def test_online_curve_with_and_without_sparse_anchors(assets, tmp_path):
     assert_curves_close(dense, sparse, 1e-5, "online, sparse anchors")
     for name, flag in (("dense", False), ("sparse", True)):
         assert json.loads((tmp_path / name / "run_config.json").read_text())["memory"]["sparse_anchors"] is flag
+
+
+def test_target_argmax_only_at_the_rows_validity_reads():
+    """``lm_head_argmax`` at ``validity_rows(loss_mask)`` only: the same tokens there, 0 elsewhere, and the TTT batch
+    built from it has exactly the full argmax's validity (the in-vocabulary flag is read nowhere else)."""
+    from recipe.model.ttt import make_ttt_batch, target_in_draft_vocab
+    from recipe.target.head import lm_head_argmax, validity_rows
+
+    g = torch.Generator().manual_seed(0)
+    b, s, v, h = 2, 23, 50, 8
+    last = torch.randn(b, s, h, generator=g)
+    head = torch.randn(v, h, generator=g)
+    loss = torch.rand(b, s, generator=g) < 0.3
+    attention = torch.ones(b, s, dtype=torch.bool)
+    attention[1, 17:] = False
+    loss &= attention
+    rows = validity_rows(loss)
+    assert rows[:, :-1].equal(loss[:, 1:]) and not rows[:, -1].any()
+    full = lm_head_argmax(last, head, 4)
+    part = lm_head_argmax(last, head, 4, rows)
+    assert torch.equal(part[rows], full[rows]) and not part[~rows].any() and not torch.equal(part, full)
+    t2d = torch.rand(v, generator=g) < 0.5
+    ids = torch.randint(0, v, (b, s), generator=g)
+    batches = [make_ttt_batch(ids, loss, attention, torch.zeros(b, s, 3), last, target_in_draft_vocab(a, t2d), 4)
+               for a in (full, part)]
+    assert batches[0].valid_KBS.any() and torch.equal(batches[0].valid_KBS, batches[1].valid_KBS)

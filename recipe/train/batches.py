@@ -20,6 +20,7 @@ import torch
 
 from recipe.data.store import DTYPES
 from recipe.model.ttt import TTTBatch, make_ttt_batch, target_in_draft_vocab
+from recipe.target.head import validity_rows
 
 
 def round_up(n: int, multiple: int) -> int:
@@ -205,7 +206,8 @@ class BatchBuilder:
         elif self.split_target:
             ttt = self._cp_online(host.input_ids_BS, host.loss_mask_BS, host.attention_BS)
         else:
-            cap = self.target.capture(host.input_ids_BS, host.attention_BS, self.argmax_chunk_size)
+            cap = self.target.capture(host.input_ids_BS, host.attention_BS, self.argmax_chunk_size,
+                                      validity_rows(host.loss_mask_BS))  # the argmax only where validity reads it
             dev = cap.aux_hidden_BSA.device
             ttt = make_ttt_batch(host.input_ids_BS.to(dev), host.loss_mask_BS.to(dev), host.attention_BS.to(dev),
                                  cap.aux_hidden_BSA, cap.last_hidden_BSH,
@@ -254,7 +256,7 @@ class BatchBuilder:
         from recipe.parallel.cp_shard import shard_ttt_batch
 
         dev = self.target.device
-        cap = self.target.capture(input_ids, attention, self.ttt_steps)
+        cap = self.target.capture(input_ids, attention, self.ttt_steps, validity_rows(loss_mask))
         b, s = input_ids.shape
         empty = torch.empty(b, s, 0, dtype=cap.aux_hidden_BSA.dtype, device=dev)
         ttt = make_ttt_batch(input_ids.to(dev), loss_mask.to(dev), attention.to(dev), empty, empty,
