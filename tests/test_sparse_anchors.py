@@ -147,20 +147,24 @@ def test_sparse_matches_dense_on_smollm2_sharegpt(assets):
 
 
 SEQ_PAR = 24  # PARITY rows of 19 and 14 tokens padded to a multiple of 2·cp·tp = 8
-# (tp, cp, answers, backend, tile): the template-like random mask and long-prompt/short-answer masks (row 1 empty)
-WORLD2 = {"tp2": (2, 1, None, "tiled", None), "tp2-long": (2, 1, (6, 0), "sdpa", 4),
-          "cp2": (1, 2, None, "tiled", None), "cp2-long": (1, 2, (6, 0), "sdpa", 4)}
-WORLD4 = {"tp2cp2": (2, 2, None, "tiled", 4), "tp2cp2-long": (2, 2, (6, 2), "sdpa", None)}
+# (tp, cp, answers, backend, tile, switches): the template-like random mask and long-prompt/short-answer masks (row 1
+# empty); "-all": step checkpointing, the chunked loss and the tiled MLP on too
+ALL = {"checkpoint_steps": True, "loss_chunk_size": 5, "mlp_tile_size": 3}
+WORLD2 = {"tp2": (2, 1, None, "tiled", None, None), "tp2-long": (2, 1, (6, 0), "sdpa", 4, None),
+          "cp2": (1, 2, None, "tiled", None, None), "cp2-long": (1, 2, (6, 0), "sdpa", 4, None),
+          "cp2-long-all": (1, 2, (6, 2), "sdpa", 4, ALL), "tp2-all": (2, 1, None, "tiled", 4, ALL)}
+WORLD4 = {"tp2cp2": (2, 2, None, "tiled", 4, None), "tp2cp2-long": (2, 2, (6, 2), "sdpa", None, None),
+          "tp2cp2-long-all": (2, 2, (6, 0), "tiled", 4, ALL)}
 
 
 def _layouts(rank, world, cases):
     return {name: run_layout(rank, world, tp=tp, cp=cp, K=3, seed=10, seq_len=SEQ_PAR, dtype=torch.float32,
-                             attention_backend=backend, sparse=True, answers=answers, tile_size=tile)
-            for name, (tp, cp, answers, backend, tile) in cases.items()}
+                             attention_backend=backend, sparse=True, answers=answers, tile_size=tile, switches=sw)
+            for name, (tp, cp, answers, backend, tile, sw) in cases.items()}
 
 
 def _check_layouts(results, cases):
-    for name, (tp, cp, answers, _, _) in cases.items():
+    for name, (tp, cp, answers, *_) in cases.items():
         needed = torch.zeros(3, dtype=torch.int64)
         for rank, result in enumerate(results):
             r = result[name]

@@ -54,13 +54,15 @@ def full_grads(model: TTTModel, cp_group, tp_group) -> dict[str, torch.Tensor]:
 
 def run_layout(rank: int, world: int, tp: int, cp: int, K: int, seed: int, seq_len: int,
                dtype: torch.dtype = torch.float64, attention_backend: str | None = None, sparse: bool = False,
-               answers: tuple[int, ...] | None = None, tile_size: int | None = None) -> dict:
+               answers: tuple[int, ...] | None = None, tile_size: int | None = None,
+               switches: dict | None = None) -> dict:
     """Reference and (tp, cp) layout on this rank (world = tp·cp·dp, dp ignored: every dp rank repeats the case).
     ``attention_backend``: the attention backend of the layout by ``make_causal_attention`` name (None: "tiled",
     the pure-PyTorch kernel; untiled, i.e. the dense block on one cp rank and one tile per zigzag chunk in the ring;
     ``tile_size`` tiles it). ``sparse``: the layout runs with ``TTTModel.sparse_anchors`` (the reference stays
     dense). ``answers``: per row, supervise only the last that many real tokens (``cases.answer_only``; a
-    long-prompt/short-answer mask, 0: a row with nothing supervised).
+    long-prompt/short-answer mask, 0: a row with nothing supervised). ``switches``: memory switches of the layout
+    (``loss_chunk_size``, ``checkpoint_steps``: TTTModel attributes; ``mlp_tile_size``: the memory section's).
 
     Returns {"ref": (loss_K, correct_K, valid_K, grads), "par": (same, full), "counts": RingCounts dict or None,
     "cp_rank", "tp_rank", "local_valid" (this rank's valid_K), "local_seq" (S/cp), "lm_head_shape" (local shard),
@@ -77,10 +79,13 @@ def run_layout(rank: int, world: int, tp: int, cp: int, K: int, seed: int, seq_l
     ref_grads = {n: p.grad.clone() for n, p in ref_model.named_parameters() if p.requires_grad}
 
     pstate = ParallelState(ParallelDims(world_size=world, tp=tp, cp=cp))
-    memory = MemoryOptions(attention_tile_size=tile_size)
+    switches = dict(switches or {})
+    memory = MemoryOptions(attention_tile_size=tile_size, mlp_tile_size=switches.pop("mlp_tile_size", None))
     par_model = parallelize(copy.deepcopy(model), pstate, memory,
                             kernel_options=KernelOptions(attention=attention_backend or "tiled"))
     par_model.sparse_anchors = sparse
+    for name, value in switches.items():
+        setattr(par_model, name, value)
     counts = None
     local = batch
     if cp > 1:
