@@ -3,8 +3,10 @@ anchors some loss reads gives the dense path's loss sums, correct/valid counts, 
 input gradient (fp32, rel ≤ 1e-6): on one process for every CPU attention backend, tiled and untiled, with step
 checkpointing, the chunked loss, the tiled MLP and the teacher logits computed once or per step; on a
 long-prompt/short-answer mask, with a row that has nothing supervised and a batch with nothing supervised at all
-(zero gradients, every parameter still reached); on the real SmolLM2 target over ShareGPT; and at tp2, cp2 and
-tp2·cp2 (gloo) against the single-process dense draft."""
+(zero gradients, every parameter still reached); on the real SmolLM2 target over ShareGPT; at tp2, cp2 and tp2·cp2
+(gloo) against the single-process dense draft; under ZeRO 1-3 with a rank whose sets are empty; and over eight online
+training steps. Also: flex's block mask on compacted queries, and the target argmax taken only at the rows the TTT
+validity reads."""
 from __future__ import annotations
 
 import copy
