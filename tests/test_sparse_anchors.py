@@ -297,3 +297,23 @@ def test_target_argmax_only_at_the_rows_validity_reads():
     batches = [make_ttt_batch(ids, loss, attention, torch.zeros(b, s, 3), last, target_in_draft_vocab(a, t2d), 4)
                for a in (full, part)]
     assert batches[0].valid_KBS.any() and torch.equal(batches[0].valid_KBS, batches[1].valid_KBS)
+
+
+def test_bench_step_summary_pairs_sparse_with_dense():
+    """``recipe.bench.step.summarise``: the sparse/dense ratios of the same backend, length and mask (median over
+    rounds), x_vs_tiled within a path; the supervision masks select what ``supervised_mask`` says."""
+    from recipe.bench.step import summarise
+    from recipe.plan.spec import supervised_mask
+
+    def row(backend, mask, sparse, seconds, peak, round_=0):
+        return {"backend": backend, "length": 2048, "mask": mask, "sparse": sparse, "round": round_, "status": "ok",
+                "seconds": seconds, "peak_bytes": peak}
+
+    rows = [row("tiled", "long10", False, 10.0, 100), row("tiled", "long10", True, 2.0, 30),
+            row("tiled", "long10", True, 4.0, 20, 1), row("sdpa", "long10", True, 1.0, 25)]
+    by = {(e["backend"], e["sparse"]): e for e in summarise(rows)}
+    assert by[("tiled", True)]["sparse_vs_dense"] == 0.3 and by[("tiled", True)]["peak_vs_dense"] == 0.3
+    assert "sparse_vs_dense" not in by[("tiled", False)] and "sparse_vs_dense" not in by[("sdpa", True)]
+    assert by[("sdpa", True)]["x_vs_tiled"] == 3.0
+    assert supervised_mask("full", 1, 100).all() and supervised_mask("long10", 2, 100).sum() == 20
+    assert abs(supervised_mask("sharegpt", 1, 1950).float().mean().item() - 135 / 195) < 1e-6
