@@ -68,6 +68,17 @@ class TTTKVCache:
         """RoPE positions of the next step: anchor positions + step index ([B, S] int64)."""
         return position_ids_BS + self.num_steps
 
+    def keep(self, select_BN: torch.Tensor) -> None:
+        """Keep only the rows ``select_BN`` [B, N] int64 of the stored diagonal keys/values (the sparse path: the next
+        step computes a subset of this step's anchors, ``recipe.model.sparse_anchors``); the causal block is kept
+        whole. Differentiable (a gather)."""
+        def pick(x_BHkvSD):
+            b, hkv, _, d = x_BHkvSD.shape
+            idx = select_BN[:, None, :, None].expand(b, hkv, select_BN.shape[1], d)
+            return torch.gather(x_BHkvSD, 2, idx)
+        self.diag_k = [pick(t) for t in self.diag_k]
+        self.diag_v = [pick(t) for t in self.diag_v]
+
     def attend(
         self,
         causal_attention: CausalAttention,
@@ -76,11 +87,14 @@ class TTTKVCache:
         v_BHkvSD: torch.Tensor,
         position_ids_BS: torch.Tensor,
         key_valid_BS: torch.Tensor | None,
+        query_positions_BS: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Store this step's K/V, then attend over the causal block and the diagonal keys; returns out_BHSD.
 
         ``causal_attention(q, k0, v0, q_pos, k_pos, k_valid) -> (out, lse)`` is called on step 0's block with the
         anchor positions; ``key_valid_BS`` is read at step 0 only (later steps' diagonal keys are always readable).
+        ``query_positions_BS`` [B, Sq]: the queries' anchor positions when they are not the keys' ``position_ids_BS``
+        (step 0 of the sparse path: keys at every position, queries at the needed anchors only; None: the same).
         A query with no readable block key (padding row) is finite: at step 0 its output is 0.
         """
         if self.block is None:
@@ -89,7 +103,8 @@ class TTTKVCache:
             self.diag_k.append(k_BHkvSD)
             self.diag_v.append(v_BHkvSD)
         k0, v0, pos0, valid0 = self.block
-        out_BHSD, lse_BHS = causal_attention(q_BHSD, k0, v0, position_ids_BS, pos0, valid0)
+        q_pos = position_ids_BS if query_positions_BS is None else query_positions_BS
+        out_BHSD, lse_BHS = causal_attention(q_BHSD, k0, v0, q_pos, pos0, valid0)
         if self.diag_k:
             out_d, lse_d = diagonal_attention(q_BHSD, torch.stack(self.diag_k, dim=3), torch.stack(self.diag_v, dim=3))
             out_BHSD, lse_BHS = merge_lse(out_BHSD, lse_BHS, out_d, lse_d)

@@ -86,6 +86,9 @@ class MemoryOptions:
     once. ``argmax_chunk_size``: positions per lm_head matmul of the online target's argmax
     (``recipe.target.head.lm_head_argmax``); None (absent): sized from the target's vocabulary and dtype, the most
     positions whose [chunk, V] logits fit :data:`ARGMAX_LOGITS_BYTES` (:meth:`argmax_positions`).
+    ``sparse_anchors``: compute each TTT step only at the anchors some step's loss reads (``recipe.model.sparse_anchors``;
+    step 0's keys/values still at every position): the same numbers as false (the dense path) up to float rounding,
+    and work proportional to the supervised positions.
     Which kernel computes the causal block is not a memory trade-off:
     it is the ``kernels`` section (:class:`KernelOptions`); a ``memory.attention_backend`` key (its place before)
     is refused naming the new one. DeepSpeed's own ``activation_checkpointing`` section configures
@@ -97,6 +100,7 @@ class MemoryOptions:
     attention_tile_size: int | None = 1024
     mlp_tile_size: int | None = None
     argmax_chunk_size: int | None = None
+    sparse_anchors: bool = False
 
     def argmax_positions(self, vocab_size: int, dtype: torch.dtype) -> int:
         """Positions per argmax matmul for a target of ``vocab_size`` logits of ``dtype``: ``argmax_chunk_size`` if
@@ -120,7 +124,7 @@ class MemoryOptions:
                               f"in the '{KERNELS_SECTION}' section, as '{KERNELS_SECTION}.attention' ({moved}); "
                               f"remove it from '{MEMORY_SECTION}'")
         known = ("loss_chunk_size", "checkpoint_ttt_steps", "attention_tile_size", "mlp_tile_size",
-                 "argmax_chunk_size")
+                 "argmax_chunk_size", "sparse_anchors")
         unknown = sorted(k for k in set(section) - set(known) if not k.startswith("_"))
         if unknown:
             hint = did_you_mean(unknown[0], known)
@@ -132,10 +136,12 @@ class MemoryOptions:
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value <= 0):
                 raise ConfigError(f"{path}: '{MEMORY_SECTION}.{key}' must be a positive integer or null, got {value!r}")
             sizes[key] = value
-        ckpt = section.get("checkpoint_ttt_steps", False)
-        if not isinstance(ckpt, bool):
-            raise ConfigError(f"{path}: '{MEMORY_SECTION}.checkpoint_ttt_steps' must be true or false, got {ckpt!r}")
-        return cls(checkpoint_ttt_steps=ckpt, **sizes)
+        flags = {}
+        for key in ("checkpoint_ttt_steps", "sparse_anchors"):
+            flags[key] = section.get(key, getattr(cls, key))
+            if not isinstance(flags[key], bool):
+                raise ConfigError(f"{path}: '{MEMORY_SECTION}.{key}' must be true or false, got {flags[key]!r}")
+        return cls(**flags, **sizes)
 
 
 @dataclass(frozen=True)

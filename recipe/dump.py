@@ -34,6 +34,7 @@ from recipe.cli import add_data_arguments, check_data_arguments, int_list
 from recipe.data.store import DTYPES, HiddenStateStore, StoreMeta, examples_hash
 from recipe.data.store_writer import StoreWriter, shard_plan
 from recipe.parallel.collectives import Collectives
+from recipe.target.head import validity_rows
 from recipe.target.options import TARGET_SECTION, TargetOptions
 
 
@@ -99,7 +100,11 @@ def dump_hidden_states(target, dataset, out_dir: str | Path, *, max_length: int,
             batch_ids = list(plan.sample_ids[k:k + batch_size])
             rows = dataset[batch_ids]
             input_ids, attention = _pad_batch(rows["input_ids"])
-            capture = target.capture(input_ids, attention)
+            loss_mask = torch.zeros_like(input_ids)
+            for b, mask in enumerate(rows["loss_mask"]):
+                loss_mask[b, :len(mask)] = torch.tensor(mask, dtype=torch.long)
+            # the argmax only at the rows the TTT validity reads (0 elsewhere): docs/data.md
+            capture = target.capture(input_ids, attention, argmax_rows_BS=validity_rows(loss_mask))
             stats.forward_calls += 1
             for b, (i, ids, mask) in enumerate(zip(batch_ids, rows["input_ids"], rows["loss_mask"])):
                 n = len(ids)

@@ -13,6 +13,7 @@ from recipe.data.store_writer import ShardPlan, StoreWriter, shard_plan
 from recipe.dump import dump_hidden_states
 from recipe.parallel.collectives import Collectives
 from recipe.target.capture import TargetModel
+from recipe.target.head import validity_rows
 
 H = 32
 LENGTHS = [5, 12, 3, 9, 9, 7, 11, 4, 6, 10]
@@ -41,11 +42,11 @@ class CountingTarget:
     def __init__(self, target, fail_after=None):
         self.target, self.calls, self.fail_after = target, 0, fail_after
 
-    def capture(self, *args):
+    def capture(self, *args, **kwargs):
         if self.fail_after is not None and self.calls >= self.fail_after:
             raise RuntimeError("simulated crash")
         self.calls += 1
-        return self.target.capture(*args)
+        return self.target.capture(*args, **kwargs)
 
     def __getattr__(self, name):
         return getattr(self.target, name)
@@ -106,9 +107,12 @@ def test_dump_matches_target_and_bf16_is_cast_of_fp32(target, dataset, tmp_path)
         assert got["loss_mask"].tolist() == dataset[i]["loss_mask"]
         torch.testing.assert_close(got["aux_hidden"], ref.aux_hidden_BSA[0], rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(got["last_hidden"], ref.last_hidden_BSH[0], rtol=1e-5, atol=1e-6)
-        # the target's own greedy token (full CausalLM forward), computed at dump time
+        # the target's own greedy token (full CausalLM forward), computed at dump time at the rows the TTT validity
+        # reads (the next token supervised), 0 elsewhere
         logits = target.model(torch.tensor([dataset[i]["input_ids"]])).logits[0]
-        assert torch.equal(got["target_argmax"], logits.argmax(-1))
+        rows = validity_rows(torch.tensor([dataset[i]["loss_mask"]]))[0]
+        assert rows.any() and not rows.all()
+        assert torch.equal(got["target_argmax"][rows], logits.argmax(-1)[rows]) and not got["target_argmax"][~rows].any()
         assert torch.equal(bf16.get(i)["target_argmax"], got["target_argmax"])
         low = bf16.get(i)  # same batches in both dumps, so bf16 is exactly the cast of fp32
         assert torch.equal(low["aux_hidden"], got["aux_hidden"].to(torch.bfloat16))

@@ -23,7 +23,7 @@ import torch
 
 from recipe.config import KernelOptions, MemoryOptions
 from recipe.parallel.parallelize import parallelize
-from recipe.plan.spec import DTYPES, LAYOUTS, BenchSpec, spec_draft_config  # noqa: F401 (the benchmarks' names)
+from recipe.plan.spec import DTYPES, LAYOUTS, BenchSpec, spec_draft_config, supervised_mask  # noqa: F401
 from recipe.train.distributed import free_port
 
 MALLOC_ENV = "MALLOC_MMAP_THRESHOLD_"
@@ -84,14 +84,16 @@ def build_model(spec: BenchSpec, device: torch.device, pstate=None):
     draft = Eagle3Draft(spec_draft_config(spec), seed=spec.seed)
     head = torch.randn(spec.draft_vocab, spec.target_hidden, generator=torch.Generator().manual_seed(spec.seed + 1))
     chunked, ckpt = LAYOUTS[spec.layout]
-    model = TTTModel(draft, head, loss_chunk_size=spec.loss_chunk_size if chunked else None, checkpoint_steps=ckpt)
+    model = TTTModel(draft, head, loss_chunk_size=spec.loss_chunk_size if chunked else None, checkpoint_steps=ckpt,
+                     sparse_anchors=spec.sparse_anchors)
     parallelize(model, pstate, MemoryOptions(attention_tile_size=spec.attention_tile, mlp_tile_size=spec.mlp_tile),
                 device, KernelOptions(attention=spec.attention_backend))
     return model.to(device=device, dtype=DTYPES[spec.dtype])
 
 
 def random_batch(spec: BenchSpec, device: torch.device, cp_rank: int = 0):
-    """A TTT batch of random tokens and aux states, every position a valid label; zigzag-split under CP.
+    """A TTT batch of random tokens and aux states, the labels of ``spec.mask`` valid (``supervised_mask``; every
+    target argmax counted in the draft vocabulary); zigzag-split under CP.
 
     Without CP the batch is drawn on ``device`` itself (a CUDA generator: no host copy of the [B, S, 3·H_t] aux
     states, 3 GiB at 128k for an 8B target); under CP the full batch is drawn on the CPU, split, and the rank's part
@@ -103,7 +105,8 @@ def random_batch(spec: BenchSpec, device: torch.device, cp_rank: int = 0):
     g = torch.Generator(device=where).manual_seed(spec.seed + 2)
     b, s, dt = spec.batch, spec.seq_len, DTYPES[spec.dtype]
     ones = torch.ones(b, s, dtype=torch.bool, device=where)
-    batch = make_ttt_batch(torch.randint(0, spec.vocab, (b, s), generator=g, device=where), ones, ones,
+    batch = make_ttt_batch(torch.randint(0, spec.vocab, (b, s), generator=g, device=where),
+                           supervised_mask(spec.mask, b, s).to(where), ones,
                            torch.randn(b, s, 3 * spec.target_hidden, generator=g, device=where).to(dt),
                            torch.randn(b, s, spec.target_hidden, generator=g, device=where).to(dt), ones,
                            spec.ttt_steps)

@@ -7,6 +7,10 @@ label, one fresh process per measurement) at the geometry of issue 13 by default
 (so the teacher logits are computed once), attention tile 1024. The backends are measured interleaved, ``--rounds``
 times each (the machine is shared: interleaving spreads background load over all of them), and each backend's time
 is the median over rounds; ``x vs tiled`` is tiled's median / the backend's, at the same length.
+
+``--masks full,sharegpt,long10`` measures each supervision mask (``recipe.plan.spec.MASKS``) and ``--sparse both``
+the dense path and the needed anchors only (``memory.sparse_anchors``) side by side, interleaved the same way;
+``sparse / dense`` is the sparse median / the dense one for the same backend, length and mask.
 """
 from __future__ import annotations
 
@@ -22,6 +26,7 @@ from rich.table import Table
 from recipe.cli import length_list
 from recipe.bench.common import GIB, add_draft_shape_arguments, write_json
 from recipe.bench.measure import DTYPES, LAYOUTS, BenchSpec, run_measurement
+from recipe.plan.spec import MASKS
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -46,24 +51,43 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", choices=["cpu", "cuda"], help="default: cuda when available")
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds per measurement")
     p.add_argument("--json", type=Path, help="write the results as JSON here")
+
+    def masks(text):
+        out = [x.strip() for x in text.split(",") if x.strip()]
+        if not out or any(m not in MASKS for m in out):
+            raise argparse.ArgumentTypeError(f"unknown mask in {text!r}; choose from {', '.join(MASKS)}")
+        return out
+
+    p.add_argument("--masks", type=masks, default=["full"], help=f"supervision masks, from {', '.join(MASKS)}")
+    p.add_argument("--sparse", choices=["off", "on", "both"], default="off",
+                   help="memory.sparse_anchors: the dense path, the needed anchors only, or both side by side")
     return p
 
 
 def summarise(rows: list[dict]) -> list[dict]:
-    """Per (backend, length): median seconds over the ok rounds, tokens/s, peak, and ``x_vs_tiled``."""
+    """Per (backend, length, mask, sparse): median seconds over the ok rounds, tokens/s, peak, ``x_vs_tiled`` (same
+    length, mask and path) and, for sparse entries, ``sparse_vs_dense`` (seconds and peak, same backend)."""
+    def key(r):
+        return r["backend"], r["length"], r.get("mask", "full"), r.get("sparse", False)
+
     out = []
-    for key in dict.fromkeys((r["backend"], r["length"]) for r in rows):
-        ok = [r for r in rows if (r["backend"], r["length"]) == key and r["status"] == "ok"]
-        entry = {"backend": key[0], "length": key[1], "rounds": len(ok)}
+    for k in dict.fromkeys(key(r) for r in rows):
+        ok = [r for r in rows if key(r) == k and r["status"] == "ok"]
+        entry = {"backend": k[0], "length": k[1], "mask": k[2], "sparse": k[3], "rounds": len(ok)}
         if ok:
             entry.update(seconds=statistics.median(r["seconds"] for r in ok),
                          all_seconds=[r["seconds"] for r in ok], peak_bytes=max(r["peak_bytes"] for r in ok))
-            entry["tokens_per_s"] = key[1] / entry["seconds"]
+            entry["tokens_per_s"] = k[1] / entry["seconds"]
         out.append(entry)
-    tiled = {e["length"]: e for e in out if e["backend"] == "tiled" and "seconds" in e}
+    done = {(e["backend"], e["length"], e["mask"], e["sparse"]): e for e in out if "seconds" in e}
     for e in out:
-        if "seconds" in e and e["length"] in tiled:
-            e["x_vs_tiled"] = tiled[e["length"]]["seconds"] / e["seconds"]
+        tiled = done.get(("tiled", e["length"], e["mask"], e["sparse"]))
+        if "seconds" in e and tiled is not None:
+            e["x_vs_tiled"] = tiled["seconds"] / e["seconds"]
+        dense = done.get((e["backend"], e["length"], e["mask"], False))
+        if "seconds" in e and e["sparse"] and dense is not None:
+            e["sparse_vs_dense"] = e["seconds"] / dense["seconds"]
+            e["peak_vs_dense"] = e["peak_bytes"] / dense["peak_bytes"]
     return out
 
 
@@ -86,26 +110,31 @@ def main(argv: list[str] | None = None) -> int:
     backends = ["tiled", *[b for b in backends if b != "tiled"]]
     if not all(runs_here(b) for b in backends):
         parser.error(f"some of {backends} do not run on {device}")
+    paths = {"off": [False], "on": [True], "both": [False, True]}[args.sparse]
+    variants = [(b, m, sp) for m in args.masks for sp in paths for b in backends]
     specs = {}
     try:
         for length in args.lengths:
-            for b in backends:
-                specs[(b, length)] = BenchSpec(
+            for b, mask, sparse in variants:
+                specs[(b, length, mask, sparse)] = BenchSpec(
                     seq_len=length, layout=args.layout, hidden=args.hidden, heads=args.heads, kv_heads=args.kv_heads,
                     head_dim=args.head_dim, intermediate=args.intermediate, draft_vocab=args.draft_vocab,
                     vocab=args.vocab, target_hidden=args.target_hidden, ttt_steps=args.ttt_steps, dtype=args.dtype,
-                    device=device, attention_tile=args.attention_tile or None, attention_backend=b, steps=args.steps)
+                    device=device, attention_tile=args.attention_tile or None, attention_backend=b, steps=args.steps,
+                    mask=mask, sparse_anchors=sparse)
     except ValueError as exc:
         parser.error(str(exc))
     console = Console(width=None if sys.stdout.isatty() else 150)
     rows = []
     for length in args.lengths:
         for round_ in range(args.rounds):
-            for b in backends:
-                console.print(f"[dim]{b} at {length} tokens, round {round_ + 1}/{args.rounds} ...[/dim]")
-                result = run_measurement(specs[(b, length)], args.timeout)
-                row = {"backend": b, "length": length, "round": round_, "status": result["status"],
-                       "detail": result["detail"]}
+            for b, mask, sparse in variants:
+                path = "sparse" if sparse else "dense"
+                console.print(f"[dim]{b} {mask} {path} at {length} tokens, round {round_ + 1}/{args.rounds} ..."
+                              "[/dim]")
+                result = run_measurement(specs[(b, length, mask, sparse)], args.timeout)
+                row = {"backend": b, "length": length, "mask": mask, "sparse": sparse, "round": round_,
+                       "status": result["status"], "detail": result["detail"]}
                 if result["status"] == "ok":
                     row.update(seconds=result["ranks"][0]["seconds"], peak_bytes=result["ranks"][0]["peak_bytes"])
                 rows.append(row)
@@ -117,17 +146,22 @@ def main(argv: list[str] | None = None) -> int:
     table = Table(title=f"TTT step (fwd+bwd), H={args.hidden}, {args.heads}/{args.kv_heads} heads x {args.head_dim}, "
                         f"Vd={args.draft_vocab}, K={args.ttt_steps}, {args.dtype}, {args.layout}, {device} "
                         f"(auto = {report['auto']})")
-    for col in ("backend", "S", "s/step (median)", "per round", "tok/s", "peak GiB", "x vs tiled"):
-        table.add_column(col, justify="left" if col == "backend" else "right", no_wrap=True)
+    for col in ("backend", "S", "mask", "path", "s/step (median)", "per round", "tok/s", "peak GiB", "x vs tiled",
+                "sparse / dense (time, peak)"):
+        table.add_column(col, justify="left" if col in ("backend", "mask", "path") else "right", no_wrap=True)
     for e in summary:
         ok = "seconds" in e
-        table.add_row(e["backend"], str(e["length"]), f"{e['seconds']:.2f}" if ok else "failed",
+        ratio = f"{e['sparse_vs_dense']:.2f}, {e['peak_vs_dense']:.2f}" if "sparse_vs_dense" in e else "-"
+        table.add_row(e["backend"], str(e["length"]), e["mask"], "sparse" if e["sparse"] else "dense",
+                      f"{e['seconds']:.2f}" if ok else "failed",
                       ", ".join(f"{s:.2f}" for s in e.get("all_seconds", [])), f"{e['tokens_per_s']:.0f}" if ok else "-",
-                      f"{e['peak_bytes'] / GIB:.2f}" if ok else "-", f"{e['x_vs_tiled']:.2f}" if "x_vs_tiled" in e else "-")
+                      f"{e['peak_bytes'] / GIB:.2f}" if ok else "-", f"{e['x_vs_tiled']:.2f}" if "x_vs_tiled" in e else "-",
+                      ratio)
     console.print(table)
     for r in rows:
         if r["status"] != "ok":
-            console.print(f"[red]{r['backend']} at {r['length']}: {r['status']}: {r['detail'].strip()[-400:]}[/red]")
+            console.print(f"[red]{r['backend']} {r['mask']} at {r['length']}: {r['status']}: "
+                          f"{r['detail'].strip()[-400:]}[/red]")
     if args.json:
         write_json(args.json, report)
         console.print(f"wrote {args.json}")

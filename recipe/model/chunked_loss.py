@@ -24,15 +24,19 @@ from recipe.model.loss import target_logits
 
 def target_rows(target_hidden_BLH: torch.Tensor, target_row_S: torch.Tensor, flat_index_N: torch.Tensor,
                 seq_len: int) -> torch.Tensor:
-    """Target hidden rows of flattened positions: ``target_hidden[n // S, target_row[n % S]]`` → [N, H_t]."""
+    """Target hidden rows of flattened positions: ``target_hidden[n // S, target_row[n % S]]`` → [N, H_t];
+    ``target_row_S`` may also be [B, S] (a row per batch row: the sparse path's compacted anchors), read at ``n``."""
     b_idx = torch.div(flat_index_N, seq_len, rounding_mode="floor")
+    if target_row_S.dim() == 2:
+        return target_hidden_BLH[b_idx, target_row_S.reshape(-1)[flat_index_N]]
     return target_hidden_BLH[b_idx, target_row_S[flat_index_N % seq_len]]
 
 
 def chunked_soft_ce(logits_fn: Callable[[torch.Tensor], torch.Tensor], loss_fn: Callable,
                     hidden_BSH: torch.Tensor, target_hidden_BLH: torch.Tensor, target_row_S: torch.Tensor,
                     target_head_VdH: torch.Tensor, valid_BS: torch.Tensor,
-                    chunk_size: int, target_softcap: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                    chunk_size: int, target_softcap: float | None = None,
+                    num_chunks: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Soft CE sum and argmax-match count of one TTT step, ``chunk_size`` flattened positions at a time.
 
     Args:
@@ -40,9 +44,12 @@ def chunked_soft_ce(logits_fn: Callable[[torch.Tensor], torch.Tensor], loss_fn: 
         loss_fn: ``soft_ce(logits, target_logits, valid) -> (loss_sum, correct)`` or its vocab-parallel version.
         hidden_BSH: [B, S, H] the step's draft output (before the final norm).
         target_hidden_BLH: [B, L, H_t] target last hidden rows; target_row_S: [S] int64, the row of each anchor's
-            label (``TTTBatch.target_row_KS[k]``).  target_head_VdH: [Vd (or Vd/tp), H_t] target head rows.
+            label (``TTTBatch.target_row_KS[k]``), or [B, S] when each batch row has its own (compacted anchors).  target_head_VdH: [Vd (or Vd/tp), H_t] target head rows.
         valid_BS: [B, S] bool.  chunk_size: positions per chunk (>= 1).
         target_softcap: the target's final logit soft-cap (None: none), see ``recipe.model.loss.target_logits``.
+        num_chunks: cut the B·S positions into exactly that many near-equal chunks (some possibly empty) instead of
+            chunks of ``chunk_size``: the sparse anchors' path makes as many chunks as the dense path would, so every
+            rank calls lm_head equally often (ZeRO-3; ``recipe.model.sparse_anchors.QueryRows``).
     Returns:
         (loss_sum 0-d float32 (float64 for float64 inputs) with grad, correct 0-d int64): the same values as
         ``loss_fn`` over all positions at once, up to float summation order.
@@ -51,10 +58,11 @@ def chunked_soft_ce(logits_fn: Callable[[torch.Tensor], torch.Tensor], loss_fn: 
     if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
         raise ValueError(f"loss chunk size {chunk_size!r} must be a positive integer")
     b, s, h = hidden_BSH.shape
-    if tuple(valid_BS.shape) != (b, s) or tuple(target_row_S.shape) != (s,) or target_hidden_BLH.shape[0] != b:
+    if tuple(valid_BS.shape) != (b, s) or tuple(target_row_S.shape) not in ((s,), (b, s)) \
+            or target_hidden_BLH.shape[0] != b:
         raise ValueError(f"chunked_soft_ce: hidden {tuple(hidden_BSH.shape)}, valid {tuple(valid_BS.shape)}, "
                          f"target_row {tuple(target_row_S.shape)}, target hidden {tuple(target_hidden_BLH.shape)} "
-                         "disagree (expected [B, S, H], [B, S], [S], [B, L, H_t])")
+                         "disagree (expected [B, S, H], [B, S], [S] or [B, S], [B, L, H_t])")
     hidden_NH = hidden_BSH.reshape(b * s, h)
     valid_N = valid_BS.reshape(b * s).bool()
     head = target_head_VdH.detach()
@@ -69,8 +77,12 @@ def chunked_soft_ce(logits_fn: Callable[[torch.Tensor], torch.Tensor], loss_fn: 
         return loss_fn(logits_1CV, target_1CV, valid_C.unsqueeze(0))
 
     losses, corrects = [], []
-    for start in range(0, b * s, chunk_size):
-        stop = min(start + chunk_size, b * s)
+    if num_chunks is None:
+        bounds = [(start, min(start + chunk_size, b * s)) for start in range(0, b * s, chunk_size)]
+    else:
+        edges = [b * s * i // num_chunks for i in range(num_chunks + 1)]
+        bounds = list(zip(edges[:-1], edges[1:]))
+    for start, stop in bounds:
         flat_C = torch.arange(start, stop, device=hidden_BSH.device)
         # preserve_rng_state=False: the draft has no dropout, and skipping the RNG stash avoids device syncs.
         loss_sum, correct = checkpoint(chunk_loss, hidden_NH[start:stop], flat_C, valid_N[start:stop],

@@ -13,11 +13,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 from transformers.activations import ACT2FN
-from transformers.models.llama.modeling_llama import LlamaRMSNorm, LlamaRotaryEmbedding, apply_rotary_pos_emb
+from transformers.models.llama.modeling_llama import LlamaRMSNorm, LlamaRotaryEmbedding, rotate_half
 
 from kernels.block_attention import block_attention
 from kernels.ttt_attention import TTTKVCache
 from recipe.model.draft_config import Eagle3DraftConfig
+from recipe.model.sparse_anchors import gather_rows
 from recipe.model.tiled_mlp import MLPTiling, tiled_norm_mlp
 
 EXPORT_EXCLUDED_KEYS = ("embed_tokens.weight",)  # the target's frozen embedding: inference engines take their own
@@ -44,15 +45,30 @@ class Eagle3Attention(nn.Module):
         # (q_BHSD, k_BHkvSD, v_BHkvSD, q_pos_BS, k_pos_BS, k_valid_BS) -> (out_BHSD, lse_BHS); CP replaces it.
         self.causal_attention = block_attention
 
-    def forward(self, x_BS2H, cos_BSD, sin_BSD, position_ids_BS, key_valid_BS, kv_cache) -> torch.Tensor:
-        """x_BS2H [B, S, 2H]; cos/sin [B, S, D] at the RoPE positions; returns [B, S, H]. See ``TTTKVCache``."""
+    def forward(self, x_BS2H, cos_BSD, sin_BSD, position_ids_BS, key_valid_BS, kv_cache, queries=None) -> torch.Tensor:
+        """x_BS2H [B, S, 2H]; cos/sin [B, S, D] at the RoPE positions; returns [B, S, H] (see ``TTTKVCache``).
+
+        ``queries``: None (a query at every row) or a ``recipe.model.sparse_anchors.QueryRows``: with its
+        ``index_BN`` [B, N] int64, keys and values at every row of x, queries (and the output, [B, N, H]) only at
+        those rows, whose anchor positions are its ``positions_BN``."""
         b, s, _ = x_BS2H.shape
-        q_BHSD = self.q_proj(x_BS2H).view(b, s, -1, self.head_dim).transpose(1, 2)
-        k_BHSD = self.k_proj(x_BS2H).view(b, s, -1, self.head_dim).transpose(1, 2)
+        k_BHSD = _rope(self.k_proj(x_BS2H).view(b, s, -1, self.head_dim).transpose(1, 2), cos_BSD, sin_BSD)
         v_BHSD = self.v_proj(x_BS2H).view(b, s, -1, self.head_dim).transpose(1, 2)
-        q_BHSD, k_BHSD = apply_rotary_pos_emb(q_BHSD, k_BHSD, cos_BSD, sin_BSD)
-        out_BHSD = kv_cache.attend(self.causal_attention, q_BHSD, k_BHSD, v_BHSD, position_ids_BS, key_valid_BS)
+        extra = {}
+        if queries is not None and queries.index_BN is not None:  # only TTTKVCache takes query positions
+            index_BN, extra["query_positions_BS"] = queries.index_BN, queries.positions_BN
+            x_BS2H, cos_BSD, sin_BSD = (gather_rows(t, index_BN) for t in (x_BS2H, cos_BSD, sin_BSD))
+            s = index_BN.shape[1]
+        q_BHSD = _rope(self.q_proj(x_BS2H).view(b, s, -1, self.head_dim).transpose(1, 2), cos_BSD, sin_BSD)
+        out_BHSD = kv_cache.attend(self.causal_attention, q_BHSD, k_BHSD, v_BHSD, position_ids_BS, key_valid_BS,
+                                   **extra)
         return self.o_proj(out_BHSD.transpose(1, 2).reshape(b, s, -1))
+
+
+def _rope(x_BHSD: torch.Tensor, cos_BSD: torch.Tensor, sin_BSD: torch.Tensor) -> torch.Tensor:
+    """RoPE of one of q or k, as transformers' ``apply_rotary_pos_emb`` computes it (``x·cos + rotate_half(x)·sin``,
+    cos/sin [B, S, D] broadcast over heads)."""
+    return (x_BHSD * cos_BSD.unsqueeze(1)) + (rotate_half(x_BHSD) * sin_BSD.unsqueeze(1))
 
 
 class Eagle3MLP(nn.Module):
@@ -87,13 +103,21 @@ class Eagle3DecoderLayer(nn.Module):
         self.post_attention_layernorm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.mlp = Eagle3MLP(config)
 
-    def forward(self, emb_BSH, hidden_BSH, cos_BSD, sin_BSD, position_ids_BS, key_valid_BS, kv_cache):
-        """Returns the layer output [B, S, H] (before the final norm): ``h + attn(...)``, then ``+ mlp(norm(.))``."""
+    def forward(self, emb_BSH, hidden_BSH, cos_BSD, sin_BSD, position_ids_BS, key_valid_BS, kv_cache, queries=None):
+        """Returns the layer output [B, S, H] (before the final norm): ``h + attn(...)``, then ``+ mlp(norm(.))``.
+        ``queries`` (``Eagle3Attention.forward``, a ``QueryRows``): with its ``index_BN`` the output is [B, N, H],
+        the rows ``index_BN`` only (keys and values still from every row); the MLP tiles as a sequence of its
+        ``seq_len`` would."""
         x_BS2H = torch.cat([self.input_layernorm(emb_BSH), self.hidden_norm(hidden_BSH)], dim=-1)
-        h_BSH = hidden_BSH + self.self_attn(x_BS2H, cos_BSD, sin_BSD, position_ids_BS, key_valid_BS, kv_cache)
+        compact = queries is not None and queries.index_BN is not None
+        residual_BSH = gather_rows(hidden_BSH, queries.index_BN) if compact else hidden_BSH
+        h_BSH = residual_BSH + self.self_attn(x_BS2H, cos_BSD, sin_BSD, position_ids_BS, key_valid_BS, kv_cache,
+                                              queries)
         tiling = self.mlp_tiling
-        if tiling is not None and tiling.applies_to(h_BSH.shape[1]):
-            return h_BSH + tiled_norm_mlp(self.post_attention_layernorm, self.mlp, h_BSH, tiling)
+        seq_len = h_BSH.shape[1] if queries is None else queries.seq_len
+        if tiling is not None and tiling.applies_to(seq_len):
+            tiles = None if queries is None else -(-seq_len // tiling.tile_size)
+            return h_BSH + tiled_norm_mlp(self.post_attention_layernorm, self.mlp, h_BSH, tiling, tiles)
         return h_BSH + self.mlp(self.post_attention_layernorm(h_BSH))
 
 
@@ -200,7 +224,7 @@ class Eagle3Draft(nn.Module):
         """Step-0 hidden state ``fc(aux)``: [B, S, 3·H_t] (any float dtype) -> [B, S, H] in the weights' dtype."""
         return self.fc(aux_hidden_BSA.to(self.fc.weight.dtype))
 
-    def step(self, hidden_BSH, input_ids_BS, position_ids_BS, key_valid_BS=None, kv_cache=None):
+    def step(self, hidden_BSH, input_ids_BS, position_ids_BS, key_valid_BS=None, kv_cache=None, queries=None):
         """One TTT step of the decoder layer. Returns ``(hidden_out_BSH, kv_cache)``.
 
         Args:
@@ -210,12 +234,16 @@ class Eagle3Draft(nn.Module):
                 ``kv_cache.rope_positions(p)`` (= p + k for a ``TTTKVCache``).
             key_valid_BS: [B, S] bool, False where the step-0 key is padding (None: all valid).
             kv_cache: a ``TTTKVCache`` (None: a new one, i.e. step 0), or any object with the same two methods.
+            queries: None, or a ``recipe.model.sparse_anchors.QueryRows`` (the sparse path): with its
+                ``index_BN``, keys/values at every row, everything else (and the output, [B, N, H]) only at those
+                rows (step 0).
         The output is the layer's pre-norm hidden state; ``logits`` turns it into draft-vocab logits.
         """
         kv_cache = TTTKVCache() if kv_cache is None else kv_cache
         emb_BSH = self.embed_tokens(input_ids_BS).to(hidden_BSH.dtype)
         cos_BSD, sin_BSD = self.rotary_emb(hidden_BSH, kv_cache.rope_positions(position_ids_BS))
-        hidden_out = self.midlayer(emb_BSH, hidden_BSH, cos_BSD, sin_BSD, position_ids_BS, key_valid_BS, kv_cache)
+        hidden_out = self.midlayer(emb_BSH, hidden_BSH, cos_BSD, sin_BSD, position_ids_BS, key_valid_BS, kv_cache,
+                                   queries)
         return hidden_out, kv_cache
 
     def logits(self, hidden_BSH: torch.Tensor) -> torch.Tensor:

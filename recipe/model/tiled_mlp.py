@@ -75,7 +75,8 @@ class MLPTiling:
         return seq_len > self.tile_size
 
 
-def tiled_norm_mlp(norm: nn.Module, mlp: nn.Module, h_BSH: torch.Tensor, tiling: MLPTiling) -> torch.Tensor:
+def tiled_norm_mlp(norm: nn.Module, mlp: nn.Module, h_BSH: torch.Tensor, tiling: MLPTiling,
+                   num_tiles: int | None = None) -> torch.Tensor:
     """``mlp(norm(h))`` [B, S, H] computed ``tiling.tile_size`` positions at a time (module docstring).
 
     Args: ``norm`` the layer's ``post_attention_layernorm`` and ``mlp`` its MLP (modules, called per tile);
@@ -83,7 +84,9 @@ def tiled_norm_mlp(norm: nn.Module, mlp: nn.Module, h_BSH: torch.Tensor, tiling:
     as untiled). Returns ``tiling.reduce(cat_t tiling.local_mlp(mlp, norm(h[:, t])))``: the same values as
     ``mlp(norm(h))`` up to float summation order (each row is computed alone, the weight gradients are summed over
     the tiles). With grad mode on each tile runs under a non-reentrant checkpoint; with it off (evaluation) the
-    tiles run directly. Raises ValueError for a tensor that is not 3-d.
+    tiles run directly. ``num_tiles``: cut S into exactly that many near-equal tiles instead (some possibly empty;
+    the sparse anchors' path: as many tiles as the dense sequence has, ``recipe.model.sparse_anchors.QueryRows``).
+    Raises ValueError for a tensor that is not 3-d.
     """
     if h_BSH.dim() != 3:
         raise ValueError(f"tiled_norm_mlp expects h [B, S, H], got shape {tuple(h_BSH.shape)}")
@@ -95,7 +98,8 @@ def tiled_norm_mlp(norm: nn.Module, mlp: nn.Module, h_BSH: torch.Tensor, tiling:
     seq, size = h_BSH.shape[1], tiling.tile_size
     grad = torch.is_grad_enabled()
     parts = []
-    for start in range(0, seq, size):
-        x_BTH = h_BSH[:, start:start + size]
+    tiles = ([h_BSH[:, start:start + size] for start in range(0, seq, size)] if num_tiles is None
+             else torch.tensor_split(h_BSH, num_tiles, dim=1))
+    for x_BTH in tiles:
         parts.append(checkpoint(tile, x_BTH, use_reentrant=False, preserve_rng_state=False) if grad else tile(x_BTH))
     return tiling.reduce(torch.cat(parts, dim=1))

@@ -20,6 +20,7 @@ from kernels.ttt_attention import TTTKVCache
 from recipe.model.chunked_loss import chunked_soft_ce
 from recipe.model.draft import Eagle3Draft
 from recipe.model.loss import soft_ce, target_logits
+from recipe.model.sparse_anchors import AnchorSets, QueryRows, anchor_sets, gather_rows
 
 
 @dataclass
@@ -178,12 +179,16 @@ class TTTModel(nn.Module):
             False recomputes each step's [B, S, Vd] target logits. The chunked loss always streams them per chunk
             (so one chunk's logits live at a time), whatever this switch says. Both give bitwise-equal numbers
             where the BLAS computes a matmul row independently of the row count (MKL on CPU; the tests check it).
+        sparse_anchors: True computes each step only at its needed anchors (``recipe.model.sparse_anchors``;
+            docs/algorithm.md, "Sparse anchors"): step 0's keys/values at every position, everything else (queries,
+            attention output, o_proj, MLP, norms, lm_head, teacher logits) only where some step's loss reads it.
+            Same loss sums, counts and gradients as False (the dense path, the reference) up to float rounding.
     Raises ValueError on a loss_chunk_size that is not None or a positive integer.
     """
 
     def __init__(self, draft: Eagle3Draft, target_lm_head_weight: torch.Tensor, loss_fn: Callable = soft_ce,
                  loss_chunk_size: int | None = None, checkpoint_steps: bool = False,
-                 target_softcap: float | None = None):
+                 target_softcap: float | None = None, sparse_anchors: bool = False):
         super().__init__()
         self.draft = draft
         self.loss_fn = loss_fn
@@ -194,6 +199,7 @@ class TTTModel(nn.Module):
         self.loss_chunk_size = loss_chunk_size
         self.checkpoint_steps = bool(checkpoint_steps)
         self.teacher_logits_once = True
+        self.sparse_anchors = bool(sparse_anchors)
         self.register_buffer("target_head_d", torch.empty(0), persistent=False)
         self.set_target_head(target_lm_head_weight)
 
@@ -233,6 +239,8 @@ class TTTModel(nn.Module):
     def forward(self, batch: TTTBatch) -> TTTOutput:
         """Unroll the draft ``batch.num_steps`` times; sums per step (the loop normalises by global counts)."""
         self._match_head_dtype()
+        if self.sparse_anchors:
+            return self._forward_sparse(batch)
         hidden_BSH = self.draft.project_aux(batch.aux_hidden_BSA)
         kv_cache = None
         teacher = None
@@ -249,6 +257,55 @@ class TTTModel(nn.Module):
             corrects.append(correct.to(torch.int64))
         valid_K = batch.valid_KBS.sum(dim=(1, 2)).to(torch.int64)
         return TTTOutput(loss_sum_K=torch.stack(losses), correct_K=torch.stack(corrects), valid_K=valid_K)
+
+    def _forward_sparse(self, batch: TTTBatch) -> TTTOutput:
+        """``forward`` on the needed anchors only (``sparse_anchors``): step k's tensors are [B, N_k, ...], the
+        compacted rows of ``anchor_sets``; step 0 keeps its keys and values at every position (the causal block)."""
+        sets = anchor_sets(batch.valid_KBS, batch.position_ids_BS, batch.target_row_KS)
+        hidden_BNH = self.draft.project_aux(batch.aux_hidden_BSA)
+        teacher = None
+        if self.loss_chunk_size is None and self.teacher_logits_once:
+            with torch.no_grad():
+                rows_BUH = gather_rows(batch.target_hidden_BLH, sets.teacher_rows_BU)
+                teacher = target_logits(rows_BUH, self.target_head_d, self.target_softcap)
+        kv_cache = None
+        losses, corrects = [], []
+        for k in range(batch.num_steps):
+            step = self._checkpointed_step if self.checkpoint_steps and torch.is_grad_enabled() else self.draft.step
+            seq_len = batch.position_ids_BS.shape[1]
+            if k == 0:  # keys/values at every position, queries at the needed anchors
+                ids_BN, positions_BN = batch.input_ids_KBS[0], batch.position_ids_BS
+                queries = QueryRows(sets.index_K[0], sets.positions_K[0], seq_len)
+            else:  # a subset of step k-1's rows: carry the hidden state and the diagonal keys over
+                kv_cache.keep(sets.select_K[k])
+                hidden_BNH = gather_rows(hidden_BNH, sets.select_K[k])
+                ids_BN = torch.gather(batch.input_ids_KBS[k], 1, sets.index_K[k])
+                positions_BN, queries = sets.positions_K[k], QueryRows(None, None, seq_len)
+            hidden_BNH, kv_cache = step(hidden_BNH, ids_BN, positions_BN, batch.key_valid_BS, kv_cache, queries)
+            loss_sum, correct = self._sparse_step_loss(hidden_BNH, batch, sets, k, teacher)
+            losses.append(loss_sum.float())
+            corrects.append(correct.to(torch.int64))
+        valid_K = batch.valid_KBS.sum(dim=(1, 2)).to(torch.int64)
+        return TTTOutput(loss_sum_K=torch.stack(losses), correct_K=torch.stack(corrects), valid_K=valid_K)
+
+    def _sparse_step_loss(self, hidden_BNH, batch: TTTBatch, sets: AnchorSets, k: int, teacher):
+        """(loss_sum, correct) of step k on its compacted rows; ``teacher``: [B, U, Vd] logits of
+        ``sets.teacher_rows_BU`` (None: computed here, or per chunk)."""
+        valid_BN = sets.valid_K[k]
+        if self.loss_chunk_size is not None:
+            b, s = batch.position_ids_BS.shape  # as many chunks as the dense path (QueryRows)
+            return chunked_soft_ce(self.draft.logits, self.loss_fn, hidden_BNH, batch.target_hidden_BLH,
+                                   sets.target_rows(batch.target_row_KS, k), self.target_head_d, valid_BN,
+                                   self.loss_chunk_size, target_softcap=self.target_softcap,
+                                   num_chunks=-(-b * s // self.loss_chunk_size))
+        logits_BNV = self.draft.logits(hidden_BNH)
+        with torch.no_grad():
+            if teacher is not None:
+                target_BNV = gather_rows(teacher, sets.teacher_index_K[k])
+            else:
+                rows_BNH = gather_rows(batch.target_hidden_BLH, sets.target_rows(batch.target_row_KS, k))
+                target_BNV = target_logits(rows_BNH, self.target_head_d, self.target_softcap)
+        return self.loss_fn(logits_BNV, target_BNV, valid_BN)
 
     def _step_loss(self, hidden_BSH: torch.Tensor, batch: TTTBatch, k: int,
                    teacher: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -268,8 +325,9 @@ class TTTModel(nn.Module):
                 target_logits_BSV = target_logits(rows_BSH, self.target_head_d, self.target_softcap)
         return self.loss_fn(logits_BSV, target_logits_BSV, batch.valid_KBS[k])
 
-    def _checkpointed_step(self, hidden_BSH, input_ids_BS, position_ids_BS, key_valid_BS, kv_cache):
-        """``draft.step`` under ``torch.utils.checkpoint``; returns ``(hidden_out_BSH, kv_cache)`` like it.
+    def _checkpointed_step(self, hidden_BSH, input_ids_BS, position_ids_BS, key_valid_BS, kv_cache, queries=None):
+        """``draft.step`` under ``torch.utils.checkpoint``; returns ``(hidden_out_BSH, kv_cache)`` like it
+        (``queries``: ``draft.step``'s, the sparse path's step-0 query rows).
 
         The cache is mutated by ``step`` (it appends the step's K/V), so it cannot be closed over: a recomputation in
         backward would see the later steps' keys. Instead the cache's tensors enter the checkpointed function as
@@ -284,7 +342,7 @@ class TTTModel(nn.Module):
 
         def run(hidden, ids, positions, key_valid, block_pos, block_valid, *cache_state):
             cache = _cache_from_tensors(cache_state, block_pos, block_valid)
-            hidden_out, cache = self.draft.step(hidden, ids, positions, key_valid, cache)
+            hidden_out, cache = self.draft.step(hidden, ids, positions, key_valid, cache, queries)
             new_k, new_v = (cache.block[0], cache.block[1]) if not cache.diag_k else (cache.diag_k[-1],
                                                                                        cache.diag_v[-1])
             return hidden_out, new_k, new_v

@@ -202,7 +202,7 @@ def load_inputs(ds_config: Path, target: Path, gpu: str = "h200", world_size: in
                          batch=config.plan.micro_batch, tp=dims.tp, cp=dims.cp,
                          dtype="bf16" if config.bf16 else "fp32", loss_chunk_size=mem.loss_chunk_size or 1024,
                          attention_tile=mem.attention_tile_size, attention_backend=config.kernels.attention,
-                         mlp_tile=mem.mlp_tile_size)
+                         mlp_tile=mem.mlp_tile_size, sparse_anchors=mem.sparse_anchors)
     except ValueError as exc:
         raise PlanError(f"--ds_config {ds_config} with --target {target}: {exc}") from None
     zero = config.deepspeed.get("zero_optimization") or {}
@@ -278,7 +278,8 @@ def plan_rows(inputs: PlanInputs, lengths: list[int]) -> dict:
     fit = layout_fit(spec)
     rows = [plan_length(inputs, n, None if n <= trace_limit(spec) else fit) for n in lengths]
     return {"tp": spec.tp, "cp": spec.cp, "dp": inputs.dp, "world": inputs.world, "layout": spec.layout,
-            "backend": spec.attention_backend, "mlp_tile": spec.mlp_tile,
+            "backend": spec.attention_backend, "mlp_tile": spec.mlp_tile, "sparse_anchors": spec.sparse_anchors,
+            "mask": spec.mask,
             "fit": {"a": fit.a, "b": fit.b, "c": fit.c, "kind": fit.kind,
                     "trace_lengths": [t.seq_len for t in fit.traces]},
             "rows": rows, "longest_fit": longest_fit(inputs, fit)}

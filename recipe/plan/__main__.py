@@ -58,6 +58,15 @@ def _tiles(text: str) -> list[int | None]:
     return out
 
 
+def _masks(text: str) -> list[str]:
+    from recipe.plan.spec import MASKS
+
+    out = [x.strip() for x in text.split(",") if x.strip()]
+    if not out or any(m not in MASKS for m in out):
+        raise argparse.ArgumentTypeError(f"unknown mask in {text!r}; choose from {', '.join(MASKS)}")
+    return out
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="python -m recipe.plan", description=__doc__.split("\n\n")[0])
     p.add_argument("--ds_config", "--ds-config", dest="ds_config", type=Path, required=True,
@@ -70,6 +79,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cp", type=_ints, help="context-parallel degree(s), overriding the JSON, e.g. 1,2,4")
     p.add_argument("--mlp-tile", type=_tiles, help="memory.mlp_tile_size value(s), overriding the JSON, e.g. "
                    "none,4096 (none or 0: untiled)")
+    p.add_argument("--sparse-anchors", type=_masks,
+                   help="also plan with memory.sparse_anchors on, for each supervision mask listed (full, sharegpt: "
+                        "69%% supervised turns, long10: the last 10%% supervised), e.g. sharegpt,long10")
     p.add_argument("--ttt-steps", type=int, default=7, help="TTT steps K (run.py's default 7)")
     p.add_argument("--draft-vocab-size", type=int, default=32000, help="draft vocabulary (run.py's default 32000)")
     p.add_argument("--offline", action="store_true", help="hidden states from a store: no target on the GPU")
@@ -85,10 +97,12 @@ def make_plan(args, argv: list[str]) -> dict:
         for cp in args.cp or [None]:
             inputs = load_inputs(args.ds_config, args.target, args.gpu, args.world_size, tp, cp, args.ttt_steps,
                                  args.draft_vocab_size, args.offline, args.freeze_lm_head)
+            supervision = [(inputs.spec.sparse_anchors, "full")] + [(True, m) for m in args.sparse_anchors or []]
             for tile in args.mlp_tile or [inputs.spec.mlp_tile]:
-                spec = dataclasses.replace(inputs.spec, mlp_tile=tile)
-                layouts.append({**plan_rows(dataclasses.replace(inputs, spec=spec), args.length),
-                                "trainable_params_per_rank": inputs.params.trainable})
+                for sparse, mask in supervision:
+                    spec = dataclasses.replace(inputs.spec, mlp_tile=tile, sparse_anchors=sparse, mask=mask)
+                    layouts.append({**plan_rows(dataclasses.replace(inputs, spec=spec), args.length),
+                                    "trainable_params_per_rank": inputs.params.trainable})
     spec = inputs.spec
     whole = states.count_draft_params(spec_draft_config(spec), 1, args.freeze_lm_head)  # the draft, unsplit
     return {"command": "python -m recipe.plan " + " ".join(shlex.quote(a) for a in argv),
@@ -115,7 +129,8 @@ def make_plan(args, argv: list[str]) -> dict:
 def _layout_key(layout: dict) -> str:
     """``tp1_cp2`` (``tp1_cp2_mlp4096`` with an MLP tile): a table's key in the plan's ``longest_fit``."""
     tile = layout.get("mlp_tile")
-    return f"tp{layout['tp']}_cp{layout['cp']}" + (f"_mlp{tile}" if tile else "")
+    sparse = f"_sparse_{layout.get('mask', 'full')}" if layout.get("sparse_anchors") else ""
+    return f"tp{layout['tp']}_cp{layout['cp']}" + (f"_mlp{tile}" if tile else "") + sparse
 
 
 def print_plan(plan: dict, console: Console) -> None:
@@ -123,6 +138,7 @@ def print_plan(plan: dict, console: Console) -> None:
         table = Table(title=f"per-rank GiB, tp={lay['tp']} cp={lay['cp']} dp={lay['dp']}, {lay['layout']}, "
                             f"{lay['backend']} attention, "
                             f"{'MLP tile ' + str(lay['mlp_tile']) if lay.get('mlp_tile') else 'untiled MLP'}, "
+                            f"{'sparse anchors, ' + lay['mask'] + ' mask, ' if lay.get('sparse_anchors') else ''}"
                             f"{plan['gpu']['name']} ({plan['gpu']['gib']:.1f} GiB)")
         for col in ("length", *(name for name, _ in SHOWN), "total", "fits"):
             table.add_column(col, justify="right", no_wrap=True)

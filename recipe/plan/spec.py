@@ -14,6 +14,25 @@ LAYOUTS = {"full": (False, False), "chunked": (True, False), "ckpt": (False, Tru
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
+MASKS = ("full", "sharegpt", "long10")
+"""Supervision masks of a measured batch (``supervised_mask``): every position; ShareGPT-like turns (prompt 60
+tokens, answer 135: 69 % supervised, the share SmolLM2's template gives ShareGPT); a long prompt and a short answer
+(the last 10 % supervised)."""
+
+
+def supervised_mask(mask: str, batch: int, seq_len: int) -> torch.Tensor:
+    """[batch, seq_len] bool loss mask of ``mask`` (one of ``MASKS``; ValueError otherwise)."""
+    pos = torch.arange(seq_len)
+    if mask == "full":
+        row = torch.ones(seq_len, dtype=torch.bool)
+    elif mask == "sharegpt":
+        row = pos % 195 >= 60
+    elif mask == "long10":
+        row = pos >= seq_len - max(1, seq_len // 10)
+    else:
+        raise ValueError(f"unknown mask {mask!r}; choose from {', '.join(MASKS)}")
+    return row.expand(batch, seq_len).clone()
+
 
 @dataclass(frozen=True)
 class BenchSpec:
@@ -21,7 +40,9 @@ class BenchSpec:
     V, target hidden H_t), sequence length, TTT steps K, batch, layout (``LAYOUTS``), parallel degrees tp/cp, dtype,
     device, loss chunk and attention tile sizes, the causal-block backend (``kernels.attention_backends``;
     "tiled" is the reference) and the MLP tile (``memory.mlp_tile_size``: positions per sequence tile of the draft's
-    norm + MLP, ``recipe.model.tiled_mlp``; None: untiled). ``recipe.plan.predict_step`` predicts its memory."""
+    norm + MLP, ``recipe.model.tiled_mlp``; None: untiled), the supervision ``mask`` (``MASKS``) and whether the step
+    runs on the needed anchors only (``sparse_anchors``, ``memory.sparse_anchors``). ``recipe.plan.predict_step``
+    predicts its memory."""
 
     seq_len: int
     layout: str = "full"
@@ -45,12 +66,16 @@ class BenchSpec:
     mlp_tile: int | None = None
     steps: int = 1
     seed: int = 0
+    mask: str = "full"
+    sparse_anchors: bool = False
 
     def __post_init__(self):
         if self.layout not in LAYOUTS:
             raise ValueError(f"unknown layout {self.layout!r}; choose from {sorted(LAYOUTS)}")
         if self.dtype not in DTYPES:
             raise ValueError(f"unknown dtype {self.dtype!r}; choose from {sorted(DTYPES)}")
+        if self.mask not in MASKS:
+            raise ValueError(f"unknown mask {self.mask!r}; choose from {', '.join(MASKS)}")
         if self.mlp_tile is not None and (isinstance(self.mlp_tile, bool) or not isinstance(self.mlp_tile, int)
                                           or self.mlp_tile < 1):
             raise ValueError(f"mlp tile {self.mlp_tile!r} must be None or a positive integer")

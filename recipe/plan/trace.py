@@ -17,6 +17,8 @@ Where the real code cannot run on fake tensors, the trace substitutes (inside :f
   skipping (the trace only does up to 2× the pairs). Host CPU position tensors the original can read are used as is.
 - ``recipe.model.ttt.teacher_logits`` (full-logits layout) calls ``torch.unique`` (a data-dependent shape): the
   wrapper takes U, the number of distinct label rows, from the real index tensor the trace built on the host.
+- ``recipe.model.ttt.anchor_sets`` (``memory.sparse_anchors``) reads the validity's values: the sets are computed
+  from the real host batch (the spec's supervision ``mask``) before the trace and handed to the traced model.
 - flex attention (CUDA only): the project's own flex code path is built (``make_causal_attention("flex", ...)``, the
   ring's ``FLEX_KERNEL`` under CP) and only the ``flex_attention`` call is replaced by a memory-equivalent stand-in
   (:class:`FlexStandIn`): forward saves q, k, v, out, lse and returns out [B, H, S, D] (q dtype) and lse [B, H, S]
@@ -114,9 +116,10 @@ def _all_pairs_fallback(original):
 
 
 @contextlib.contextmanager
-def trace_patches(unique_rows: dict):
+def trace_patches(unique_rows: dict, host=None):
     """The substitutions of the module docstring, undone on exit. ``unique_rows`` maps ``id(target_row_KS)`` of the
-    batch's (fake) index tensor to its real host copy."""
+    batch's (fake) index tensor to its real host copy; ``host``: the real host batch whose sparse anchors' sets the
+    traced model uses (``recipe.model.sparse_anchors.anchor_sets`` reads index values, which fake tensors lack)."""
     import kernels.tiled_attention  # noqa: F401 - make sure it is loaded before its modules are scanned
     from recipe.model import ttt
 
@@ -142,6 +145,12 @@ def trace_patches(unique_rows: dict):
                 logits = target_logits(target_hidden_BLH[:, rows_U], target_head_VdH, target_softcap)
             return logits, torch.zeros_like(target_row_KS)
         stack.enter_context(_patched(ttt, "teacher_logits", teacher_logits))
+        if host is not None:
+            from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+            with unset_fake_temporarily():
+                sets = ttt.anchor_sets(host.valid_KBS, host.position_ids_BS, host.target_row_KS)
+            stack.enter_context(_patched(ttt, "anchor_sets", lambda *args: sets))
         import torch.nn.attention.flex_attention as flex_mod
 
         stack.enter_context(_patched(flex_mod, "flex_attention", _flex_standin))
@@ -180,7 +189,8 @@ def build_traced_model(spec: BenchSpec, pstate, backend: str):
     draft = Eagle3Draft(spec_draft_config(spec), seed=spec.seed)
     head = torch.empty(spec.draft_vocab, spec.target_hidden)
     chunked, ckpt = LAYOUTS[spec.layout]
-    model = TTTModel(draft, head, loss_chunk_size=spec.loss_chunk_size if chunked else None, checkpoint_steps=ckpt)
+    model = TTTModel(draft, head, loss_chunk_size=spec.loss_chunk_size if chunked else None, checkpoint_steps=ckpt,
+                     sparse_anchors=spec.sparse_anchors)
     parallelize(model, pstate, MemoryOptions(attention_tile_size=spec.attention_tile, mlp_tile_size=spec.mlp_tile),
                 "cuda" if backend == "flex" else "cpu", KernelOptions(attention=backend))
     return cast_module(model, DTYPES[spec.dtype])
@@ -192,10 +202,13 @@ def host_batch(spec: BenchSpec, cp_rank: int = 0):
     from recipe.model.ttt import make_ttt_batch
     from recipe.parallel.cp_shard import shard_ttt_batch
 
+    from recipe.plan.spec import supervised_mask
+
     b, s = spec.batch, spec.seq_len
     ones = torch.ones(b, s, dtype=torch.bool)
     empty = torch.empty(b, s, 0)
-    batch = make_ttt_batch(torch.zeros(b, s, dtype=torch.int64), ones, ones, empty, empty, ones, spec.ttt_steps)
+    batch = make_ttt_batch(torch.zeros(b, s, dtype=torch.int64), supervised_mask(spec.mask, b, s), ones, empty, empty,
+                           ones, spec.ttt_steps)
     if spec.cp > 1:
         batch = shard_ttt_batch(batch, spec.cp, cp_rank)
     return batch, batch.target_hidden_BLH.shape[1]
@@ -245,7 +258,7 @@ def trace_step(spec: BenchSpec) -> TraceResult:
     batch, rows = host_batch(spec)
     unique_rows = {}
     dt = DTYPES[spec.dtype]
-    with fake_world(spec.tp, spec.cp) as pstate, trace_patches(unique_rows), warnings.catch_warnings(), \
+    with fake_world(spec.tp, spec.cp) as pstate, trace_patches(unique_rows, batch), warnings.catch_warnings(), \
             FakeTensorMode(allow_non_fake_inputs=True) as mode:
         warnings.filterwarnings("ignore", message=".*data pointer of FakeTensor")  # host-copy lookups: none here
         model = build_traced_model(spec, pstate, traced_backend(spec))

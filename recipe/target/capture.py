@@ -332,7 +332,7 @@ class TargetModel:
 
     @torch.no_grad()
     def capture(self, input_ids_BS: torch.Tensor, attention_mask_BS: torch.Tensor | None = None,
-                argmax_chunk_size: int = 1024) -> TargetCapture:
+                argmax_chunk_size: int = 1024, argmax_rows_BS: torch.Tensor | None = None) -> TargetCapture:
         """Run the decoder stack once; return the aux layers' outputs, the final-norm hidden states and the greedy
         token per position (the lm_head applied ``argmax_chunk_size`` positions at a time: never all [B, S, V]
         logits at once).
@@ -342,6 +342,8 @@ class TargetModel:
         and the dump's) is not passed to the model: under causal attention a padded position comes after every real
         one, so the real rows are the same without it, and transformers then builds no dense [B, 1, S, S] mask.
         Any other mask (left padding, holes, or one on a device, which would cost a sync to inspect) is passed on.
+        ``argmax_rows_BS`` ([B, S] bool, None: all): take the argmax only at these rows, 0 elsewhere
+        (``recipe.target.head.validity_rows``: the rows the TTT validity reads).
         Rows at padded positions hold whatever the model computes there (with or without the mask); callers strip
         them or mask them from the loss.
         """
@@ -354,5 +356,5 @@ class TargetModel:
         aux = torch.cat([captured[i] for i in self.aux_layer_ids], dim=-1)
         last = out.last_hidden_state
         with self.full_lm_head() as head_VH:
-            argmax = lm_head_argmax(last, head_VH, argmax_chunk_size)
+            argmax = lm_head_argmax(last, head_VH, argmax_chunk_size, argmax_rows_BS)
         return TargetCapture(aux_hidden_BSA=aux, last_hidden_BSH=last, argmax_BS=argmax)

@@ -181,17 +181,19 @@ class CPTarget:
         return self.target.device
 
     @torch.no_grad()
-    def capture(self, input_ids_BS: torch.Tensor, attention_mask_BS: torch.Tensor, ttt_steps: int
-                ) -> CPTargetCapture:
+    def capture(self, input_ids_BS: torch.Tensor, attention_mask_BS: torch.Tensor, ttt_steps: int,
+                argmax_rows_BS: torch.Tensor | None = None) -> CPTargetCapture:
         """This rank's ``CPTargetCapture`` of the FULL padded micro-batch ``input_ids_BS`` [B, S] int64 with
         ``attention_mask_BS`` [B, S] (1 token, 0 padding; right padding), for K = ``ttt_steps``. A collective over
         the cp·tp group (and its tp and cp groups). With the mask on the CPU (the batch builder's), the ring decides
         its tile pairs from host copies of every rank's positions/validity (``kernels.host_positions``), without a
-        device sync per hop. Raises ValueError when S is not a multiple of 2·cp·tp.
+        device sync per hop. ``argmax_rows_BS`` ([B, S] bool, None: all): the argmax only at these rows, 0 elsewhere
+        (``recipe.target.head.validity_rows``). Raises ValueError when S is not a multiple of 2·cp·tp.
         """
         t, n, j = self.target, self.ring_size, self.ring_rank
         b, s = input_ids_BS.shape
-        pos = zigzag_indices(s, n, j).to(t.device)
+        pos_host = zigzag_indices(s, n, j)
+        pos = pos_host.to(t.device)
         ids = input_ids_BS.to(t.device)[:, pos]
         call = CPAttentionCall(self.block, pos.expand(b, -1).contiguous(),
                                attention_mask_BS.to(t.device)[:, pos].bool(), s)
@@ -209,7 +211,8 @@ class CPTarget:
         last = out.last_hidden_state
         argmax = torch.zeros(b, s, dtype=torch.int64, device=t.device)
         with t.full_lm_head() as head_VH:
-            argmax[:, pos] = lm_head_argmax(last, head_VH, self.argmax_chunk_size)
+            rows = None if argmax_rows_BS is None else argmax_rows_BS[:, pos_host.to(argmax_rows_BS.device)]
+            argmax[:, pos] = lm_head_argmax(last, head_VH, self.argmax_chunk_size, rows)
         self.counts.captures += 1
         self.counts.forward_positions += b * pos.numel()
         if n > 1:

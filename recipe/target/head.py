@@ -77,10 +77,20 @@ def load_embedding_and_head(folder: Path, dtype: torch.dtype = torch.float32
     return embed, head, config
 
 
+def validity_rows(loss_mask_BS: torch.Tensor) -> torch.Tensor:
+    """[B, S] bool: the rows j whose target argmax some TTT step's validity reads, ``loss_mask[j + 1]`` (False at the
+    last position). ``valid[k, p]`` reads ``in_vocab[p+1+k]`` only together with ``loss_mask[p+2+k]``
+    (docs/algorithm.md, "Inputs, labels and masks"), so the argmax at any other row is never read."""
+    mask = loss_mask_BS.bool()
+    return torch.cat([mask[:, 1:], torch.zeros_like(mask[:, :1])], dim=1)
+
+
 @torch.no_grad()
-def lm_head_argmax(last_hidden_BSH: torch.Tensor, lm_head_VH: torch.Tensor, chunk_size: int = 1024) -> torch.Tensor:
+def lm_head_argmax(last_hidden_BSH: torch.Tensor, lm_head_VH: torch.Tensor, chunk_size: int = 1024,
+                   rows_BS: torch.Tensor | None = None) -> torch.Tensor:
     """The target's greedy token per position, ``argmax_v (last_hidden @ lm_head.T)[..., v]``: [B, S] int64 on
-    ``lm_head_VH``'s device.
+    ``lm_head_VH``'s device. ``rows_BS`` ([B, S] bool, best on the CPU: its row list is then taken without a device
+    sync): only those rows are computed (``validity_rows``: the ones the TTT validity reads), the others are 0.
 
     The logits are formed in ``lm_head_VH``'s dtype on its device, ``chunk_size`` positions (of the flattened B·S)
     at a time, so at most ``chunk_size × V`` logits exist at once. A final-logit soft-cap (``tanh(z / c) · c``) is
@@ -92,7 +102,15 @@ def lm_head_argmax(last_hidden_BSH: torch.Tensor, lm_head_VH: torch.Tensor, chun
     if last_hidden_BSH.shape[-1] != lm_head_VH.shape[1]:
         raise ValueError(f"lm_head_argmax: hidden {tuple(last_hidden_BSH.shape)} does not fit lm_head "
                          f"{tuple(lm_head_VH.shape)}")
-    rows_NH = last_hidden_BSH.reshape(-1, lm_head_VH.shape[1]).to(lm_head_VH.device, lm_head_VH.dtype)
+    hidden_NH = last_hidden_BSH.reshape(-1, lm_head_VH.shape[1])
+    index_M = None
+    if rows_BS is not None:
+        index_M = torch.nonzero(rows_BS.reshape(-1)).flatten().to(hidden_NH.device)
+        hidden_NH = hidden_NH[index_M]
+    rows_NH = hidden_NH.to(lm_head_VH.device, lm_head_VH.dtype)
     argmax_N = [(chunk @ lm_head_VH.T).argmax(dim=-1) for chunk in rows_NH.split(chunk_size)]
-    return (torch.cat(argmax_N) if argmax_N else rows_NH.new_zeros(0, dtype=torch.int64)).view(
-        last_hidden_BSH.shape[:-1])
+    argmax_N = torch.cat(argmax_N) if argmax_N else rows_NH.new_zeros(0, dtype=torch.int64)
+    if index_M is not None:
+        full_N = torch.zeros(last_hidden_BSH.shape[:-1].numel(), dtype=torch.int64, device=argmax_N.device)
+        argmax_N = full_N.index_copy_(0, index_M.to(argmax_N.device), argmax_N)
+    return argmax_N.view(last_hidden_BSH.shape[:-1])

@@ -20,6 +20,7 @@ import torch
 
 from recipe.data.store import DTYPES
 from recipe.model.ttt import TTTBatch, make_ttt_batch, target_in_draft_vocab
+from recipe.target.head import validity_rows
 
 
 def round_up(n: int, multiple: int) -> int:
@@ -210,11 +211,13 @@ class BatchBuilder:
         elif self.split_target:
             ttt = self._cp_online(host.input_ids_BS, host.loss_mask_BS, host.attention_BS)
         else:
-            cap = self.target.capture(host.input_ids_BS, host.attention_BS, self.argmax_chunk_size)
+            cap = self.target.capture(host.input_ids_BS, host.attention_BS, self.argmax_chunk_size,
+                                      validity_rows(host.loss_mask_BS))  # the argmax only where validity reads it
             dev = cap.aux_hidden_BSA.device
             ttt = make_ttt_batch(host.input_ids_BS.to(dev), host.loss_mask_BS.to(dev), host.attention_BS.to(dev),
                                  cap.aux_hidden_BSA, cap.last_hidden_BSH,
                                  target_in_draft_vocab(cap.argmax_BS, self.t2d), self.ttt_steps)
+        host_valid = ttt.valid_KBS if ttt.valid_KBS.device.type == "cpu" else None
         ttt = dataclasses.replace(ttt, **{f.name: getattr(ttt, f.name).to(self.device, non_blocking=True)
                                           for f in dataclasses.fields(ttt)})
         ttt.aux_hidden_BSA = ttt.aux_hidden_BSA.to(self.dtype)
@@ -225,7 +228,7 @@ class BatchBuilder:
 
             positions = anchor_offset_positions(host.indices, host.seq, self.position_offset_max, self.seed)
             ttt.position_ids_BS = self._cp_part(positions).to(self.device)
-        self._attach_host_copies(ttt, host, positions)
+        self._attach_host_copies(ttt, host, positions, host_valid)
         return MicroBatch(ttt=ttt, samples=host.samples, supervised_tokens=int(host.loss_mask_BS.sum()),
                           supervised_K=supervised_per_step(host.loss_mask_BS, self.ttt_steps))
 
@@ -235,10 +238,13 @@ class BatchBuilder:
 
         return x_BS if self.cp_size == 1 else zigzag_split(x_BS, self.cp_size, self.cp_rank, 1)
 
-    def _attach_host_copies(self, ttt: TTTBatch, host: HostTokens, positions_BS: torch.Tensor | None = None) -> None:
+    def _attach_host_copies(self, ttt: TTTBatch, host: HostTokens, positions_BS: torch.Tensor | None = None,
+                            host_valid: torch.Tensor | None = None) -> None:
         """Attach to the batch's positions and key validity their values on every cp rank, on the CPU (positions:
         the zigzag arithmetic of ``positions_BS``, the full [B, S] ids, default ``arange(S)``; validity: the
-        padding), for the attention's pair decision."""
+        padding), for the attention's pair decision; and to ``valid_KBS`` this rank's CPU copy ``host_valid`` when
+        the batch was built on the CPU (the sparse anchors' sets, ``recipe.model.sparse_anchors``, are then decided
+        without a device sync)."""
         from kernels.host_positions import attach_host_copies
         from recipe.parallel.cp_shard import zigzag_split
 
@@ -252,6 +258,8 @@ class BatchBuilder:
             per_valid = [zigzag_split(valid, self.cp_size, r, 1) for r in range(self.cp_size)]
         attach_host_copies(ttt.position_ids_BS, per_pos, self.cp_rank)
         attach_host_copies(ttt.key_valid_BS, per_valid, self.cp_rank)
+        if host_valid is not None and ttt.valid_KBS is not host_valid:
+            attach_host_copies(ttt.valid_KBS, host_valid)
 
     def prefetch(self, host: HostTokens) -> Future:
         """Start ``read(host)`` in the builder's background thread (one worker: reads run in submission order);
@@ -267,7 +275,7 @@ class BatchBuilder:
         from recipe.parallel.cp_shard import shard_ttt_batch
 
         dev = self.target.device
-        cap = self.target.capture(input_ids, attention, self.ttt_steps)
+        cap = self.target.capture(input_ids, attention, self.ttt_steps, validity_rows(loss_mask))
         b, s = input_ids.shape
         empty = torch.empty(b, s, 0, dtype=cap.aux_hidden_BSA.dtype, device=dev)
         ttt = make_ttt_batch(input_ids.to(dev), loss_mask.to(dev), attention.to(dev), empty, empty,

@@ -173,7 +173,8 @@ def build_run(args: TrainArgs, device: torch.device, console: Console) -> RunPar
     if args.lm_head_init == "target" and init is None:
         draft.init_lm_head_from_target(lm_head_VH, vocab.draft_ids)
     model = TTTModel(draft, lm_head_VH[vocab.draft_ids].clone(), loss_chunk_size=memory.loss_chunk_size,
-                     checkpoint_steps=memory.checkpoint_ttt_steps, target_softcap=final_logit_softcap(hf_config))
+                     checkpoint_steps=memory.checkpoint_ttt_steps, target_softcap=final_logit_softcap(hf_config),
+                     sparse_anchors=memory.sparse_anchors)
     if init is not None and resume_from is None:  # into the single-device model: every layout is cut from it
         init_draft.load_into(model, init)
     if resharding is not None:  # the layout is cut from the saved masters, as a fresh run's from its initial weights

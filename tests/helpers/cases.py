@@ -99,6 +99,20 @@ def build_case(seed: int, K: int, seq_len: int | None = None, lengths: tuple[int
     return draft.to(dtype), head_VH.to(dtype), batch
 
 
+def answer_only(batch: TTTBatch, answers: tuple[int, ...]) -> TTTBatch:
+    """``batch`` with its labels kept only where the predicted token is among the last ``answers[b]`` real tokens of
+    row b (a long prompt and a short answer; 0: nothing supervised in that row): ``valid[k, b, p] &= p + 2 + k >=
+    n_b - answers[b]``, n_b the row's real length (its non-padding keys)."""
+    k, b, s = batch.valid_KBS.shape
+    if len(answers) != b:
+        raise ValueError(f"answer_only: {len(answers)} answer lengths for {b} rows")
+    lengths = batch.key_valid_BS.sum(dim=1)
+    cut_B = lengths - torch.tensor(answers, dtype=lengths.dtype)
+    label_KBS = (batch.position_ids_BS[None] + 2 + torch.arange(k)[:, None, None]).expand(k, b, s)
+    keep = label_KBS >= cut_B[None, :, None]
+    return TTTBatch(**{**batch.__dict__, "valid_KBS": batch.valid_KBS & keep})
+
+
 def step_weights(K: int) -> torch.Tensor:
     """A distinct positive weight per TTT step, so each step's gradient counts separately."""
     return torch.rand(K, generator=torch.Generator().manual_seed(7), dtype=torch.float64) + 0.5
@@ -141,13 +155,13 @@ def assert_same_run(got, ref, tol: float = 1e-6) -> None:
     assert_rel_close(aux_grad, ref_aux_grad, tol, "aux_hidden_BSA")
 
 
-def zero3_two_steps(model: TTTModel, batch: TTTBatch, K: int, world_size: int):
-    """Two AdamW steps (lr 1e-2) of ``model`` on ``batch`` under DeepSpeed ZeRO-3, one micro-batch per rank; returns
-    (losses [2] fp32, {name: full parameter} gathered after the second step)."""
+def zero3_two_steps(model: TTTModel, batch: TTTBatch, K: int, world_size: int, stage: int = 3):
+    """Two AdamW steps (lr 1e-2) of ``model`` on ``batch`` under DeepSpeed ZeRO (``stage``, default 3), one
+    micro-batch per rank; returns (losses [2] fp32, {name: full parameter} gathered after the second step)."""
     import deepspeed
 
     config = {"train_batch_size": world_size, "train_micro_batch_size_per_gpu": 1,
-              "zero_optimization": {"stage": 3}, "steps_per_print": 10 ** 6,
+              "zero_optimization": {"stage": stage}, "steps_per_print": 10 ** 6,
               "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "torch_adam": True}}}
     engine, *_ = deepspeed.initialize(model=model, config=config,
                                       model_parameters=[p for p in model.parameters() if p.requires_grad])

@@ -13,7 +13,7 @@ import copy
 import torch
 import torch.distributed as dist
 
-from helpers.cases import PARITY, build_case
+from helpers.cases import PARITY, answer_only, build_case
 from recipe.config import KernelOptions, MemoryOptions
 from recipe.model.ttt import TTTModel, ttt_objective
 from recipe.parallel.parallelize import parallelize
@@ -53,15 +53,25 @@ def full_grads(model: TTTModel, cp_group, tp_group) -> dict[str, torch.Tensor]:
 
 
 def run_layout(rank: int, world: int, tp: int, cp: int, K: int, seed: int, seq_len: int,
-               dtype: torch.dtype = torch.float64, attention_backend: str | None = None) -> dict:
+               dtype: torch.dtype = torch.float64, attention_backend: str | None = None, sparse: bool = False,
+               answers: tuple[int, ...] | None = None, tile_size: int | None = None,
+               switches: dict | None = None) -> dict:
     """Reference and (tp, cp) layout on this rank (world = tp·cp·dp, dp ignored: every dp rank repeats the case).
     ``attention_backend``: the attention backend of the layout by ``make_causal_attention`` name (None: "tiled",
-    the pure-PyTorch kernel; untiled, i.e. the dense block on one cp rank and one tile per zigzag chunk in the ring).
+    the pure-PyTorch kernel; untiled, i.e. the dense block on one cp rank and one tile per zigzag chunk in the ring;
+    ``tile_size`` tiles it). ``sparse``: the layout runs with ``TTTModel.sparse_anchors`` (the reference stays
+    dense). ``answers``: per row, supervise only the last that many real tokens (``cases.answer_only``; a
+    long-prompt/short-answer mask, 0: a row with nothing supervised). ``switches``: memory switches of the layout
+    (``loss_chunk_size``, ``checkpoint_steps``: TTTModel attributes; ``mlp_tile_size``: the memory section's).
 
     Returns {"ref": (loss_K, correct_K, valid_K, grads), "par": (same, full), "counts": RingCounts dict or None,
-    "cp_rank", "tp_rank", "local_valid" (this rank's valid_K), "local_seq" (S/cp), "lm_head_shape" (local shard)}.
+    "cp_rank", "tp_rank", "local_valid" (this rank's valid_K), "local_seq" (S/cp), "lm_head_shape" (local shard),
+    "local_needed" ([K] this rank's needed anchors per step with ``sparse``, else None), "real_positions" (of the whole
+    batch)}.
     """
     draft, head_VH, batch = build_case(seed, K, seq_len, geometry=PARITY, dtype=dtype)
+    if answers is not None:
+        batch = answer_only(batch, answers)
     model = TTTModel(draft, head_VH)
     n_valid = batch.valid_KBS.sum(dim=(1, 2))
     ref_model = copy.deepcopy(model)
@@ -69,21 +79,31 @@ def run_layout(rank: int, world: int, tp: int, cp: int, K: int, seed: int, seq_l
     ref_grads = {n: p.grad.clone() for n, p in ref_model.named_parameters() if p.requires_grad}
 
     pstate = ParallelState(ParallelDims(world_size=world, tp=tp, cp=cp))
-    memory = MemoryOptions(attention_tile_size=None)
+    switches = dict(switches or {})
+    memory = MemoryOptions(attention_tile_size=tile_size, mlp_tile_size=switches.pop("mlp_tile_size", None))
     par_model = parallelize(copy.deepcopy(model), pstate, memory,
                             kernel_options=KernelOptions(attention=attention_backend or "tiled"))
+    par_model.sparse_anchors = sparse
+    for name, value in switches.items():
+        setattr(par_model, name, value)
     counts = None
     local = batch
     if cp > 1:
         local = shard_ttt_batch(batch, cp, pstate.cp_rank)
     loss_K, correct_K, valid_K = forward_backward(par_model, local, n_valid)
+    needed = None
+    if sparse:
+        from recipe.model.sparse_anchors import anchor_sets
+
+        needed = anchor_sets(local.valid_KBS, local.position_ids_BS, local.target_row_KS).counts_KB.sum(dim=1)
     if cp > 1:
         counts = dict(vars(par_model.draft.midlayer.self_attn.causal_attention.exchange.counts))
     par = (_sum(loss_K, pstate.cp_group), _sum(correct_K, pstate.cp_group), _sum(valid_K, pstate.cp_group),
            full_grads(par_model, pstate.cp_group, pstate.tp_group))
     return {"ref": (*ref, ref_grads), "par": par, "counts": counts, "cp_rank": pstate.cp_rank,
             "tp_rank": pstate.tp_rank, "local_valid": valid_K, "local_seq": local.position_ids_BS.shape[1],
-            "lm_head_shape": tuple(par_model.draft.lm_head.weight.shape)}
+            "lm_head_shape": tuple(par_model.draft.lm_head.weight.shape), "local_needed": needed,
+            "real_positions": int(batch.key_valid_BS.sum())}
 
 
 def max_rel(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -1,0 +1,156 @@
+"""The anchors each TTT step must compute (the ``memory.sparse_anchors`` switch; docs/algorithm.md, "Sparse anchors").
+
+What reads what: anchor p's hidden state at step k is read only by its own step-k loss, its own step-k+1 input and
+its own step-k+1 diagonal key/value; other anchors read p only through step 0's keys and values (the causal block).
+So step 0's K/V are needed at every position, and everything else (queries, attention output, ``o_proj``, MLP,
+norms, ``lm_head``, teacher logits) only at the anchors that are **needed**: needed at step k = valid at step k or
+at any later step, ``needed_k[p] = ∨_{j ≥ k} valid_KBS[j, p]``. The sets are monotone (needed_k ⊇ needed_{k+1}), so
+step k's rows are a subset of step k-1's and one gather carries the hidden state and the diagonal keys over.
+
+:func:`anchor_sets` decides them once per micro-batch on the host (from the host copy of ``valid_KBS`` that the batch
+builder attaches, else one device→host copy), and hands the device per step: ``index`` [B, N_k] (positions in the
+local sequence), ``select`` [B, N_k] (rows of step k-1's compacted tensors), ``positions`` [B, N_k] (anchor
+positions, with their host copy attached for the attention's tile decision: ``kernels.host_positions``) and ``valid``
+[B, N_k]. Rows are padded to ``N_k = max(1, max_b |needed_k[b]|)`` by repeating the row's last needed anchor (or
+position 0 when the row has none): padded rows have ``valid`` False, so they add exactly zero to every loss, count and
+gradient, and ``N_k ≥ 1`` keeps every module called (ZeRO-3's hooks fire for every parameter on every rank even when a
+rank has no needed anchor). Positions stay non-decreasing along each row.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+
+from kernels.host_positions import attach_host_copies, host_copy
+
+
+class QueryRows(NamedTuple):
+    """What one sparse TTT step computes, handed to the draft layer (``Eagle3Draft.step(..., queries=)``).
+
+    index_BN: [B, N] int64 rows of the step's input whose queries (and everything after) are computed, keys and
+    values still at every row (step 0); None: every row of the input (steps ≥ 1, whose input is already compacted).
+    positions_BN: [B, N] int64 anchor positions of those rows (None with ``index_BN`` None). seq_len: the dense path's
+    sequence length S: per-row work that is split into tiles or chunks (``memory.mlp_tile_size``,
+    ``loss_chunk_size``) is split into as many pieces as the dense path would make, so every rank calls every module
+    equally often whatever its anchor count (ZeRO-3 gathers parameters per module call, collectively).
+    """
+
+    index_BN: torch.Tensor | None
+    positions_BN: torch.Tensor | None
+    seq_len: int
+
+
+@dataclass
+class AnchorSets:
+    """Per-step compacted anchors of one micro-batch (K steps; B rows; N_k compacted rows at step k).
+
+    index_K[k]: [B, N_k] int64 local sequence positions of step k's rows (device). select_K[k]: [B, N_k] int64 rows of
+    step k-1's compacted tensors (``index_K[k] = index_K[k-1].gather(1, select_K[k])``; ``select_K[0]`` is
+    ``index_K[0]``). positions_K[k]: [B, N_k] int64 anchor positions (``position_ids_BS`` at ``index_K[k]``, host copy
+    attached). valid_K[k]: [B, N_k] bool, ``valid_KBS[k]`` at the row (False on padded rows). counts_KB: [K, B] int64
+    (host) the number of needed anchors per step and row. teacher_rows_BU / teacher_index_K: the distinct target rows
+    [B, U] (``target_row_KS`` values) that some step's compacted rows read, and per step [B, N_k] the column of
+    ``teacher_rows_BU`` each row reads (see :meth:`teacher`).
+    """
+
+    index_K: list[torch.Tensor]
+    select_K: list[torch.Tensor]
+    positions_K: list[torch.Tensor]
+    valid_K: list[torch.Tensor]
+    counts_KB: torch.Tensor
+    teacher_rows_BU: torch.Tensor
+    teacher_index_K: list[torch.Tensor]
+
+    @property
+    def num_steps(self) -> int:
+        return len(self.index_K)
+
+    def target_rows(self, target_row_KS: torch.Tensor, k: int) -> torch.Tensor:
+        """[B, N_k] int64 rows of ``target_hidden_BLH`` holding step k's labels at the compacted anchors."""
+        return target_row_KS[k].to(self.index_K[k].device)[self.index_K[k]]
+
+
+def needed_steps(valid_KBS: torch.Tensor) -> torch.Tensor:
+    """[K, B, S] bool ``needed[k] = valid[k] | valid[k+1] | ... | valid[K-1]`` (a reverse cumulative OR)."""
+    return valid_KBS.bool().flip(0).cummax(dim=0).values.flip(0)
+
+
+def gather_rows(x_BS_: torch.Tensor, index_BN: torch.Tensor) -> torch.Tensor:
+    """``x[b, index[b, n]]``: [B, S, ...] gathered along dim 1 by ``index_BN`` [B, N] → [B, N, ...] (differentiable)."""
+    idx = index_BN.reshape(*index_BN.shape, *([1] * (x_BS_.dim() - 2))).expand(*index_BN.shape, *x_BS_.shape[2:])
+    return torch.gather(x_BS_, 1, idx)
+
+
+def _pad_rows(rows: list[torch.Tensor], width: int, fill_empty: int = 0) -> torch.Tensor:
+    """[B, width] int64: each row's values, then its last value repeated (``fill_empty`` for an empty row)."""
+    out = torch.full((len(rows), width), fill_empty, dtype=torch.int64)
+    for b, r in enumerate(rows):
+        if r.numel():
+            out[b, : r.numel()] = r
+            out[b, r.numel():] = r[-1]
+    return out
+
+
+def anchor_sets(valid_KBS: torch.Tensor, position_ids_BS: torch.Tensor, target_row_KS: torch.Tensor) -> AnchorSets:
+    """The needed anchors of every TTT step of one micro-batch (module docstring), decided on the host.
+
+    Args: valid_KBS [K, B, S] bool (``TTTBatch.valid_KBS``; its host copy is used when attached, else one
+    device→host copy); position_ids_BS [B, S] int64 anchor positions (global under CP; host copy used likewise);
+    target_row_KS [K, S] int64 label rows (``TTTBatch.target_row_KS``).
+    Returns an :class:`AnchorSets` whose tensors live on ``valid_KBS``'s device.
+    """
+    device = valid_KBS.device
+    host_valid = host_copy(valid_KBS)
+    valid = (host_valid if host_valid is not None else valid_KBS.cpu()).bool()
+    host_pos = host_copy(position_ids_BS)
+    pos = host_pos if host_pos is not None else position_ids_BS.cpu()
+    rows_KS = target_row_KS.cpu()
+    needed = needed_steps(valid)
+    k_steps, b, _ = valid.shape
+    counts = needed.sum(dim=2)
+    index_K, select_K, positions_K, valid_K, rows_host = [], [], [], [], []
+    prev = None
+    for k in range(k_steps):
+        width = max(1, int(counts[k].max()))
+        live = [torch.nonzero(needed[k, row]).flatten() for row in range(b)]
+        index = _pad_rows(live, width)
+        if prev is None:
+            select = index
+        else:  # step k's anchors are a subset of step k-1's (monotone): their columns there
+            select = _pad_rows([torch.searchsorted(prev[row, : int(counts[k - 1, row])], live[row])
+                                for row in range(b)], width)
+            index = prev.gather(1, select)
+        mask = torch.arange(width)[None, :] < counts[k][:, None]
+        valid_rows = valid[k].gather(1, index) & mask
+        positions = pos.gather(1, index)
+        index_K.append(index.to(device, non_blocking=True))
+        select_K.append(select.to(device, non_blocking=True))
+        dev_pos = positions.to(device, non_blocking=True)
+        positions_K.append(attach_host_copies(dev_pos, positions) if dev_pos is not positions else dev_pos)
+        valid_K.append(valid_rows.to(device, non_blocking=True))
+        rows_host.append(rows_KS[k][index])
+        prev = index
+    teacher_rows, teacher_index = _teacher_rows(rows_host, counts)
+    return AnchorSets(index_K=index_K, select_K=select_K, positions_K=positions_K, valid_K=valid_K, counts_KB=counts,
+                      teacher_rows_BU=teacher_rows.to(device, non_blocking=True),
+                      teacher_index_K=[t.to(device, non_blocking=True) for t in teacher_index])
+
+
+def _teacher_rows(rows_host: list[torch.Tensor], counts_KB: torch.Tensor):
+    """Per batch row the sorted distinct label rows read by some step's live anchors, padded ([B, U], U ≥ 1), and per
+    step [B, N_k] each compacted row's column in it (padded rows read column 0... or any column: they are invalid)."""
+    b = counts_KB.shape[1]
+    union = []
+    for row in range(b):
+        parts = [r[row, : int(counts_KB[k, row])] for k, r in enumerate(rows_host)]
+        union.append(torch.unique(torch.cat(parts)) if parts else torch.zeros(0, dtype=torch.int64))
+    width = max(1, max(u.numel() for u in union))
+    rows_BU = _pad_rows(union, width)
+    index_K = []
+    for r in rows_host:
+        cols = torch.stack([torch.searchsorted(union[row], r[row]).clamp(max=max(union[row].numel() - 1, 0))
+                            for row in range(b)])
+        index_K.append(cols)
+    return rows_BU, index_K
