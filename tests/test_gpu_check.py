@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import subprocess
 import sys
 import zipfile
 
@@ -195,3 +196,20 @@ def test_a_wheel_that_does_not_import_skips_the_e2e_stages_in_seconds(tmp_path):
     assert [(s["stage"], s["rc"]) for s in report["e2e"]] == [(n, "skipped") for n in ("target", "online",
                                                                                      "check_export", "eval")]
     assert not (tmp_path / "work" / "target").exists()
+
+
+@pytest.mark.slow
+def test_sparse_check_smoke_is_exact_on_the_cpu(tmp_path):
+    """``scripts/gpu_sparse_check.py --smoke``: dense and sparse anchors from the same weights agree (tiled kernel,
+    fp32), both masks' rows are written, and the speed rows record both switches."""
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "gpu_sparse_check.py"), "--smoke", "--out",
+                           str(tmp_path)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    report = json.loads((tmp_path / "sparse_check.json").read_text())
+    assert [r["mask"] for r in report["exact"]] == ["sharegpt", "long10"]
+    for row in report["exact"]:
+        assert row["valid_equal"] and row["same_params"]
+        assert row["loss_rel"] <= 1e-6 and row["grad_rel_max"] <= 1e-6, row
+        assert sum(row["valid_K"]) > 0  # valid positions per TTT step
+    for row in report["speed"]:
+        assert row["dense"]["peak_bytes"] > 0 and row["sparse"]["seconds"] > 0
