@@ -56,17 +56,23 @@ def curves_figure(records: list[dict], title: str = ""):
     return fig
 
 
-def plot_curves(records: list[dict], out: Path, title: str = "") -> Path | None:
-    """Write :func:`curves_figure` of ``records`` as a PNG to ``out``; None (and nothing written) when matplotlib
-    is not installed."""
+def save_figure(make, out: Path) -> Path | None:
+    """Write the figure ``make()`` returns as a PNG to ``out`` (parents created); None (and nothing written) when
+    matplotlib is not installed (``make`` raised ImportError)."""
     try:
-        fig = curves_figure(records, title)
+        fig = make()
     except ImportError:
         return None
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=110)
     return out
+
+
+def plot_curves(records: list[dict], out: Path, title: str = "") -> Path | None:
+    """Write :func:`curves_figure` of ``records`` as a PNG to ``out``; None (and nothing written) when matplotlib
+    is not installed."""
+    return save_figure(lambda: curves_figure(records, title), out)
 
 
 def plot_run(run_dir: Path, out: Path | None = None) -> Path | None:

@@ -9,6 +9,7 @@ from rich.table import Table
 
 from recipe.eval.report import summarise_run
 from recipe.eval.speculative import Generation
+from recipe.plot import save_figure
 
 NO_MATPLOTLIB = "matplotlib is not installed: no plot of τ by context length drawn (pip install -e '.[plot]')"
 
@@ -115,11 +116,4 @@ def tau_by_length_figure(entries: list[dict], title: str = ""):
 
 def plot_tau_by_length(entries: list[dict], out: Path, title: str = "") -> Path | None:
     """Write :func:`tau_by_length_figure` as a PNG to ``out``; None (nothing written) without matplotlib."""
-    try:
-        fig = tau_by_length_figure(entries, title)
-    except ImportError:
-        return None
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=110)
-    return out
+    return save_figure(lambda: tau_by_length_figure(entries, title), out)
