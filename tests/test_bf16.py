@@ -72,7 +72,9 @@ class _MatmulDtypes(TorchDispatchMode):
 @pytest.mark.parametrize("chunked", [False, True])
 def test_bf16_step_multiplies_in_bf16_outside_attention(chunked, monkeypatch):
     """A bf16 step as DeepSpeed builds it (parameters cast, buffers not): every matmul of forward and backward
-    outside the attention has bf16 inputs, the teacher head included. Deliberately fp32 inside the attention: the
+    outside the attention and the RoPE tables has bf16 inputs, the teacher head included. Deliberately fp32 inside
+    the attention and for the RoPE cos/sin tables (fp32 positions and frequencies: bf16 positions lose precision
+    beyond 256): the
     diagonal keys' scores and merge (S·H·K·D work, merged by LSE) and the CPU kernels tiled/sdpa, which accumulate
     in fp32; flex on CUDA runs bf16 with an fp32 LSE."""
     import kernels.ttt_attention as ttt_attention
@@ -114,6 +116,16 @@ def test_bf16_step_multiplies_in_bf16_outside_attention(chunked, monkeypatch):
         return lambda *args: Marked.apply(*args)
 
     model.draft.midlayer.self_attn.causal_attention = marked(attention)
+    rope_forward = model.draft.rotary_emb.forward
+
+    def rope_tables(*args, **kwargs):  # cos/sin in fp32 by design (transformers 5.17 makes them with a matmul)
+        mode.inside += 1
+        try:
+            return rope_forward(*args, **kwargs)
+        finally:
+            mode.inside -= 1
+
+    monkeypatch.setattr(model.draft.rotary_emb, "forward", rope_tables)
     monkeypatch.setattr(ttt_attention, "diagonal_attention", marked(ttt_attention.diagonal_attention))
     batch.aux_hidden_BSA = batch.aux_hidden_BSA.to(torch.bfloat16)
     batch.target_hidden_BLH = batch.target_hidden_BLH.to(torch.bfloat16)
