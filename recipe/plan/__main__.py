@@ -99,6 +99,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--limit", type=int, metavar="N",
                    help="with --data: read only the first N records of each data file (default: all)")
     p.add_argument("--seed", type=int, default=0, help="with --data: run.py's --seed (weighted mixing, chaining)")
+    p.add_argument("--cache-dir", help="with --data: datasets cache folder for the tokenised examples (default: the "
+                   "datasets default)")
     p.add_argument("--ttt-steps", type=int, default=7, help="TTT steps K (run.py's default 7)")
     p.add_argument("--draft-vocab-size", type=int, default=32000, help="draft vocabulary (run.py's default 32000)")
     p.add_argument("--offline", action="store_true", help="hidden states from a store: no target on the GPU")
@@ -159,7 +161,7 @@ def supervision(args) -> dict | None:
 
     try:
         measured = measure_supervision(args.data, args.target, max(args.length), args.limit, args.data_column,
-                                       args.data_weights, args.chain_conversations, args.seed)
+                                       args.data_weights, args.chain_conversations, args.seed, args.cache_dir)
     except ValueError as exc:
         raise PlanError(str(exc)) from None
     print(f"--data: {measured.supervised} of {measured.tokens} tokens supervised ({measured.fraction:.2%}) in "
