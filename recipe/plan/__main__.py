@@ -23,7 +23,7 @@ from rich.table import Table
 
 from recipe.cli import add_data_arguments, check_data_arguments, length_list
 from recipe.plan import GIB, PlanError, load_inputs, plan_rows, states
-from recipe.plan.spec import check_fraction, fraction_mask, spec_draft_config
+from recipe.plan.spec import check_fraction, fraction_mask, mask_fraction, spec_draft_config
 
 SHOWN = (("activations", ("draft_activations",)), ("ZeRO states", ("weights", "grads", "optimizer")),
          ("ZeRO buffers", ("zero_buffers",)), ("batch", ("batch",)), ("target w", ("target_weights",)),
@@ -178,12 +178,18 @@ def _layout_key(layout: dict) -> str:
     return f"tp{layout['tp']}_cp{layout['cp']}" + (f"_mlp{tile}" if tile else "") + sparse
 
 
+def _mask_title(mask: str) -> str:
+    """``"sharegpt mask"``, or ``"last 18.33% supervised"`` for a fraction mask."""
+    fraction = mask_fraction(mask)
+    return f"{mask} mask" if fraction is None else f"last {fraction:.2%} supervised"
+
+
 def print_plan(plan: dict, console: Console) -> None:
     for lay in plan["layouts"]:
         table = Table(title=f"per-rank GiB, tp={lay['tp']} cp={lay['cp']} dp={lay['dp']}, {lay['layout']}, "
                             f"{lay['backend']} attention, "
                             f"{'MLP tile ' + str(lay['mlp_tile']) if lay.get('mlp_tile') else 'untiled MLP'}, "
-                            f"{'sparse anchors, ' + lay['mask'] + ' mask, ' if lay.get('sparse_anchors') else ''}"
+                            f"{'sparse anchors, ' + _mask_title(lay['mask']) + ', ' if lay.get('sparse_anchors') else ''}"
                             f"{plan['gpu']['name']} ({plan['gpu']['gib']:.1f} GiB)")
         for col in ("length", *(name for name, _ in SHOWN), "total", "fits"):
             table.add_column(col, justify="right", no_wrap=True)
