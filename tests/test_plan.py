@@ -202,3 +202,86 @@ def test_committed_plan_records_the_whole_drafts_parameters():
     by_tp = {lay["tp"]: lay["trainable_params_per_rank"] for lay in plan["layouts"]}
     assert plan["draft"]["trainable_params"] == by_tp[1] > by_tp[2]
     assert round(plan["draft"]["trainable_params"] / 1e6) == 425  # "425 M" in README.md and docs/recipes.md
+
+
+def test_fraction_masks_supervise_exactly_the_last_fraction_and_named_masks_stay():
+    from recipe.plan.spec import fraction_mask, mask_fraction, supervised_mask
+
+    assert fraction_mask(0.25) == "last0.25" and mask_fraction("last0.25") == 0.25 and mask_fraction("long10") is None
+    expected = torch.zeros(2, 100, dtype=torch.bool)
+    expected[:, 75:] = True
+    assert torch.equal(supervised_mask("last0.25", 2, 100), expected)
+    assert supervised_mask("last0.29", 1, 100).sum() == 29  # the decimal, not the float 0.29 (28.999... of 100)
+    assert supervised_mask("last1e-05", 1, 64).tolist() == [[False] * 63 + [True]]  # at least one position
+    assert torch.equal(supervised_mask("last1.0", 3, 50), supervised_mask("full", 3, 50))
+    for n in (7, 100, 4096, 32768):  # long10 is the fraction mask of 0.1
+        assert torch.equal(supervised_mask(fraction_mask(0.1), 1, n), supervised_mask("long10", 1, n))
+    assert supervised_mask("sharegpt", 1, 195).sum() == 135 and supervised_mask("full", 1, 8).all()
+    assert BenchSpec(seq_len=64, mask="last0.3").mask == "last0.3"
+    for bad in ("last0", "last1.5", "lastx", "last", "half"):
+        with pytest.raises(ValueError, match="mask|fraction"):
+            BenchSpec(seq_len=64, mask=bad)
+    for bad in (0, -0.1, 1.01, True):
+        with pytest.raises(ValueError, match="supervised fraction"):
+            fraction_mask(bad)
+
+
+def _chats(path: Path) -> Path:
+    """Three ShareGPT chats and a bad line; under the char-level template of ``chat_target`` a turn is
+    len(role) + len(content) + 4 tokens (<|im_start|>, "\\n" after the role, <|im_end|>, "\\n"), and an assistant
+    turn's content and its <|im_end|> are supervised: 28 tokens / 6 supervised, 32 / 5, 23 / 2."""
+    def chat(user, answer):
+        return json.dumps({"conversations": [{"from": "human", "value": user}, {"from": "gpt", "value": answer}]})
+
+    path.write_text("\n".join([chat("hi", "hello"), "{", chat("add two", "four"), chat("x", "y")]) + "\n")
+    return path
+
+
+def test_supervised_fraction_of_the_data_is_supervised_over_all_tokens(chat_target, tmp_path):
+    from recipe.plan.supervision import measure_supervision
+
+    data = _chats(tmp_path / "chats.jsonl")
+    cache = str(tmp_path / "cache")
+    whole = measure_supervision([str(data)], chat_target, 1024, cache_dir=cache)
+    assert (whole.supervised, whole.tokens, whole.examples, whole.skipped) == (13, 83, 3, 1)
+    assert whole.fraction == 13 / 83
+    first = measure_supervision([str(data)], chat_target / "config.json", 1024, limit=3, cache_dir=cache)
+    assert (first.supervised, first.tokens, first.examples, first.fraction) == (11, 60, 2, 11 / 60)
+    with pytest.raises(ValueError, match="tokenizer"):
+        measure_supervision([str(data)], LLAMA_8B, 1024, cache_dir=cache)
+    with pytest.raises(ValueError, match="nope.jsonl"):
+        measure_supervision([str(tmp_path / "nope.jsonl")], chat_target, 1024, cache_dir=cache)
+
+
+def test_cli_plans_the_supervised_fraction_given_or_measured_from_data(chat_target, tmp_path, capsys):
+    data, cache, out = _chats(tmp_path / "chats.jsonl"), str(tmp_path / "cache"), tmp_path / "plan.json"
+    base = ["--ds_config", str(ROOT / "ds_configs" / "zero3_bf16.json"), "--target", str(chat_target), "--length",
+            "1k", "--gpu", "1", "--ttt-steps", "2"]
+    code = cli.main(base + ["--data", str(data), "--limit", "3", "--cache-dir", cache, "--json", str(out)])
+    assert code == 0, capsys.readouterr().err
+    printed = " ".join(capsys.readouterr().out.split())  # rich may wrap a title
+    assert "11 of 60 tokens supervised (18.33%)" in printed and "last 18.33% supervised" in printed
+    plan = json.loads(out.read_text())
+    assert plan["supervision"]["source"] == "--data" and plan["supervision"]["fraction"] == 11 / 60
+    assert plan["supervision"]["data"]["limit"] == 3 and plan["supervision"]["data"]["max_length"] == 1024
+    dense, sparse = plan["layouts"]
+    assert (dense["sparse_anchors"], dense["mask"]) == (False, "full")
+    assert (sparse["sparse_anchors"], sparse["mask"]) == (True, f"last{11 / 60!r}")
+    assert sparse["rows"][0]["draft_activations"] < dense["rows"][0]["draft_activations"]
+    # the flag wins over the data (still measured and recorded); named masks stay beside it
+    args = cli.build_parser().parse_args(base + ["--supervised-fraction", "0.5", "--data", str(data), "--cache-dir",
+                                                 cache, "--sparse-anchors", "long10"])
+    cli.check_data_arguments(cli.build_parser(), args)
+    given = cli.supervision(args)
+    assert (given["fraction"], given["source"], given["data"]["fraction"]) == (0.5, "--supervised-fraction", 13 / 83)
+    assert cli.supervision(cli.build_parser().parse_args(base)) is None
+    capsys.readouterr()
+    for flags, named in ((["--supervised-fraction", "0"], "(0, 1]"), (["--supervised-fraction", "2"], "(0, 1]"),
+                         (["--data", str(tmp_path / "nope.jsonl")], "nope.jsonl"),
+                         (["--data", str(data), "--limit", "0"], "--limit")):
+        try:
+            code = cli.main(base + flags)
+        except SystemExit as exc:  # argparse's one-line error
+            code = exc.code
+        err = capsys.readouterr().err.strip()
+        assert code == 2 and named in err and len(err.splitlines()) == 1, err

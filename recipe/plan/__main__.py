@@ -1,9 +1,12 @@
 """``python -m recipe.plan --ds_config F --target DIR|config.json --length N[,N...] [--gpu h100|h200|a100-80g|<GiB>]
-[--world-size W] [--tp 1,2] [--cp 1,2,4] [--mlp-tile none,4096] [--ttt-steps K] [--draft-vocab-size Vd] [--offline]
-[--freeze-lm-head] [--json OUT]``: the per-rank memory plan (``recipe.plan``) by component, whether it fits the GPU,
-and the longest length that fits each layout. ``--tp`` / ``--cp`` lists override the JSON's parallelism section and
-``--mlp-tile`` its ``memory.mlp_tile_size`` ("none" or 0: untiled), one table per (tp, cp, MLP tile). Bad input: one
-line naming it, exit status 2.
+[--world-size W] [--tp 1,2] [--cp 1,2,4] [--mlp-tile none,4096] [--sparse-anchors MASKS] [--supervised-fraction F]
+[--data SOURCE.. [--limit N]] [--ttt-steps K] [--draft-vocab-size Vd] [--offline] [--freeze-lm-head] [--json OUT]``:
+the per-rank memory plan (``recipe.plan``) by component, whether it fits the GPU, and the longest length that fits
+each layout. ``--tp`` / ``--cp`` lists override the JSON's parallelism section and ``--mlp-tile`` its
+``memory.mlp_tile_size`` ("none" or 0: untiled), one table per (tp, cp, MLP tile). ``--sparse-anchors`` adds a table
+with ``memory.sparse_anchors`` on per named supervision mask, ``--supervised-fraction F`` one for the mask whose last
+F of the positions are supervised, and ``--data`` measures F from the run's data (``recipe.plan.supervision``) when
+``--supervised-fraction`` is not given. Bad input: one line naming it, exit status 2.
 """
 from __future__ import annotations
 
@@ -18,9 +21,9 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
+from recipe.cli import add_data_arguments, check_data_arguments, length_list
 from recipe.plan import GIB, PlanError, load_inputs, plan_rows, states
-from recipe.cli import length_list
-from recipe.plan.spec import spec_draft_config
+from recipe.plan.spec import check_fraction, fraction_mask, mask_fraction, spec_draft_config
 
 SHOWN = (("activations", ("draft_activations",)), ("ZeRO states", ("weights", "grads", "optimizer")),
          ("ZeRO buffers", ("zero_buffers",)), ("batch", ("batch",)), ("target w", ("target_weights",)),
@@ -67,6 +70,13 @@ def _masks(text: str) -> list[str]:
     return out
 
 
+def _fraction(text: str) -> float:
+    try:
+        return check_fraction(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="python -m recipe.plan", description=__doc__.split("\n\n")[0])
     p.add_argument("--ds_config", "--ds-config", dest="ds_config", type=Path, required=True,
@@ -82,6 +92,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--sparse-anchors", type=_masks,
                    help="also plan with memory.sparse_anchors on, for each supervision mask listed (full, sharegpt: "
                         "69%% supervised turns, long10: the last 10%% supervised), e.g. sharegpt,long10")
+    p.add_argument("--supervised-fraction", type=_fraction, metavar="F",
+                   help="also plan with memory.sparse_anchors on for a long prompt and a short answer: the last F "
+                        "(0 < F <= 1) of the positions supervised, e.g. 0.1 (default: measured from --data, if given)")
+    add_data_arguments(p)
+    p.add_argument("--limit", type=int, metavar="N",
+                   help="with --data: read only the first N records of each data file (default: all)")
+    p.add_argument("--seed", type=int, default=0, help="with --data: run.py's --seed (weighted mixing, chaining)")
+    p.add_argument("--cache-dir", help="with --data: datasets cache folder for the tokenised examples (default: the "
+                   "datasets default)")
     p.add_argument("--ttt-steps", type=int, default=7, help="TTT steps K (run.py's default 7)")
     p.add_argument("--draft-vocab-size", type=int, default=32000, help="draft vocabulary (run.py's default 32000)")
     p.add_argument("--offline", action="store_true", help="hidden states from a store: no target on the GPU")
@@ -91,13 +110,17 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def make_plan(args, argv: list[str]) -> dict:
-    """The JSON-ready plan of the parsed ``args`` (one table per (tp, cp)); PlanError for bad input."""
-    layouts = []
+    """The JSON-ready plan of the parsed ``args`` (one table per (tp, cp, MLP tile, supervision): the dense one, one
+    with sparse anchors per ``--sparse-anchors`` mask and one for ``args.supervision``'s fraction, ``supervision``'s
+    result set by ``main``); PlanError for bad input."""
+    layouts, masks, planned = [], list(args.sparse_anchors or []), getattr(args, "supervision", None)
+    if planned is not None:
+        masks.append(fraction_mask(planned["fraction"]))
     for tp in args.tp or [None]:
         for cp in args.cp or [None]:
             inputs = load_inputs(args.ds_config, args.target, args.gpu, args.world_size, tp, cp, args.ttt_steps,
                                  args.draft_vocab_size, args.offline, args.freeze_lm_head)
-            supervision = [(inputs.spec.sparse_anchors, "full")] + [(True, m) for m in args.sparse_anchors or []]
+            supervision = [(inputs.spec.sparse_anchors, "full")] + [(True, m) for m in masks]
             for tile in args.mlp_tile or [inputs.spec.mlp_tile]:
                 for sparse, mask in supervision:
                     spec = dataclasses.replace(inputs.spec, mlp_tile=tile, sparse_anchors=sparse, mask=mask)
@@ -122,8 +145,30 @@ def make_plan(args, argv: list[str]) -> dict:
                           "allocator_slack": states.ALLOCATOR_SLACK, "gpus_mib": states.GPUS_MIB,
                           "note": "fixed overheads from public measurements (recipe/plan/states.py cites them) "
                                   "until a GPU calibrates them"},
+            **({"supervision": planned} if planned else {}),
             "layouts": layouts,
             "longest_fit": {_layout_key(t): t["longest_fit"] for t in layouts}}
+
+
+def supervision(args) -> dict | None:
+    """The supervised fraction planned (``{"fraction": F, "source": "--supervised-fraction" | "--data"}``, with
+    ``"data"``: ``recipe.plan.supervision.DataSupervision.as_json`` when ``--data`` was measured), or None; the
+    measured figure is printed. PlanError for data that cannot be read."""
+    if args.data is None:
+        return None if args.supervised_fraction is None else {"fraction": args.supervised_fraction,
+                                                              "source": "--supervised-fraction"}
+    from recipe.plan.supervision import measure_supervision
+
+    try:
+        measured = measure_supervision(args.data, args.target, max(args.length), args.limit, args.data_column,
+                                       args.data_weights, args.chain_conversations, args.seed, args.cache_dir)
+    except ValueError as exc:
+        raise PlanError(str(exc)) from None
+    print(f"--data: {measured.supervised} of {measured.tokens} tokens supervised ({measured.fraction:.2%}) in "
+          f"{measured.examples} samples cut at {measured.max_length} tokens ({measured.skipped} records skipped)")
+    if args.supervised_fraction is not None:
+        return {"fraction": args.supervised_fraction, "source": "--supervised-fraction", "data": measured.as_json()}
+    return {"fraction": measured.fraction, "source": "--data", "data": measured.as_json()}
 
 
 def _layout_key(layout: dict) -> str:
@@ -133,12 +178,18 @@ def _layout_key(layout: dict) -> str:
     return f"tp{layout['tp']}_cp{layout['cp']}" + (f"_mlp{tile}" if tile else "") + sparse
 
 
+def _mask_title(mask: str) -> str:
+    """``"sharegpt mask"``, or ``"last 18.33% supervised"`` for a fraction mask."""
+    fraction = mask_fraction(mask)
+    return f"{mask} mask" if fraction is None else f"last {fraction:.2%} supervised"
+
+
 def print_plan(plan: dict, console: Console) -> None:
     for lay in plan["layouts"]:
         table = Table(title=f"per-rank GiB, tp={lay['tp']} cp={lay['cp']} dp={lay['dp']}, {lay['layout']}, "
                             f"{lay['backend']} attention, "
                             f"{'MLP tile ' + str(lay['mlp_tile']) if lay.get('mlp_tile') else 'untiled MLP'}, "
-                            f"{'sparse anchors, ' + lay['mask'] + ' mask, ' if lay.get('sparse_anchors') else ''}"
+                            f"{'sparse anchors, ' + _mask_title(lay['mask']) + ', ' if lay.get('sparse_anchors') else ''}"
                             f"{plan['gpu']['name']} ({plan['gpu']['gib']:.1f} GiB)")
         for col in ("length", *(name for name, _ in SHOWN), "total", "fits"):
             table.add_column(col, justify="right", no_wrap=True)
@@ -155,12 +206,17 @@ def print_plan(plan: dict, console: Console) -> None:
 def main(argv: list[str] | None = None) -> int:
     """CLI entry; returns 0, or 2 (with a one-line message) on bad input."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    check_data_arguments(parser, args)
+    if args.limit is not None and args.limit < 1:
+        parser.error(f"--limit {args.limit}: must be >= 1")
     if args.ttt_steps < 1 or args.draft_vocab_size < 1 or (args.world_size is not None and args.world_size < 1):
         print("python -m recipe.plan: error: --ttt-steps, --draft-vocab-size and --world-size must be >= 1",
               file=sys.stderr)
         return 2
     try:
+        args.supervision = supervision(args)
         plan = make_plan(args, argv)
     except PlanError as exc:
         print(f"python -m recipe.plan: error: {exc}", file=sys.stderr)

@@ -2,7 +2,10 @@
 layout, parallel degrees and dtype (:class:`BenchSpec`), the draft config it stands for."""
 from __future__ import annotations
 
+import math
+import re
 from dataclasses import dataclass
+from fractions import Fraction
 
 import torch
 
@@ -15,22 +18,58 @@ LAYOUTS = {"full": (False, False), "chunked": (True, False), "ckpt": (False, Tru
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 MASKS = ("full", "sharegpt", "long10")
-"""Supervision masks of a measured batch (``supervised_mask``): every position; ShareGPT-like turns (prompt 60
+"""Named supervision masks of a measured batch (``supervised_mask``): every position; ShareGPT-like turns (prompt 60
 tokens, answer 135: 69 % supervised, the share SmolLM2's template gives ShareGPT); a long prompt and a short answer
-(the last 10 % supervised)."""
+(the last 10 % supervised). Besides these, ``fraction_mask(F)`` names the long-prompt/short-answer mask with the
+last F of the positions supervised ("last0.25"; ``long10`` is "last0.1")."""
+
+_FRACTION_MASK = re.compile(r"last(\d*\.?\d+(?:e-?\d+)?)")
+
+
+def check_fraction(fraction: float) -> float:
+    """``fraction`` as a float when 0 < fraction ≤ 1 (a supervised fraction); ValueError naming it otherwise."""
+    try:
+        value = float(fraction)
+    except (TypeError, ValueError):
+        raise ValueError(f"supervised fraction {fraction!r} is not a number") from None
+    if isinstance(fraction, bool) or not 0 < value <= 1:
+        raise ValueError(f"supervised fraction {fraction!r} must be in (0, 1]")
+    return value
+
+
+def fraction_mask(fraction: float) -> str:
+    """The name of the long-prompt/short-answer mask whose last ``fraction`` (0 < F ≤ 1) of the positions are
+    supervised: ``"last"`` + the float's shortest round-trip text (``repr``), e.g. 0.1 -> "last0.1"."""
+    return f"last{check_fraction(fraction)!r}"
+
+
+def mask_fraction(mask: str) -> float | None:
+    """F of a ``fraction_mask`` name ("last0.1" -> 0.1); None for a named mask (``MASKS``); ValueError for any other
+    name."""
+    if mask in MASKS:
+        return None
+    match = _FRACTION_MASK.fullmatch(mask) if isinstance(mask, str) else None
+    if match is None:
+        raise ValueError(f"unknown mask {mask!r}; choose from {', '.join(MASKS)} or lastF (0 < F <= 1, e.g. "
+                         "last0.25: the last quarter supervised)")
+    return check_fraction(match.group(1))
 
 
 def supervised_mask(mask: str, batch: int, seq_len: int) -> torch.Tensor:
-    """[batch, seq_len] bool loss mask of ``mask`` (one of ``MASKS``; ValueError otherwise)."""
+    """[batch, seq_len] bool loss mask of ``mask`` (one of ``MASKS`` or a ``fraction_mask`` name; ValueError
+    otherwise). A fraction mask "lastF" supervises the last max(1, ⌊F·seq_len⌋) positions, F read as the decimal it
+    is written as (so "last0.1" is ``long10``: the last max(1, seq_len // 10))."""
     pos = torch.arange(seq_len)
-    if mask == "full":
+    fraction = mask_fraction(mask)
+    if fraction is not None:
+        supervised = max(1, math.floor(Fraction(mask[len("last"):]) * seq_len))
+        row = pos >= seq_len - supervised
+    elif mask == "full":
         row = torch.ones(seq_len, dtype=torch.bool)
     elif mask == "sharegpt":
         row = pos % 195 >= 60
-    elif mask == "long10":
+    else:  # long10
         row = pos >= seq_len - max(1, seq_len // 10)
-    else:
-        raise ValueError(f"unknown mask {mask!r}; choose from {', '.join(MASKS)}")
     return row.expand(batch, seq_len).clone()
 
 
@@ -40,9 +79,9 @@ class BenchSpec:
     V, target hidden H_t), sequence length, TTT steps K, batch, layout (``LAYOUTS``), parallel degrees tp/cp, dtype,
     device, loss chunk and attention tile sizes, the causal-block backend (``kernels.attention_backends``;
     "tiled" is the reference) and the MLP tile (``memory.mlp_tile_size``: positions per sequence tile of the draft's
-    norm + MLP, ``recipe.model.tiled_mlp``; None: untiled), the supervision ``mask`` (``MASKS``) and whether the step
-    runs on the needed anchors only (``sparse_anchors``, ``memory.sparse_anchors``). ``recipe.plan.predict_step``
-    predicts its memory."""
+    norm + MLP, ``recipe.model.tiled_mlp``; None: untiled), the supervision ``mask`` (``MASKS`` or a
+    ``fraction_mask`` name) and whether the step runs on the needed anchors only (``sparse_anchors``,
+    ``memory.sparse_anchors``). ``recipe.plan.predict_step`` predicts its memory."""
 
     seq_len: int
     layout: str = "full"
@@ -74,8 +113,7 @@ class BenchSpec:
             raise ValueError(f"unknown layout {self.layout!r}; choose from {sorted(LAYOUTS)}")
         if self.dtype not in DTYPES:
             raise ValueError(f"unknown dtype {self.dtype!r}; choose from {sorted(DTYPES)}")
-        if self.mask not in MASKS:
-            raise ValueError(f"unknown mask {self.mask!r}; choose from {', '.join(MASKS)}")
+        mask_fraction(self.mask)  # ValueError for an unknown mask
         if self.mlp_tile is not None and (isinstance(self.mlp_tile, bool) or not isinstance(self.mlp_tile, int)
                                           or self.mlp_tile < 1):
             raise ValueError(f"mlp tile {self.mlp_tile!r} must be None or a positive integer")
