@@ -16,7 +16,7 @@ import torch
 from rich.console import Console
 
 from recipe.eval.context import ContextPrompt
-from recipe.eval.draft_runtime import load_draft_export
+from recipe.eval.draft_runtime import export_aux_layer_ids, load_draft_export
 from recipe.eval.length_report import length_entry, length_table
 from recipe.eval.prompts import Prompt
 from recipe.eval.speculative import (
@@ -82,13 +82,12 @@ def evaluate_by_length(target_dir: str | Path, drafts: dict[str, Path], buckets:
     for an unloadable export or a prompt that with ``max_new_tokens`` and the drafted tokens would pass the target's
     ``max_position_embeddings`` (naming the prompt, its tokens and the limit).
     """
-    from recipe.eval.harness import _aux_ids
     from recipe.target.capture import TargetModel
 
     console = console or Console(stderr=True)
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = target_dtype or torch.float32
-    aux = {label: _aux_ids(path) for label, path in drafts.items()}
+    aux = {label: export_aux_layer_ids(path) for label, path in drafts.items()}
     union = sorted({i for ids in aux.values() for i in ids})
     model = TargetModel(target_dir, aux_layer_ids=union, dtype=dtype, device=dev)
     limit = max_target_positions(model.config)

@@ -17,12 +17,13 @@ Token ids: the draft's lm_head is over the draft vocabulary; draft id ``i`` is t
 """
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from recipe.export import check_tensors, load_export
+from recipe.export import CONFIG_FILE, check_tensors, load_export
 from recipe.model.draft import Eagle3Draft
 from recipe.model.draft_config import Eagle3DraftConfig
 
@@ -199,3 +200,12 @@ class EagleDrafter:
             hidden_H = self.chain_step(hidden_H, tokens[-1], step)
             tokens.append(self._greedy_target_id(hidden_H))
         return tokens
+
+
+def export_aux_layer_ids(path: Path) -> list[int]:
+    """The aux layer ids of an export folder's ``config.json``; ValueError naming the file when unreadable."""
+    file = Path(path) / CONFIG_FILE
+    try:
+        return Eagle3DraftConfig.from_hf_dict(json.loads(file.read_text())).aux_layer_ids
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ValueError(f"{file}: cannot read the draft config ({exc})") from None

@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 from rich.console import Console
 
-from recipe.eval.draft_runtime import load_draft_export
+from recipe.eval.draft_runtime import export_aux_layer_ids, load_draft_export
 from recipe.eval.prompts import Prompt, prompt_ids
 from recipe.eval.report import category_table, summarise_run, tau_table, tokens_per_s
 from recipe.eval.speculative import (
@@ -60,7 +60,7 @@ def evaluate(target_dir: str | Path, drafts: dict[str, Path], prompts: list[Prom
         raise ValueError(f"reference={reference!r}: choose from {', '.join(REFERENCE_MODES)}")
     console = console or Console(stderr=True)
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    configs = {label: _aux_ids(path) for label, path in drafts.items()}
+    configs = {label: export_aux_layer_ids(path) for label, path in drafts.items()}
     aux_ids = next(iter(configs.values()))
     model = TargetModel(target_dir, aux_layer_ids=aux_ids, device=dev,
                         dtype=target_dtype or torch.float32)
@@ -140,17 +140,3 @@ class GreedyReference:
             self.gens[i] = ref = Generation(tokens=self._alone(i).tokens, seconds=float("nan"))
         check_lossless(self.prompts[i].name, ref, gen)
         return gen
-
-
-def _aux_ids(path: Path) -> list[int]:
-    """The aux layer ids of an export's ``config.json``; ValueError naming the file when unreadable."""
-    import json
-
-    from recipe.export import CONFIG_FILE
-    from recipe.model.draft_config import Eagle3DraftConfig
-
-    file = Path(path) / CONFIG_FILE
-    try:
-        return Eagle3DraftConfig.from_hf_dict(json.loads(file.read_text())).aux_layer_ids
-    except (OSError, json.JSONDecodeError) as exc:
-        raise ValueError(f"{file}: cannot read the draft config ({exc})") from None

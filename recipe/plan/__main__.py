@@ -23,7 +23,7 @@ from rich.table import Table
 
 from recipe.cli import add_data_arguments, check_data_arguments, length_list
 from recipe.plan import GIB, PlanError, load_inputs, plan_rows, states
-from recipe.plan.spec import check_fraction, fraction_mask, mask_fraction, spec_draft_config
+from recipe.plan.spec import MASKS, check_fraction, fraction_mask, mask_fraction, spec_draft_config
 
 SHOWN = (("activations", ("draft_activations",)), ("ZeRO states", ("weights", "grads", "optimizer")),
          ("ZeRO buffers", ("zero_buffers",)), ("batch", ("batch",)), ("target w", ("target_weights",)),
@@ -62,8 +62,6 @@ def _tiles(text: str) -> list[int | None]:
 
 
 def _masks(text: str) -> list[str]:
-    from recipe.plan.spec import MASKS
-
     out = [x.strip() for x in text.split(",") if x.strip()]
     if not out or any(m not in MASKS for m in out):
         raise argparse.ArgumentTypeError(f"unknown mask in {text!r}; choose from {', '.join(MASKS)}")

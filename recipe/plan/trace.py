@@ -41,7 +41,7 @@ import torch
 from torch import nn
 
 from recipe.parallel.dims import seq_divisor
-from recipe.plan.spec import DTYPES, LAYOUTS, BenchSpec
+from recipe.plan.spec import DTYPES, LAYOUTS, BenchSpec, supervised_mask
 
 CATEGORIES = ("Parameter", "Buffer", "Gradient", "Activation", "Temp", "Optstate", "Other")
 
@@ -202,7 +202,6 @@ def host_batch(spec: BenchSpec, cp_rank: int = 0):
     from recipe.model.ttt import make_ttt_batch
     from recipe.parallel.cp_shard import shard_ttt_batch
 
-    from recipe.plan.spec import supervised_mask
 
     b, s = spec.batch, spec.seq_len
     ones = torch.ones(b, s, dtype=torch.bool)

@@ -21,6 +21,7 @@ import torch
 from recipe.data.store import DTYPES
 from recipe.model.ttt import TTTBatch, make_ttt_batch, target_in_draft_vocab
 from recipe.target.head import validity_rows
+from recipe.train.positions import anchor_offset_positions
 
 
 def round_up(n: int, multiple: int) -> int:
@@ -224,8 +225,6 @@ class BatchBuilder:
         ttt.target_hidden_BLH = ttt.target_hidden_BLH.to(self.dtype)
         positions = None  # --position-offset-max 0: the positions make_ttt_batch made (arange), untouched
         if self.position_offset_max:
-            from recipe.train.positions import anchor_offset_positions
-
             positions = anchor_offset_positions(host.indices, host.seq, self.position_offset_max, self.seed)
             ttt.position_ids_BS = self._cp_part(positions).to(self.device)
         self._attach_host_copies(ttt, host, positions, host_valid)
