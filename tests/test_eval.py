@@ -6,6 +6,7 @@ import json
 
 import pytest
 import torch
+from helpers.trees import assert_children_are_topk
 
 from kernels.block_attention import block_attention
 from kernels.ttt_attention import TTTKVCache
@@ -300,19 +301,7 @@ def test_eagle_tree_is_chain_at_topk_one_and_lossless(tiny):
     tree.begin()
     got = tree.propose_tree(aux, nxt, TreeSpec(topk=3, depth=3, budget=100))
     assert len(got.tokens) == 3 + 3 * 3 + 3 * 3 and got.depths().count(3) == 9
-    to_draft = {int(t): d for d, t in enumerate(chain.draft_to_target.tolist())}
-    for node in {p for p in got.parents if p >= 0}:
-        path, j = [], node
-        while j >= 0:
-            path.insert(0, got.tokens[j])
-            j = got.parents[j]
-        chain.begin()
-        hidden = chain.extend(aux, nxt)[-1]
-        for step, tok in enumerate(path, start=1):
-            hidden = chain.chain_step(hidden, tok, step)
-        top3 = set(draft.logits(hidden).topk(3).indices.tolist())
-        children = {to_draft[t] for t, p in zip(got.tokens, got.parents) if p == node}
-        assert children == top3, (node, path)
+    assert_children_are_topk(got, chain, draft, aux, nxt, 3)
 
 
 @pytest.mark.slow

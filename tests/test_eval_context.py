@@ -8,6 +8,7 @@ import math
 
 import pytest
 import torch
+from helpers.trees import assert_children_are_topk
 
 from recipe.cli import context_length_list
 from recipe.eval.by_length import evaluate_by_length
@@ -214,18 +215,7 @@ def test_draft_window_matches_an_explicitly_masked_reference(tiny, window, monke
     tree.begin()
     spec = TreeSpec(topk=2, depth=3, budget=100)
     out = tree.propose_tree(aux, nxt, spec)
-    to_draft = {int(t): d for d, t in enumerate(tree.draft_to_target.tolist())}
-    for node in {p for p in out.parents if p >= 0}:
-        path, j = [], node
-        while j >= 0:
-            path.insert(0, out.tokens[j])
-            j = out.parents[j]
-        ref.begin()
-        hidden = ref.extend(aux, nxt)[-1]
-        for step, tok in enumerate(path, start=1):
-            hidden = ref.chain_step(hidden, tok, step)
-        children = {to_draft[t] for t, p in zip(out.tokens, out.parents) if p == node}
-        assert children == set(ref_draft.logits(hidden).topk(2).indices.tolist()), (node, path)
+    assert_children_are_topk(out, ref, ref_draft, aux, nxt, 2)
 
 
 def test_window_mask(tiny):
