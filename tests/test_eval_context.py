@@ -3,8 +3,10 @@ own), about-context requests, bucketed prompts, the draft's sliding window again
 the shared prefill, the standard error of τ, and one short CLI run on the real SmolLM2 target (slow)."""
 from __future__ import annotations
 
+import argparse
 import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -360,7 +362,7 @@ def test_cli_buckets_prompts_alone_and_inserts_context_data_without_assets(conve
     assert cli.main(base) == 0
     buckets, kw = calls[-1]
     assert {n: [p.name for p in b] for n, b in buckets.items()} == {20: ["n30"], 50: ["n80"]}
-    assert kw["window"] == 16 and kw["target_dtype"] == torch.float32
+    assert kw["window"] == {str(tmp_path): 16} and kw["target_dtype"] == torch.float32
     result = json.loads((tmp_path / "r.json").read_text())
     assert result["bucketed_by_prompt_length"] and result["skipped_prompts"] == {"shorter_than_lengths": 1,
                                                                                  "too_long_for_target": 1}
@@ -371,3 +373,43 @@ def test_cli_buckets_prompts_alone_and_inserts_context_data_without_assets(conve
                for b in buckets.values() for p in b)
     assert json.loads((tmp_path / "r.json").read_text())["context_data"] == [str(conversations[0])]
     assert cli.main(base + ["--reference", "batched"]) == 2
+    assert cli.main(base + ["--draft", f"{tmp_path}@4"]) == 0  # the same folder again, served with a window of 4
+    assert calls[-1][1]["window"] == {str(tmp_path): 16, f"{tmp_path}@4": 4}
+    assert cli.main(base + ["--draft", str(tmp_path)]) == 2  # the same label twice
+
+
+def test_draft_spec_window_suffix(tmp_path):
+    from recipe.eval.__main__ import draft_spec
+
+    assert draft_spec("runs/x/export") == ("runs/x/export", Path("runs/x/export"), None)
+    assert draft_spec("runs/x/export@256") == ("runs/x/export@256", Path("runs/x/export"), 256)
+    for bad in ("export@0", "export@", "export@1k"):
+        with pytest.raises(argparse.ArgumentTypeError, match="positive integer"):
+            draft_spec(bad)
+
+
+def test_per_draft_windows_in_one_run_equal_separate_runs(tiny, tiny_target, tmp_path, monkeypatch):
+    """``{label: window}``: one run with a draft served at full attention and with a window of 4 gives each the
+    τ and tokens of a run with that window alone (the shared prefill changes nothing)."""
+    from recipe.eval.context import ContextPrompt
+
+    target, draft = tiny
+    folder = write_export(export_tensors(draft.state_dict()), draft.config.to_hf_dict(), tmp_path / "a")
+    gen = torch.Generator().manual_seed(3)
+    buckets = {30: [ContextPrompt(f"p{i}", "all", torch.randint(3, VOCAB, (35,), generator=gen).tolist(), 30, 30)
+                    for i in range(2)]}
+    import recipe.eval.by_length as by_length
+
+    built = []
+    real = by_length.EagleTreeDrafter
+    monkeypatch.setattr(by_length, "EagleTreeDrafter", lambda d, window: built.append(window) or real(d, window=window))
+    both = evaluate_by_length(tiny_target, {"full": folder, "w4": folder}, buckets, [3], 12, device="cpu",
+                              window={"full": None, "w4": 4})
+    assert built == [None, 4]
+    alone = {w: evaluate_by_length(tiny_target, {"x": folder}, buckets, [3], 12, device="cpu", window=w)
+             for w in (None, 4)}
+    assert both["draft_window_sizes"] == {"full": None, "w4": 4}
+    runs = {r["draft"]: r for r in both["lengths"][0]["runs"]}
+    for label, w in (("full", None), ("w4", 4)):
+        ref = alone[w]["lengths"][0]["runs"][0]
+        assert runs[label]["tau"] == ref["tau"] and runs[label]["accepted_per_position"] == ref["accepted_per_position"]

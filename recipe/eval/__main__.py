@@ -36,8 +36,10 @@ DRAFT_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m recipe.eval", description=__doc__.split("\n\n")[0])
     p.add_argument("--target", type=Path, required=True, help="target model folder (Hugging Face format)")
-    p.add_argument("--draft", type=Path, action="append", required=True,
-                   help="draft export folder (config.json + model.safetensors); repeat to compare several")
+    p.add_argument("--draft", type=draft_spec, action="append", required=True, metavar="DIR[@N]",
+                   help="draft export folder (config.json + model.safetensors); repeat to compare several; DIR@N "
+                        "serves that draft with a sliding window of N positions (as --draft-window-size, for that "
+                        "entry only), so one run compares a draft with and without a window")
     p.add_argument("--prompts", type=Path, help='JSONL of {"prompt" or "turns", "category"} (default: MT-Bench)')
     p.add_argument("--num-draft-tokens", type=positive_int_list, default=[5],
                    help="k, draft tokens per round (e.g. 5 or 5,3)")
@@ -71,6 +73,32 @@ def build_parser() -> argparse.ArgumentParser:
                         "all prompts in one batch (fewer target forwards; greedy speed timed on the shortest prompt)")
     add_tree_arguments(p)
     return p
+
+
+def draft_spec(text: str) -> tuple[str, Path, int | None]:
+    """``--draft`` value ``DIR`` or ``DIR@N`` -> (label, folder, window): the label is the text as given, the window
+    N positions (None: ``--draft-window-size``'s, or full attention). Raises ArgumentTypeError for an N that is not
+    a positive integer."""
+    folder, at, window = text.rpartition("@") if "@" in text else (text, "", "")
+    if not at:
+        return text, Path(text), None
+    try:
+        return text, Path(folder), _positive(window)
+    except (ValueError, argparse.ArgumentTypeError):
+        raise argparse.ArgumentTypeError(f"{text!r}: the window after '@' must be a positive integer "
+                                         f"(DIR@N, e.g. export@256)") from None
+
+
+def _drafts(args) -> tuple[dict[str, Path], dict[str, int | None]]:
+    """(label -> folder, label -> window) of the ``--draft`` values; a draft without ``@N`` gets
+    ``--draft-window-size`` (None: full attention). Raises ValueError for a label given twice."""
+    folders, windows = {}, {}
+    for label, folder, window in args.draft:
+        if label in folders:
+            raise ValueError(f"--draft {label} is given twice")
+        folders[label] = folder
+        windows[label] = window if window is not None else args.draft_window_size
+    return folders, windows
 
 
 def _positive(text: str) -> int:
@@ -120,11 +148,12 @@ def _context_run(args, console, tree) -> dict:
         console.print(f"context data: {len(data.pairs)} conversations with turn pairs (skipped rows: "
                       f"{data.skip_note()})")
         buckets = context_prompts(tokenizer, prompts, data, args.context_lengths, args.seed, args.context_request)
-    result = evaluate_by_length(args.target, {str(d): d for d in args.draft}, buckets, args.num_draft_tokens,
+    folders, windows = _drafts(args)
+    result = evaluate_by_length(args.target, folders, buckets, args.num_draft_tokens,
                                 args.max_new_tokens, device=args.device, console=console,
                                 draft_dtype=DRAFT_DTYPES[args.draft_dtype] if args.draft_dtype else None, tree=tree,
                                 target_dtype=DRAFT_DTYPES[args.dtype] if args.dtype else None,
-                                window=args.draft_window_size, eos_token_id=tokenizer.eos_token_id)
+                                window=windows, eos_token_id=tokenizer.eos_token_id)
     return {"context_lengths": args.context_lengths, "context_request": args.context_request, "seed": args.seed,
             "prompts": str(args.prompts), "bucketed_by_prompt_length": bucketed,
             "context_data": None if bucketed else [str(f) for f in args.context_data],
@@ -152,12 +181,12 @@ def main(argv: list[str] | None = None) -> int:
 
             args.prompts = prepare_assets().prompts
         prompts = read_prompts(args.prompts, args.limit)
-        labels = [str(d) for d in args.draft]
-        result = evaluate(args.target, dict(zip(labels, args.draft)), prompts, args.num_draft_tokens,
+        folders, windows = _drafts(args)
+        result = evaluate(args.target, folders, prompts, args.num_draft_tokens,
                           args.max_new_tokens, device=args.device, console=console,
                           draft_dtype=DRAFT_DTYPES[args.draft_dtype] if args.draft_dtype else None, tree=tree,
                           reference=args.reference, target_dtype=DRAFT_DTYPES[args.dtype] if args.dtype else None,
-                          window=args.draft_window_size)
+                          window=windows)
     except MismatchError as exc:
         console.print(f"[bold red]lossless check failed[/bold red]: {exc}")
         return 1

@@ -16,7 +16,7 @@ import torch
 from rich.console import Console
 
 from recipe.eval.context import ContextPrompt
-from recipe.eval.draft_runtime import export_aux_layer_ids, load_draft_export
+from recipe.eval.draft_runtime import draft_window, export_aux_layer_ids, load_draft_export
 from recipe.eval.length_report import length_entry, length_table
 from recipe.eval.prompts import Prompt
 from recipe.eval.speculative import (
@@ -69,12 +69,13 @@ def evaluate_by_length(target_dir: str | Path, drafts: dict[str, Path], buckets:
                        ks: list[int], max_new_tokens: int, device: str | torch.device | None = None,
                        console: Console | None = None, draft_dtype: torch.dtype | None = None,
                        tree: TreeSpec | None = None, target_dtype: torch.dtype | None = None,
-                       window: int | None = None, eos_token_id: int | None = None) -> dict:
+                       window: int | None | dict[str, int | None] = None, eos_token_id: int | None = None) -> dict:
     """τ of every draft export in ``drafts`` (label -> folder) at each k of ``ks`` and, with ``tree``, of tree
     drafting, for each context length of ``buckets`` (``{L: prompts}``, from ``recipe.eval.context``).
 
     ``target_dtype``: the target's dtype (None: float32 on every device, see ``recipe.eval.harness.evaluate``); ``draft_dtype`` as in
-    ``recipe.eval.harness.evaluate``; ``window``: the draft's sliding window in positions (``DraftKVCache``);
+    ``recipe.eval.harness.evaluate``; ``window``: the drafts' sliding window in positions (``DraftKVCache``; None: full attention), or a
+    ``{label: window}`` dict giving each draft its own;
     ``eos_token_id``: the tokenizer's EOS (decoding stops after it; None: only ``max_new_tokens`` stops).
     Returns ``{"target", "target_dtype", "max_new_tokens", "draft_window_size", "draft_dtypes", "tree",
     "lengths": [length_entry(...), ...]}``, one entry per length in increasing order (``length_report``).
@@ -109,7 +110,7 @@ def evaluate_by_length(target_dir: str | Path, drafts: dict[str, Path], buckets:
         dtypes[label] = str(draft.fc.weight.dtype).removeprefix("torch.")
         if dev.type == "cpu":
             pack_linear_layers(draft)
-        drafters[label] = EagleTreeDrafter(draft, window=window)
+        drafters[label] = EagleTreeDrafter(draft, window=draft_window(window, label))
 
     entries = []
     for length in sorted(buckets):
@@ -140,4 +141,5 @@ def evaluate_by_length(target_dir: str | Path, drafts: dict[str, Path], buckets:
     console.print(length_table(entries))
     return {"target": str(target_dir), "target_dtype": str(dtype).removeprefix("torch."),
             "max_new_tokens": max_new_tokens, "draft_window_size": window, "draft_dtypes": dtypes,
+            "draft_window_sizes": {label: draft_window(window, label) for label in drafts},
             "tree": tree.as_dict() if tree is not None else None, "lengths": entries}

@@ -209,3 +209,9 @@ def export_aux_layer_ids(path: Path) -> list[int]:
         return Eagle3DraftConfig.from_hf_dict(json.loads(file.read_text())).aux_layer_ids
     except (OSError, json.JSONDecodeError) as exc:
         raise ValueError(f"{file}: cannot read the draft config ({exc})") from None
+
+
+def draft_window(window: int | None | dict[str, int | None], label: str) -> int | None:
+    """The sliding window of draft ``label``: ``window`` itself, or its entry when ``window`` is a per-draft dict
+    (None: full attention)."""
+    return window.get(label) if isinstance(window, dict) else window

@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 from rich.console import Console
 
-from recipe.eval.draft_runtime import export_aux_layer_ids, load_draft_export
+from recipe.eval.draft_runtime import draft_window, export_aux_layer_ids, load_draft_export
 from recipe.eval.prompts import Prompt, prompt_ids
 from recipe.eval.report import category_table, summarise_run, tau_table, tokens_per_s
 from recipe.eval.speculative import (
@@ -31,7 +31,7 @@ def evaluate(target_dir: str | Path, drafts: dict[str, Path], prompts: list[Prom
              max_new_tokens: int, device: str | torch.device | None = None,
              console: Console | None = None, draft_dtype: torch.dtype | None = None,
              tree: TreeSpec | None = None, reference: str = "sequential", target_dtype: torch.dtype | None = None,
-             window: int | None = None) -> dict:
+             window: int | None | dict[str, int | None] = None) -> dict:
     """τ and speed of each draft export in ``drafts`` (label -> folder) at each k in ``ks`` (chain drafting) and,
     with ``tree``, of dynamic-tree drafting with that shape (``recipe.eval.tree``).
 
@@ -39,7 +39,7 @@ def evaluate(target_dir: str | Path, drafts: dict[str, Path], prompts: list[Prom
     decoding agree to the last bit as far as possible; in bfloat16 they round differently, and near-tied logits
     make the lossless check fail: seen on an H200 at the 4th new token); each draft in ``draft_dtype`` (None: the export's
     own dtype, see ``load_draft_export``), attending its last ``window`` positions only when set
-    (``recipe.eval.draft_runtime.DraftKVCache``); EOS is the tokenizer's. Returns ``{"target", "num_prompts",
+    (``recipe.eval.draft_runtime.DraftKVCache``; a ``{label: window}`` dict gives each draft its own); EOS is the tokenizer's. Returns ``{"target", "num_prompts",
     "max_new_tokens", "reference", "greedy_tokens_per_s",
     "draft_dtypes": {label: "bfloat16" | "float32" | ...}, "runs": [summarise_run(...), ...]}`` in ``drafts`` × ``ks``
     order, and with ``tree`` also ``"tree": spec.as_dict()`` and ``"tree_runs"``: one ``summarise_run`` per draft,
@@ -82,7 +82,7 @@ def evaluate(target_dir: str | Path, drafts: dict[str, Path], prompts: list[Prom
         dtypes[label] = str(draft.fc.weight.dtype).removeprefix("torch.")
         if dev.type == "cpu":
             pack_linear_layers(draft)  # a float32 draft; other dtypes keep nn.Linear
-        drafter = EagleTreeDrafter(draft, window=window)
+        drafter = EagleTreeDrafter(draft, window=draft_window(window, label))
         for k in ks:
             gens = [refs.check(i, speculative_generate(target, drafter, prompt, k, max_new_tokens, eos))
                     for i, prompt in enumerate(ids)]
