@@ -132,8 +132,13 @@ def _ds_config(args) -> Path:
     return path
 
 
-def stage_train(args, assets, store: Path, console: Console) -> bool:
-    """DeepSpeed training into ``OUTPUT`` (resumes a checkpoint); True when the export already existed (nothing run)."""
+def stage_train(args, assets, store: Path | None, console: Console, data_args: list[str] | None = None,
+                extra: list[str] | tuple = ()) -> bool:
+    """DeepSpeed training into ``OUTPUT`` (resumes a checkpoint); True when the export already existed (nothing run).
+
+    The samples are the hidden-state ``store`` (offline) or, with ``data_args`` (e.g. ``["--data", FILE,
+    "--chain-conversations", "4k"]``), read and run through the target online; ``extra`` are more ``run.py`` flags
+    (``recipe.bench long_context``'s arms: ``--cp-size``, ``--init-draft``, ``--position-offset-max``)."""
     export = args.output / "export"
     if (export / "config.json").is_file():
         console.print(f"train: {export} exists, skipped (delete it to retrain)")
@@ -146,8 +151,8 @@ def stage_train(args, assets, store: Path, console: Console) -> bool:
     else:
         launch = [str(Path(sys.executable).parent / "torchrun"), "--nproc_per_node", str(ranks),
                   "--master_port", port]
-    argv = ["run.py", "--ds_config", str(_ds_config(args)), "--target", str(assets.target),
-            "--hidden-states", str(store), "--output", str(args.output), "--max-length", str(args.max_length),
+    samples = data_args if data_args is not None else ["--hidden-states", str(store)]
+    argv = ["run.py", "--ds_config", str(_ds_config(args)), "--target", str(assets.target), *samples, "--output", str(args.output), "--max-length", str(args.max_length),
             "--ttt-steps", str(args.ttt_steps), "--draft-vocab-size", str(args.draft_vocab_size),
             "--epochs", str(args.epochs), "--seed", str(args.seed), "--cache-dir", str(args.output / "cache"),
             "--save-every", str(args.save_every)]
@@ -155,6 +160,7 @@ def stage_train(args, assets, store: Path, console: Console) -> bool:
         argv += ["--max-steps", str(args.max_steps)]
     if args.freeze_lm_head:
         argv.append("--freeze-lm-head")
+    argv += list(extra)
     if (args.output / "checkpoints" / "latest").is_file():
         argv.append("--resume")
     elif (args.output / "metrics.jsonl").is_file():

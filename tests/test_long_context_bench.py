@@ -1,0 +1,156 @@
+"""``python -m recipe.bench long-context``: the arms' training flags (stages stubbed, nothing trained), the evaluation
+commands (every arm's draft in one ``recipe.eval`` run, windows as ``DIR@W``), and the report built from a
+``recipe.eval --context-lengths`` JSON."""
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from recipe.bench import long_context as lc
+from recipe.bench.long_context_report import arm_summary, length_rows, plot_report, report, report_table
+
+
+class _Assets:
+    def __init__(self, root: Path):
+        self.target, self.conversations, self.prompts = root / "target", root / "data.jsonl", root / "mt.jsonl"
+
+
+def _stub_stages(monkeypatch, calls):
+    def dump(args, assets, data, store, console):
+        calls.append(("dump", args.output.name, store.name))
+        return True
+
+    def train(args, assets, store, console, data_args=None, extra=()):
+        calls.append(("train", args.output.name, args.max_length, args.batch_size, args.ranks, args.epochs,
+                      args.lr, store.name if store else None, tuple(data_args or ()), tuple(extra)))
+        (args.output / "export").mkdir(parents=True, exist_ok=True)
+        (args.output / "export" / "config.json").write_text("{}")
+        return False
+    monkeypatch.setattr(lc.demo, "stage_dump", dump)
+    monkeypatch.setattr(lc.demo, "stage_train", train)
+    monkeypatch.setattr(lc, "_target_positions", lambda target: 8192)
+
+
+def test_arms_are_trained_with_their_flags(tmp_path, monkeypatch):
+    calls = []
+    _stub_stages(monkeypatch, calls)
+    args = lc.build_parser().parse_args(["--output", str(tmp_path / "out"), "--long-length", "4k",
+                                         "--long-conversations", "180", "--warm-fraction", "0.25"])
+    runs = lc.train_arms(args, ["--lr", "1e-3"], _Assets(tmp_path), console=None)
+    assert list(runs) == ["short", "long", "warm", "posrobust"]
+    chained = ("--data", str(tmp_path / "data.jsonl"), "--limit", "180", "--chain-conversations", "4096")
+    store = "store-sharegpt-n540-len256"
+    assert calls == [
+        ("dump", "short", store),
+        ("train", "short", 256, 4, 2, 4.0, 1e-3, store, (), ()),
+        ("train", "long", 4096, 1, 2, 1.0, 1e-3, None, chained, ("--cp-size", "2")),
+        ("train", "warm", 4096, 1, 2, 0.25, 5e-4, None, chained,
+         ("--cp-size", "2", "--init-draft", str(runs["short"] / "export"))),
+        ("dump", "posrobust", store),
+        ("train", "posrobust", 256, 4, 2, 4.0, 1e-3, store, (), ("--position-offset-max", str(8192 - 256))),
+    ]
+
+
+def test_a_given_short_run_is_not_retrained_and_a_missing_export_is_an_error(tmp_path, monkeypatch):
+    calls = []
+    _stub_stages(monkeypatch, calls)
+    short = tmp_path / "demo"
+    (short / "export").mkdir(parents=True)
+    (short / "export" / "config.json").write_text("{}")
+    args = lc.build_parser().parse_args(["--output", str(tmp_path / "out"), "--short-run", str(short),
+                                         "--arms", "short,posrobust", "--position-offset-max", "1000"])
+    runs = lc.train_arms(args, [], _Assets(tmp_path), console=None)
+    assert runs == {"short": short.resolve(), "posrobust": tmp_path / "out" / "posrobust"}
+    assert [c[:2] for c in calls] == [("dump", "posrobust"), ("train", "posrobust")]
+    assert calls[-1][-1] == ("--position-offset-max", "1000")
+    monkeypatch.setattr(lc.demo, "stage_train", lambda *a, **k: False)  # "trained" without an export
+    args = lc.build_parser().parse_args(["--output", str(tmp_path / "out2"), "--arms", "short,long"])
+    with pytest.raises(RuntimeError, match="arm short: .*export was not written"):
+        lc.train_arms(args, [], _Assets(tmp_path), console=None)
+
+
+def test_unknown_arm_is_refused(capsys):
+    assert lc.main(["--arms", "short,huge"]) == 2
+    assert lc.main(["--arms", "long"]) == 2  # the short arm is what the others are compared with
+
+
+def _entry(length, drafts):
+    runs, trees = [], []
+    for i, d in enumerate(drafts):
+        runs.append({"draft": d, "num_draft_tokens": 3, "tau": 1.3 + 0.1 * i, "tau_se": 0.02,
+                     "accepted_per_position": [10, 3, 1]})
+        runs.append({"draft": d, "num_draft_tokens": 5, "tau": 9.0, "tau_se": 0.0, "accepted_per_position": []})
+        trees.append({"draft": d, "num_draft_tokens": 5, "tau": 1.5 + 0.1 * i, "tau_se": float("nan")})
+    return {"context_length": length, "num_prompts": 4, "mean_context_tokens": length * 0.98, "runs": runs,
+            "tree_runs": trees}
+
+
+def test_report_rows_table_and_plot(tmp_path):
+    about = {"context_lengths": [256, 4096], "lengths": [_entry(256, ["short", "short@256"]),
+                                                           _entry(4096, ["short", "short@256"])]}
+    contrast = {"context_lengths": [0], "lengths": [_entry(0, ["short"])]}
+    rows = length_rows(about)
+    assert [(r["draft"], r["context_length"]) for r in rows] == [("short", 256), ("short@256", 256),
+                                                                   ("short", 4096), ("short@256", 4096)]
+    assert rows[1]["k"] == 3 and rows[1]["tau"] == pytest.approx(1.4) and rows[1]["tau_tree"] == pytest.approx(1.6)
+    assert math.isnan(rows[0]["tau_tree_se"])
+    args = lc.build_parser().parse_args(["--output", str(tmp_path)])
+    result = report(args, {"short": {"run": "x"}}, about, contrast)
+    assert result["unrelated"]["rows"][0]["context_length"] == 0
+    assert json.loads(json.dumps(result, default=str))["settings"]["output"] == str(tmp_path)
+    table = report_table(result)
+    assert [c.header for c in table.columns] == ["requests", "arm", "0", "256", "4096"]
+    assert table.row_count == 3
+    cells = list(table.columns[3].cells)
+    assert cells[0] == "1.300 ± 0.020\n1.500" and cells[2] == ""
+    pytest.importorskip("matplotlib")
+    out = plot_report(result, tmp_path / "p.png")
+    assert out is not None and out.stat().st_size > 0
+
+
+def test_arm_summary_from_metrics(tmp_path):
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(
+        {"step": s, "loss": 1.0, "tokens": 100, "samples": 2, "time_s": 0.5, "acc_all_supervised": [s / 10, 0]})
+        + "\n" for s in range(1, 13)))
+    (tmp_path / "run_config.json").write_text(json.dumps(
+        {"args": {"max_length": 4096, "chain_conversations": 4096, "position_offset_max": 0},
+         "deepspeed": {"optimizer": {"params": {"lr": 0.002}}}}))
+    s = arm_summary(tmp_path)
+    assert (s["steps"], s["samples"], s["supervised_tokens"], s["train_s"]) == (12, 24, 1200, 6.0)
+    assert s["acc0_last10"] == pytest.approx(sum(range(3, 13)) / 100)
+    assert s["max_length"] == 4096 and s["lr"] == 0.002
+    assert arm_summary(tmp_path / "none") == {"run": str(tmp_path / "none"),
+                                              "export": str(tmp_path / "none" / "export")}
+
+
+def test_one_eval_run_for_every_arm_and_its_skip_stamp(tmp_path, monkeypatch):
+    seen = []
+
+    def fake_call(cmd, env, cwd):
+        seen.append((cmd, cwd))
+        Path(cmd[cmd.index("--output") + 1]).write_text(json.dumps({"context_lengths": [256], "lengths": []}))
+        return 0
+    monkeypatch.setattr(lc.subprocess, "call", fake_call)
+    args = lc.build_parser().parse_args(["--prompts", "8", "--context-lengths", "256,4k"])
+    out = tmp_path / "about.json"
+    drafts = ["short", "long", "short@256"]
+    assert lc._eval(_Assets(tmp_path), args, tmp_path, drafts, args.context_lengths, "about-context", out,
+                    console=lc.Console(quiet=True)) == {"context_lengths": [256], "lengths": []}
+    cmd, cwd = seen[0]
+    assert cwd == tmp_path and cmd[1:3] == ["-m", "recipe.eval"]
+    assert cmd[cmd.index("--context-lengths") + 1] == "256,4096" and cmd[cmd.index("--limit") + 1] == "8"
+    assert cmd[cmd.index("--context-request") + 1] == "about-context"
+    assert [cmd[i + 1] for i, x in enumerate(cmd) if x == "--draft"] == drafts
+    lc._eval(_Assets(tmp_path), args, tmp_path, drafts, args.context_lengths, "about-context", out,
+             console=lc.Console(quiet=True))
+    assert len(seen) == 1  # the same command again: skipped
+    lc._eval(_Assets(tmp_path), args, tmp_path, drafts[:2], args.context_lengths, "about-context", out,
+             console=lc.Console(quiet=True))
+    assert len(seen) == 2
+    monkeypatch.setattr(lc.subprocess, "call", lambda *a, **k: 1)
+    with pytest.raises(RuntimeError, match="evaluation failed"):
+        lc._eval(_Assets(tmp_path), args, tmp_path, ["x"], [0], "unrelated", tmp_path / "u.json",
+                 console=lc.Console(quiet=True))
