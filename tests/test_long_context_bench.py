@@ -135,22 +135,24 @@ def test_one_eval_run_for_every_arm_and_its_skip_stamp(tmp_path, monkeypatch):
         return 0
     monkeypatch.setattr(lc.subprocess, "call", fake_call)
     args = lc.build_parser().parse_args(["--prompts", "8", "--context-lengths", "256,4k"])
-    out = tmp_path / "about.json"
+    out = tmp_path / "about"
     drafts = ["short", "long", "short@256"]
-    assert lc._eval(_Assets(tmp_path), args, tmp_path, drafts, args.context_lengths, "about-context", out,
-                    console=lc.Console(quiet=True)) == {"context_lengths": [256], "lengths": []}
-    cmd, cwd = seen[0]
+    merged = lc._eval(_Assets(tmp_path), args, tmp_path, drafts, args.context_lengths, "about-context", out,
+                      console=lc.Console(quiet=True))
+    assert merged == {"context_lengths": [256, 4096], "lengths": []}
+    assert [Path(c[c.index("--output") + 1]).name for c, _ in seen] == ["about-L256.json", "about-L4096.json"]
+    cmd, cwd = seen[1]
     assert cwd == tmp_path and cmd[1:3] == ["-m", "recipe.eval"]
-    assert cmd[cmd.index("--context-lengths") + 1] == "256,4096" and cmd[cmd.index("--limit") + 1] == "8"
+    assert cmd[cmd.index("--context-lengths") + 1] == "4096" and cmd[cmd.index("--limit") + 1] == "8"
     assert cmd[cmd.index("--context-request") + 1] == "about-context"
     assert [cmd[i + 1] for i, x in enumerate(cmd) if x == "--draft"] == drafts
     lc._eval(_Assets(tmp_path), args, tmp_path, drafts, args.context_lengths, "about-context", out,
              console=lc.Console(quiet=True))
-    assert len(seen) == 1  # the same command again: skipped
-    lc._eval(_Assets(tmp_path), args, tmp_path, drafts[:2], args.context_lengths, "about-context", out,
+    assert len(seen) == 2  # the same commands again: skipped
+    lc._eval(_Assets(tmp_path), args, tmp_path, drafts[:2], [4096], "about-context", out,
              console=lc.Console(quiet=True))
-    assert len(seen) == 2
+    assert len(seen) == 3
     monkeypatch.setattr(lc.subprocess, "call", lambda *a, **k: 1)
     with pytest.raises(RuntimeError, match="evaluation failed"):
-        lc._eval(_Assets(tmp_path), args, tmp_path, ["x"], [0], "unrelated", tmp_path / "u.json",
+        lc._eval(_Assets(tmp_path), args, tmp_path, ["x"], [0], "unrelated", tmp_path / "u",
                  console=lc.Console(quiet=True))

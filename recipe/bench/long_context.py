@@ -20,10 +20,10 @@ Arms (each a run folder under ``OUTPUT``, resumed or skipped like ``recipe.demo`
 - **short@W**: the short draft served with a sliding window of W positions (``recipe.eval --draft DIR@W``) for
   each W of ``--windows``: no training.
 
-Then one ``python -m recipe.eval --context-lengths ... --context-request about-context`` run with every arm's draft
-(``--draft`` repeated, so each prompt's prefill and greedy reference are computed once for all arms; the working
-directory is ``OUTPUT/drafts``, whose links name the arms), and one with the short draft alone on ``unrelated``
-requests at ``--contrast-lengths``. The table (arm × context length: chain τ at the first k and tree τ, each ±
+Then ``python -m recipe.eval --context-lengths L --context-request about-context`` with every arm's draft (``--draft``
+repeated, so each prompt's prefill and greedy reference are computed once for all arms; the working directory is
+``OUTPUT/drafts``, whose links name the arms), one run per length L (``OUTPUT/eval_about_context-L{L}.json``: a rerun
+skips the lengths done), and the same with the short draft alone on ``unrelated`` requests at ``--contrast-lengths``. The table (arm × context length: chain τ at the first k and tree τ, each ±
 its standard error over prompts), the plot of τ against context (``--json`` with ``.png``) and the JSON (arms with
 their steps, supervised tokens and seconds; both evaluations whole) are ``recipe.bench.long_context_report``'s.
 Flags after ``--`` go to every arm's ``recipe.demo`` settings (``--lr``, ``--ttt-steps``, ``--draft-vocab-size``,
@@ -139,12 +139,13 @@ def train_arms(args, demo_flags: list[str], assets, console: Console) -> dict[st
     return runs
 
 
-def _eval(assets, args, drafts_dir: Path, drafts: list[str], lengths: list[int], request: str, out: Path,
-          console: Console) -> dict:
-    """One ``python -m recipe.eval --context-lengths`` run in ``drafts_dir``; skipped when ``out`` holds the result
-    of the same command. Returns the JSON. Raises RuntimeError when it fails."""
+def _eval_one(assets, args, drafts_dir: Path, drafts: list[str], length: int, request: str, out: Path,
+              console: Console) -> dict:
+    """One ``python -m recipe.eval --context-lengths LENGTH`` run in ``drafts_dir`` with every draft of ``drafts``;
+    skipped when ``out`` holds the result of the same command. Returns the JSON. Raises RuntimeError when it
+    fails."""
     cmd = [sys.executable, "-m", "recipe.eval", "--target", str(assets.target), "--prompts", str(assets.prompts),
-           "--context-data", str(assets.conversations), "--context-lengths", ",".join(map(str, lengths)),
+           "--context-data", str(assets.conversations), "--context-lengths", str(length),
            "--context-request", request, "--limit", str(args.prompts), "--num-draft-tokens",
            ",".join(map(str, args.num_draft_tokens)), "--max-new-tokens", str(args.max_new_tokens), "--output",
            str(out)] + [x for d in drafts for x in ("--draft", d)]
@@ -159,6 +160,16 @@ def _eval(assets, args, drafts_dir: Path, drafts: list[str], lengths: list[int],
         raise RuntimeError(f"evaluation failed: {' '.join(cmd)}")
     stamp.write_text(json.dumps(cmd[1:]) + "\n")
     return json.loads(out.read_text())
+
+
+def _eval(assets, args, drafts_dir: Path, drafts: list[str], lengths: list[int], request: str, prefix: Path,
+          console: Console) -> dict:
+    """``recipe.eval`` per context length (``PREFIX-L{length}.json``: a prompt's prefill and greedy reference serve
+    every draft of its length, so nothing is shared across lengths, and an interrupted experiment keeps the lengths
+    it finished), merged into one ``recipe.eval --context-lengths`` JSON with every length's entry."""
+    parts = [_eval_one(assets, args, drafts_dir, drafts, n, request, prefix.with_name(f"{prefix.name}-L{n}.json"),
+                       console) for n in lengths]
+    return {**parts[0], "context_lengths": list(lengths), "lengths": [e for p in parts for e in p["lengths"]]}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -192,9 +203,9 @@ def main(argv: list[str] | None = None) -> int:
             link.symlink_to(run / "export", target_is_directory=True)
         labels = list(runs) + [f"short@{w}" for w in args.windows]
         about = _eval(assets, args, drafts_dir, labels, args.context_lengths, "about-context",
-                      args.output / "eval_about_context.json", console)
+                      args.output / "eval_about_context", console)
         contrast = (_eval(assets, args, drafts_dir, ["short"], args.contrast_lengths, "unrelated",
-                          args.output / "eval_unrelated.json", console) if not args.no_contrast else None)
+                          args.output / "eval_unrelated", console) if not args.no_contrast else None)
     except RuntimeError as exc:
         console.print(f"[bold red]long-context experiment failed[/bold red]: {exc}")
         return 1
