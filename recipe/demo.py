@@ -10,7 +10,8 @@ Stages (each skips work already done): ``recipe.assets.prepare_assets`` (cached)
 (resumable) → ``python -m recipe.dump`` into ``OUTPUT/store-{answers}-n{N}-len{L}`` (resumes finished shards) →
 ``deepspeed --num_gpus R run.py --ds_config ds_configs/demo_zero1.json --hidden-states STORE ...`` (CPU:
 ``DS_ACCELERATOR=cpu``, gloo, ``OMP_NUM_THREADS=1``; resumes from ``OUTPUT/checkpoints``; skipped when
-``OUTPUT/export`` exists) → ``recipe.eval`` of the export (every core of the machine) → ``OUTPUT/eval.json`` (top
+``OUTPUT/export`` exists) → ``recipe.eval`` of the export (every core of the machine) → τ at ``--context-lengths`` (256 and 2k) on requests
+about an inserted earlier conversation (``stage_context``, ``eval.json``'s ``context``) → ``OUTPUT/eval.json`` (top
 level: ``tau`` at the first k, ``tau_tree`` of the dynamic tree, ``num_draft_tokens``, ``num_prompts``, ``per_k``,
 ``runs``, ``tree_runs``, ``stage_seconds`` — a stage skipped because its output was there keeps the seconds the earlier
 run recorded, ``stages_skipped`` names those, ``total`` is this run's wall time —, ``settings``) and the training
@@ -31,7 +32,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from recipe.cli import positive_int_list, subprocess_env
+from recipe.cli import context_length_list, positive_int_list, subprocess_env
 from recipe.eval.tree import add_tree_arguments, tree_from_args
 from recipe.plot import CURVES_FILE, plot_note
 from recipe.train.distributed import free_port
@@ -70,6 +71,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-draft-tokens", type=positive_int_list, default=[5],
                    help="chain drafting k values, e.g. 5,3; the first is the headline")
     add_tree_arguments(p)
+    p.add_argument("--context-lengths", type=context_length_list, default=[256, 2048], metavar="L[,L...]",
+                   help="also τ at these context lengths on requests about an inserted earlier conversation "
+                        "(recipe.eval --context-request about-context; chain drafting at the first k)")
+    p.add_argument("--context-prompts", type=int, default=8,
+                   help="prompts per context length (0: no long-context rows)")
     p.add_argument("--seed", type=int, default=0)
     return p
 
@@ -207,11 +213,46 @@ def stage_eval(args, assets, ks: list[int], console: Console) -> dict:
             "num_draft_tokens": ks[0], "num_prompts": len(prompts), "per_k": per_k, **result}
 
 
+def stage_context(args, assets, ks: list[int], console: Console) -> dict | None:
+    """τ of ``OUTPUT/export`` at each ``--context-lengths`` on ``--context-prompts`` MT-Bench prompts whose final
+    turn asks about an inserted earlier ShareGPT conversation (``recipe.eval.by_length``, chain drafting at the first
+    k, greedy-checked); ``{"lengths": [...], "tau_by_length": {L: τ}, "tau_se_by_length": {L: se}}``, or None
+    with ``--context-prompts 0``."""
+    import torch
+
+    from recipe.eval.by_length import evaluate_by_length
+    from recipe.eval.context import context_prompts, read_context_data
+    from recipe.eval.prompts import read_prompts
+    from recipe.target.capture import load_tokenizer
+
+    if args.context_prompts <= 0:
+        return None
+    every = read_prompts(assets.prompts)
+    stride = max(1, len(every) // args.context_prompts)
+    prompts = every[::stride][: args.context_prompts]
+    tokenizer = load_tokenizer(assets.target)
+    buckets = context_prompts(tokenizer, prompts, read_context_data([assets.conversations]), args.context_lengths,
+                              args.seed, "about-context")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(_one_process_threads())
+    try:
+        result = evaluate_by_length(assets.target, {"trained": args.output / "export"}, buckets, ks[:1],
+                                    args.max_new_tokens, console=console, eos_token_id=tokenizer.eos_token_id)
+    finally:
+        torch.set_num_threads(threads)
+    entries = result["lengths"]
+    return {"request": "about-context", "num_draft_tokens": ks[0], "num_prompts": len(prompts),
+            "lengths": entries, "mean_context_tokens": {str(e["context_length"]): e["mean_context_tokens"]
+                                                        for e in entries},
+            "tau_by_length": {str(e["context_length"]): e["tau"] for e in entries},
+            "tau_se_by_length": {str(e["context_length"]): e["tau_se"] for e in entries}}
+
+
 _DUMP_INPUTS = ("answers", "conversations", "max_length", "regenerate_tokens")
 STAGE_INPUTS = {"dump": _DUMP_INPUTS,
                 "train": _DUMP_INPUTS + ("epochs", "max_steps", "ttt_steps", "draft_vocab_size", "lr", "batch_size",
                                          "freeze_lm_head", "ds_config", "ranks", "launcher", "seed"),
-                "eval": None}
+                "eval": None, "context": None}
 """Settings a stage's output depends on (None: all of them; the evaluation is skipped only on equal settings)."""
 SKIPPED = "_skipped"  # key a stage's dict result carries when the stage found its output and ran nothing
 
@@ -252,6 +293,11 @@ def summary_table(result: dict, seconds: dict[str, float]) -> Table:
         tree = result["tree"]
         table.add_row(f"tree (top-{tree['topk']}, depth {tree['depth']})", str(tree["budget"]),
                       f"{result['tau_tree']:.3f}")
+    context = result.get("context")
+    for n, tau in (context or {}).get("tau_by_length", {}).items():
+        se = context["tau_se_by_length"][n]
+        table.add_row(f"chain, {context['mean_context_tokens'][n]:.0f} tokens of context (asked about it)",
+                      str(context["num_draft_tokens"]), f"{tau:.3f} ± {se:.3f}")
     table.caption = "stage seconds: " + ", ".join(f"{k} {v:.0f}" for k, v in seconds.items())
     return table
 
@@ -291,6 +337,11 @@ def main(argv: list[str] | None = None) -> int:
         if args.launcher == "deepspeed" and not (args.output / "export" / "config.json").is_file():
             raise RuntimeError("training finished without writing an export")
         result = timed("eval", stage_eval, args, assets, ks, console)
+        if "eval" in skipped and result.get("context") is not None:  # the earlier run's rows, same settings
+            skipped.append("context")
+            seconds.update({k: v for k, v in earlier.items() if k == "context"})
+        else:
+            result["context"] = timed("context", stage_context, args, assets, ks, console)
     except RuntimeError as exc:
         console.print(f"[bold red]demo failed[/bold red]: {exc}")
         return 1

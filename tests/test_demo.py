@@ -81,6 +81,17 @@ def test_eval_stage_reports_chain_and_tree(assets, tmp_path):
     assert chain_only["tau_tree"] is None and "tree_runs" not in chain_only
     assert demo.summary_table(chain_only, {}).row_count == 1
 
+    context = demo.stage_context(demo.build_parser().parse_args(argv + ["--context-lengths", "64,128",
+                                                                        "--context-prompts", "2"]),
+                                 assets, [3, 2], Console(quiet=True))
+    assert context["request"] == "about-context" and context["num_draft_tokens"] == 3 and context["num_prompts"] == 2
+    assert list(context["tau_by_length"]) == ["64", "128"] and [e["num_prompts"] for e in context["lengths"]] == [2, 2]
+    assert all(0 < context["mean_context_tokens"][n] <= int(n) for n in ("64", "128"))
+    assert all(r["num_draft_tokens"] == 3 for e in context["lengths"] for r in e["runs"])
+    assert demo.summary_table({**chain_only, "context": context}, {}).row_count == 3
+    assert demo.stage_context(demo.build_parser().parse_args(argv + ["--context-prompts", "0"]), assets, [3],
+                              Console(quiet=True)) is None
+
 
 def test_bench_arms_parse():
     assert bench_data.parse_arm("sharegpt:740:1") == ("sharegpt", 740, 1.0)
@@ -146,11 +157,18 @@ def test_rerun_keeps_the_seconds_of_skipped_stages(tmp_path, monkeypatch):
     monkeypatch.setattr(recipe.assets, "prepare_assets", lambda: SimpleNamespace(conversations=tmp_path / "c.jsonl"))
     monkeypatch.setattr(demo, "stage_train", lambda *a: True)
     monkeypatch.setattr(demo, "summary_table", lambda *a: "")
+    contexts = []
+    monkeypatch.setattr(demo, "stage_context", lambda *a: contexts.append(1) or {"tau_by_length": {"256": 1.3}})
     (tmp_path / "export").mkdir()
     (tmp_path / "export" / "config.json").write_text("{}")
 
-    out = rerun(earlier)
+    out = rerun(earlier)  # the earlier eval.json has no long-context rows: they are computed
+    assert contexts == [1] and out["context"] == {"tau_by_length": {"256": 1.3}}
     assert out["stages_skipped"] == ["dump", "train", "eval"] and demo.SKIPPED not in out
+    again = rerun({**out, "stage_seconds": {**out["stage_seconds"], "context": 30.0}},
+                  eval_result={**out, demo.SKIPPED: True})
+    assert contexts == [1] and again["stages_skipped"] == ["dump", "train", "eval", "context"]
+    assert again["stage_seconds"]["context"] == 30.0 and again["context"] == out["context"]
     assert {k: out["stage_seconds"][k] for k in ("dump", "train", "eval")} == {"dump": 200.0, "train": 500.0,
                                                                               "eval": 400.0}
     assert out["stage_seconds"]["assets"] < 60.0 and out["tau"] == 1.3
