@@ -117,6 +117,7 @@ def test_readme_is_short_and_opens_with_the_two_commands():
     assert [c[:2] for c in shell_commands(first_block)] == [["make", "demo"], ["make", "test"]]
 
 
+@pytest.mark.slow
 def test_readme_commands_use_real_flags_targets_and_files():
     commands = readme_commands()
     assert {key.split(" ")[1] for key, _ in commands if key != "make"} >= {"run.py", "recipe.export", "recipe.eval"}
@@ -137,6 +138,7 @@ def test_readme_commands_use_real_flags_targets_and_files():
     assert not problems, "\n".join(problems)
 
 
+@pytest.mark.slow
 def test_a_flag_the_program_lacks_is_caught():
     """The check above can fail: a made-up flag is not in run.py's help."""
     known = set(re.findall(r"(?<![\w-])(--?[A-Za-z][\w-]*)", help_texts()["script run.py"]))

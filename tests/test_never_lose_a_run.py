@@ -235,6 +235,7 @@ def test_weight_fingerprint_distinguishes_weights_not_dtype_or_sharding(tiny_tar
     assert target_fingerprint(rope) != mine
 
 
+@pytest.mark.slow
 def test_weight_fingerprint_of_smollm2_is_cheap(assets):
     from recipe.target.capture import _cached_fingerprint, target_fingerprint
 
