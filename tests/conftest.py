@@ -14,6 +14,21 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
+# Fixtures that prepare the real SmolLM2 / ShareGPT / MT-Bench assets (minutes on a fresh checkout): a test that uses
+# one, directly or through another fixture, belongs to `make test` only and must be marked slow.
+REAL_ASSET_FIXTURES = frozenset({"assets", "real_store"})
+
+
+def pytest_collection_modifyitems(config, items):
+    """Keep the quick loop (``pytest -m "not slow"``) free of the real assets: refuse to run a test that reaches
+    a fixture of ``REAL_ASSET_FIXTURES`` without ``@pytest.mark.slow`` (raises ``pytest.UsageError`` naming them)."""
+    unmarked = [item.nodeid for item in items if item.get_closest_marker("slow") is None
+                and REAL_ASSET_FIXTURES & set(getattr(item, "fixturenames", ()))]
+    if unmarked:
+        raise pytest.UsageError("these tests use the real assets (fixture " + " or ".join(sorted(REAL_ASSET_FIXTURES))
+                                + ") but are not marked @pytest.mark.slow:\n  " + "\n  ".join(unmarked))
+
+
 @pytest.fixture(scope="session")
 def assets():
     """The real embedded assets (SmolLM2 target folder, ShareGPT JSONL, MT-Bench JSONL), prepared once.
