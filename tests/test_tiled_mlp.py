@@ -245,6 +245,7 @@ def test_zero3_tiled_training_matches_untiled(two_ranks):
             assert max_rel(params[name], value) <= 1e-5, name
 
 
+@pytest.mark.slow
 def test_planner_trace_sees_the_tiling():
     """The fake-tensor trace (``recipe.plan``) runs the tiled step: its peak drops by more than four [S, I] fp32
     tensors (the untiled SwiGLU's), and ``--mlp-tile`` parses into one value per table."""
