@@ -119,7 +119,8 @@ def test_cli_plans_offline_what_it_refuses_online(tmp_path, capsys):
     ds = str(ROOT / "ds_configs" / "zero3_bf16.json")
     gemma = tmp_path / "gemma2.json"
     Gemma2Config().to_json_file(gemma)
-    code, err = _run_cli(["--ds_config", ds, "--target", str(gemma), "--length", "4k", "--cp", "2", "--offline"], capsys)
+    argv = ["--ds_config", ds, "--target", str(gemma), "--length", "4k", "--cp", "2", "--offline"]
+    code, err = _run_cli(argv, capsys)
     assert code == 0, err
 
 
