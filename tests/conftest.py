@@ -1,5 +1,8 @@
+import functools
+import multiprocessing.process
 import os
 import shutil
+import subprocess
 import sys
 from pathlib import Path
 
@@ -12,6 +15,55 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+# Fixtures that prepare the real SmolLM2 / ShareGPT / MT-Bench assets (minutes on a fresh checkout): a test that uses
+# one, directly or through another fixture, belongs to `make test` only and must be marked slow.
+REAL_ASSET_FIXTURES = frozenset({"assets", "real_store"})
+
+
+def pytest_collection_modifyitems(config, items):
+    """Keep the quick loop (``pytest -m "not slow"``) free of the real assets: refuse to run a test that reaches
+    a fixture of ``REAL_ASSET_FIXTURES`` without ``@pytest.mark.slow`` (raises ``pytest.UsageError`` naming them)."""
+    unmarked = [item.nodeid for item in items if item.get_closest_marker("slow") is None
+                and REAL_ASSET_FIXTURES & set(getattr(item, "fixturenames", ()))]
+    if unmarked:
+        raise pytest.UsageError("these tests use the real assets (fixture " + " or ".join(sorted(REAL_ASSET_FIXTURES))
+                                + ") but are not marked @pytest.mark.slow:\n  " + "\n  ".join(unmarked))
+
+
+# Process starts of the pytest process (a subprocess: run.py, a launcher stand-in, a fresh interpreter, git; a
+# multiprocessing child: gloo ranks, datasets workers), counted per test phase. The process still runs; a test without
+# the slow mark that started one fails afterwards, asking for the mark.
+_PROCESS_STARTS: list[str] = []
+
+
+def _counted(start, kind: str):
+    @functools.wraps(start)
+    def counting_start(*args, **kwargs):
+        _PROCESS_STARTS.append(kind)
+        return start(*args, **kwargs)
+    return counting_start
+
+
+subprocess.Popen.__init__ = _counted(subprocess.Popen.__init__, "a subprocess")
+_process = multiprocessing.process.BaseProcess
+_process.start = _counted(_process.start, "a multiprocessing child")
+
+
+def pytest_runtest_logstart(nodeid, location):
+    _PROCESS_STARTS.clear()  # what collection or an earlier test's teardown started is not this test's
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """Fail a phase (setup, call, teardown) of a test without ``@pytest.mark.slow`` that started a process."""
+    report = (yield).get_result()
+    started, _PROCESS_STARTS[:] = sorted(set(_PROCESS_STARTS)), []
+    if started and report.passed and item.get_closest_marker("slow") is None:
+        report.outcome = "failed"
+        report.longrepr = (f"{item.nodeid} started {' and '.join(started)} during {report.when} but is not marked "
+                           "@pytest.mark.slow (the quick loop, pytest -m 'not slow', starts no process)")
 
 
 @pytest.fixture(scope="session")

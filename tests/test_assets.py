@@ -57,6 +57,7 @@ def _replace_file(path: Path, content: bytes, size: int | None = None) -> None:
             handle.truncate(size)  # sparse: same size as the original without writing 500 MB
 
 
+@pytest.mark.slow
 def test_second_run_does_no_work(assets):
     before = {p: p.stat().st_mtime_ns for p in _entry_files(assets)}
     again = prepare_assets(assets.cache_dir)
@@ -66,6 +67,7 @@ def test_second_run_does_no_work(assets):
     assert again.conversation_count == assets.conversation_count
 
 
+@pytest.mark.slow
 def test_conversations_recovered(assets):
     source = assets_module.conversations_source()
     with pytest.raises(json.JSONDecodeError):
@@ -81,6 +83,7 @@ def test_conversations_recovered(assets):
     assert lines == assets.conversation_count
 
 
+@pytest.mark.slow
 def test_prompts_are_mt_bench(assets):
     questions = [json.loads(line) for line in assets.prompts.read_text().splitlines()]
     assert len(questions) == assets.prompt_count == 80
@@ -114,6 +117,7 @@ def test_target_folder_matches_gguf(assets):
     assert torch.equal(top.values, torch.tensor(reference["last_top8_logits"], dtype=torch.float32))
 
 
+@pytest.mark.slow
 def test_cli_json_last_line(assets):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     command = [sys.executable, "-m", "recipe.assets", "--cache", str(assets.cache_dir), "--json"]
@@ -127,6 +131,7 @@ def test_cli_json_last_line(assets):
     assert "reused the cache" in result.stdout
 
 
+@pytest.mark.slow
 def test_truncated_conversations_are_rebuilt(assets, cache_copy):
     jsonl = cache_copy / assets.conversations.name
     with open(jsonl, "r+b") as handle:
@@ -141,6 +146,7 @@ def test_truncated_conversations_are_rebuilt(assets, cache_copy):
     assert prepare_assets(cache_copy).rebuilt == ()
 
 
+@pytest.mark.slow
 def test_same_size_corruption_detected(assets, cache_copy):
     jsonl = cache_copy / assets.conversations.name
     with open(jsonl, "r+b") as handle:  # a copy: editing in place is safe
@@ -156,6 +162,7 @@ def test_same_size_corruption_detected(assets, cache_copy):
     assert "sha256" in assets_cache.check_entry(prompts, assets_module.prompts_source(), deep=True)[1]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("damage", ["truncated", "bad_header", "no_manifest"])
 def test_corrupt_target_detected_and_rebuilt(assets, cache_copy, monkeypatch, damage):
     target = cache_copy / assets.target.name
@@ -193,6 +200,7 @@ def test_corrupt_target_detected_and_rebuilt(assets, cache_copy, monkeypatch, da
     assert prepare_assets(cache_copy).rebuilt == ()
 
 
+@pytest.mark.slow
 def test_interrupted_build_is_never_used(assets, cache_copy, monkeypatch):
     prompts = cache_copy / assets.prompts.name
     prompts.write_text("")  # damaged, so the next call rebuilds this entry only

@@ -142,6 +142,7 @@ def test_flex_block_mask_skips_only_unreadable_blocks_and_marks_only_full_ones(k
                 assert not full[b, i, j] or (elems.all() and elems.shape[1] == block), (b, i, j)
 
 
+@pytest.mark.slow
 def test_flex_module_imports_on_cpu_without_cuda_or_compiling():
     code = ("import torch, kernels.flex_attention as f, kernels.attention_backends as a; "
             "assert not torch.cuda.is_initialized() and not f._COMPILED; "

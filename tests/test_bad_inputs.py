@@ -210,6 +210,7 @@ def test_skip_nonfinite_counts_and_skips_the_step(cases):
     assert f"skipped 1 step(s) with a non-finite loss: [{nan_step}]" in out.stderr
 
 
+@pytest.mark.slow
 def test_malformed_lines_among_good_ones_are_counted_skips(assets, tmp_path):
     from recipe.data.examples import build_examples
     from recipe.target.capture import load_tokenizer

@@ -37,6 +37,7 @@ def test_bad_flags_exit_with_a_message(capsys):
     assert "tp=2 must divide" in err and "num_attention_heads=1" in err
 
 
+@pytest.mark.slow
 def test_prediction_counts_the_real_parameters_and_orders_layouts():
     """recipe.plan.predict_step (the report's prediction column) traces the same model build_model builds."""
     spec = BenchSpec(seq_len=64, hidden=32, heads=4, kv_heads=2, head_dim=8, intermediate=48, draft_vocab=40,

@@ -8,6 +8,9 @@ from transformers import AutoTokenizer
 from recipe.data.chat_mask import tokenize_conversation
 from recipe.data.conversations import BadRow
 
+# the goldens are SmolLM2's real tokenizer (the `assets` fixture prepares the real assets)
+pytestmark = pytest.mark.slow
+
 CONVERSATION = [
     {"role": "system", "content": "You are terse."},
     {"role": "user", "content": "Hello"},

@@ -1,9 +1,11 @@
-"""Run configuration: our JSON sections (parallelism, memory, kernels), batch arithmetic and scheduler 'auto'
-values."""
+"""Run configuration: our JSON sections (parallelism, memory, kernels), batch arithmetic, scheduler 'auto' values, and
+unknown keys refused with the nearest valid name. The shipped ds_configs/*.json: tests/test_ds_configs.py."""
 import pytest
+from helpers.training import write_ds_config
 
 from recipe.config import (BatchPlan, ConfigError, KernelOptions, MemoryOptions, load_run_config, resolve_batch,
                            resolve_scheduler)
+from recipe.config_keys import deepspeed_top_level_keys
 from recipe.parallel.dims import ParallelDims
 
 
@@ -75,19 +77,6 @@ def test_memory_section_errors_name_file_and_field(section, message):
     with pytest.raises(ConfigError) as err:
         MemoryOptions.pop_from({"memory": section}, "cfg.json")
     assert "cfg.json" in str(err.value) and message in str(err.value)
-
-
-def test_shipped_configs_parse(tmp_path):
-    import json
-    from pathlib import Path
-
-    root = Path(__file__).resolve().parent.parent / "ds_configs"
-    for path in sorted(root.glob("*.json")):
-        section = json.loads(path.read_text()).get("parallelism") or {}
-        config = load_run_config(path, world_size=section.get("tp_size", 1) * section.get("cp_size", 1))
-        assert "zero_optimization" in config.deepspeed and "optimizer" in config.deepspeed, path
-        assert "parallelism" not in config.deepspeed and "memory" not in config.deepspeed, path
-        assert "target" not in config.deepspeed, path
 
 
 def test_batch_plan_counts_samples_and_scales_deepspeed_view_by_cp():
@@ -166,3 +155,52 @@ def test_attention_kernel_is_resolved_for_the_device_and_recorded(tmp_path):
     path.write_text(json.dumps({"train_batch_size": 1, "kernels": {"attention": "flex"}}))
     with pytest.raises(ConfigError, match=r"run.json: 'kernels.attention': .*'flex' needs a CUDA device"):
         load_run_config(path, world_size=1).for_device("cpu")
+
+
+# --- unknown keys: the nearest valid name ---------------------------------------------------------------------------
+
+def _load(tmp_path, **changes):
+    return load_run_config(write_ds_config(tmp_path / "ds.json", base="zero3_bf16.json", **changes), 1)
+
+
+@pytest.mark.parametrize("changes,message", [
+    ({"zero_optimisation": {"stage": 3}}, "'zero_optimisation': unknown key; did you mean 'zero_optimization'?"),
+    ({"optimiser": {}}, "'optimiser': unknown key; did you mean 'optimizer'?"),
+    ({"memroy": {}}, "'memroy': unknown key; did you mean 'memory'?"),
+    ({"xyzzy": 1}, "'xyzzy': unknown key; neither a DeepSpeed config key nor one of this recipe's sections"),
+    ({"zero_optimization": {"stage": 3, "stage3_prefetch_bucketsize": 1}},
+     "'zero_optimization.stage3_prefetch_bucketsize': unknown key; did you mean 'stage3_prefetch_bucket_size'?"),
+    ({"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu", "pin_memroy": True}}},
+     "'zero_optimization.offload_param.pin_memroy': unknown key; did you mean 'pin_memory'?"),
+    ({"bf16": {"enabld": True}}, "'bf16.enabld': unknown key; did you mean 'enabled'?"),
+    ({"optimizer": {"type": "AdamW", "param": {}}}, "'optimizer.param': unknown key; did you mean 'params'?"),
+    ({"scheduler": {"type": "WarmupLR", "params": {"warmup_num_step": 3}}},
+     "'scheduler.params.warmup_num_step': unknown key; did you mean 'warmup_num_steps'?"),
+    ({"tensorboard": {"enabled": False, "output_pth": "x"}},
+     "bad monitor section (tensorboard.output_pth: Extra inputs are not permitted; did you mean 'output_path'?)"),
+    ({"target": {"partition": "zero3", "zero_optimization": {"stage3_max_live_parameter": 1}}},
+     "'target.zero_optimization.stage3_max_live_parameter': unknown key; did you mean 'stage3_max_live_parameters'?"),
+    ({"memory": {"loss_chunk": 4}}, "unknown key(s) ['loss_chunk'] in 'memory'; did you mean 'loss_chunk_size'?"),
+    ({"amp": {"enabled": True}}, "'amp': NVIDIA Apex AMP integration has been removed"),
+])
+def test_unknown_keys_name_the_nearest_valid_one(tmp_path, changes, message):
+    with pytest.raises(ConfigError) as err:
+        _load(tmp_path, **changes)
+    assert message in str(err.value) and "ds.json" in str(err.value)
+
+
+def test_comments_and_aliases_are_accepted(tmp_path):
+    config = _load(tmp_path, _comment="top", zero_optimization={"stage": 3, "_why": "x",
+                                                                "stage3_prefetch_bucket_size": 10,
+                                                                "offload_optimizer": {"device": "none", "_c": 1}},
+                   memory={"_c": 1}, parallelism={"tp_size": 1, "_c": 1})
+    assert config.deepspeed["zero_optimization"] == {"stage": 3, "stage3_prefetch_bucket_size": 10,
+                                                     "offload_optimizer": {"device": "none"}}
+
+
+def test_known_keys_come_from_deepspeed():
+    """The top-level set is what DeepSpeed's parser reads: its sections are there, nested keys and removed keys not."""
+    keys = deepspeed_top_level_keys()
+    assert {"zero_optimization", "bf16", "fp16", "optimizer", "scheduler", "train_batch_size", "gradient_clipping",
+            "tensorboard", "data_types", "communication_data_type", "activation_checkpointing"} <= keys
+    assert not {"stage", "type", "params", "enabled", "amp", "sparse_attention"} & keys

@@ -58,6 +58,7 @@ def _random_export(assets, folder):
     return write_export(export_tensors(Eagle3Draft(config, seed=0).state_dict()), config.to_hf_dict(), folder)
 
 
+@pytest.mark.slow
 def test_eval_stage_reports_chain_and_tree(assets, tmp_path):
     import torch
 

@@ -156,6 +156,7 @@ _LAUNCHER_NAMES = {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_SIZE", "MASTER_ADD
                    "CROSS_SIZE", "PALS_LOCAL_RANKID", "MPI_LOCALRANKID"}
 
 
+@pytest.mark.slow
 def test_two_processes_with_only_open_mpi_variables_form_one_world():
     """What `mpirun -n 2 -x MASTER_ADDR -x MASTER_PORT python run.py` gives each rank: no RANK, only OMPI_*."""
     base = {k: v for k, v in os.environ.items() if k not in _LAUNCHER_NAMES and not k.startswith(_LAUNCHER_PREFIXES)}
@@ -198,6 +199,7 @@ def test_release_shm_buffer_removes_only_this_ranks_buffer(monkeypatch):
             path.unlink(missing_ok=True)
 
 
+@pytest.mark.slow
 def test_run_py_reports_a_world_it_cannot_form_in_one_line(tmp_path):
     """`mpirun -n 2 python run.py ...` without MASTER_ADDR (and no mpi4py): exit 2, one message, no traceback."""
     env = {k: v for k, v in os.environ.items() if k not in _LAUNCHER_NAMES and not k.startswith(_LAUNCHER_PREFIXES)}

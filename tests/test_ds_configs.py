@@ -1,7 +1,8 @@
 """Every shipped ``ds_configs/*.json`` resolves at its intended world size, through the recipe's own config
 resolution (``recipe.config.load_run_config``: our sections, unknown keys, layout, batch plan) and then DeepSpeed's
-own parser (``DeepSpeedConfig``: batch arithmetic over its data-parallel world dp·cp, ZeRO, bf16), and says in its
-name what it selects. A new file is covered by the glob. No process group, no model: a few seconds.
+own parser (``DeepSpeedConfig``: batch arithmetic over its data-parallel world dp·cp, ZeRO, bf16), hands DeepSpeed
+neither the recipe's own sections nor a ``_comment``-style key, and says in its name what it selects. A new file is
+covered by the glob. The one place the shipped configs are tested. No process group, no model: a few seconds.
 
 Intended world size: ``_world_size`` where the file states it (the recipes for real targets), else tp·cp (dp = 1),
 or 2 for the demo's config (the demo trains on 2 ranks).
@@ -15,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from recipe.config import ConfigError, load_run_config
+from recipe.config_keys import OUR_SECTIONS
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIGS = sorted((ROOT / "ds_configs").glob("*.json"))
@@ -39,6 +41,14 @@ def intended_world(path: Path, raw: dict) -> int:
     return int(section.get("tp_size", 1)) * int(section.get("cp_size", 1))
 
 
+def _underscore_keys(tree, where: str = "") -> list[str]:
+    """The dotted names of every key of ``tree`` (nested dicts) that starts with ``_``."""
+    if not isinstance(tree, dict):
+        return []
+    return [f"{where}{k}" for k in tree if k.startswith("_")] + [
+        name for k, v in tree.items() for name in _underscore_keys(v, f"{where}{k}.")]
+
+
 def deepspeed_parse(ds_dict: dict, dp_cp: int, monkeypatch):
     """DeepSpeed's parser on the dict the recipe hands ``deepspeed.initialize``, with a data-parallel world of
     ``dp_cp`` (its ``dist.get_rank`` answers 0 without a process group)."""
@@ -60,6 +70,9 @@ def test_config_resolves_at_its_world_size(path, monkeypatch):
     world = intended_world(path, raw)
     run = load_run_config(path, world).with_total_steps(1000)
     dims, plan = run.dims, run.plan
+    assert "zero_optimization" in run.deepspeed and "optimizer" in run.deepspeed
+    assert not set(OUR_SECTIONS) & set(run.deepspeed)  # parallelism, memory, kernels, target: read by the recipe
+    assert not _underscore_keys(run.deepspeed)  # "_comment" and the like are dropped at every depth
     section = raw.get("parallelism") or {}
     assert (dims.tp, dims.cp) == (section.get("tp_size", 1), section.get("cp_size", 1))
     assert dims.dp * dims.tp * dims.cp == world

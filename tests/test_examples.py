@@ -33,8 +33,8 @@ def _lines():
 
 
 @pytest.fixture(scope="module")
-def tokenizer(assets):
-    return AutoTokenizer.from_pretrained(assets.target)
+def tokenizer(chat_target):
+    return AutoTokenizer.from_pretrained(chat_target)
 
 
 @pytest.fixture
@@ -106,6 +106,7 @@ def test_second_call_hits_the_cache_and_content_changes_miss_it(tokenizer, data_
     assert changed[0]["input_ids"] == tokenizer.apply_chat_template(SYSTEM_TURN[1:], tokenize=True)["input_ids"]
 
 
+@pytest.mark.slow
 def test_num_proc_gives_the_same_examples(tokenizer, data_file, tmp_path):
     serial, _ = build_examples(data_file, tokenizer, MAX_LENGTH, cache_dir=str(tmp_path / "a"))
     parallel, report = build_examples(data_file, tokenizer, MAX_LENGTH, num_proc=2, cache_dir=str(tmp_path / "b"))

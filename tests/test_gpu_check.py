@@ -145,7 +145,11 @@ def test_the_report_source_comes_from_the_carried_provenance_file(tmp_path):
     gpu_check = _gpu_check()
     (tmp_path / gpu_check.PROVENANCE).write_text(json.dumps({"commit": "c" * 40, "uncommitted": []}))
     assert gpu_check._source(tmp_path)["commit"] == "c" * 40
-    here = gpu_check.provenance()
+
+
+@pytest.mark.slow
+def test_provenance_of_this_checkout_names_its_commit():  # runs git
+    here = _gpu_check().provenance()
     assert len(here["commit"]) == 40 and isinstance(here["uncommitted"], list) and "torch" in here["versions_here"]
 
 

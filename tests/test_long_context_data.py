@@ -1,6 +1,7 @@
 """Long training samples (docs/data.md, "Long-context data"): the long-document record shapes, conversations chained
 up to a token budget (``--chain-conversations``), and the length histogram / far-above warning of the data report.
-Fixtures: ``tests/data/long_context/`` (small); the real ShareGPT rows in one slow case."""
+Fixtures: ``tests/data/long_context/`` (small); the cases that count SmolLM2's real tokens (and the real ShareGPT
+rows) are slow."""
 from __future__ import annotations
 
 import json
@@ -52,6 +53,7 @@ def test_long_document_shapes_and_bad_rows():
                                                            10: "unknown_schema"}
 
 
+@pytest.mark.slow
 def test_long_documents_tokenised_truncation_counted(tokenizer, tmp_path):
     """The document records train like any conversation; at a --max-length below the document the answer is gone
     (a counted no_supervised_tokens skip, never a silent loss), and the cut samples are counted."""
@@ -122,6 +124,7 @@ def _check_supervised(ids, mask, messages, tokenizer):
     assert tokenizer.decode([t for t, m in zip(ids, mask) if m]) == "".join(a + "<|im_end|>" for a in answers)
 
 
+@pytest.mark.slow
 def test_chained_examples_render_with_the_template_and_are_cached(tokenizer, tmp_path):
     path, cache = FIXTURES / "chats.jsonl", str(tmp_path / "cache")
     data, report = build_examples(path, tokenizer, 512, cache_dir=cache, chain=90, seed=3)
@@ -148,6 +151,7 @@ def test_chained_examples_render_with_the_template_and_are_cached(tokenizer, tmp
     assert len(other_budget) < len(data) < len(plain)
 
 
+@pytest.mark.slow
 def test_chaining_is_per_file_and_mixes_by_weight(tokenizer, tmp_path):
     a, b = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
     lines = (FIXTURES / "chats.jsonl").read_text().splitlines()

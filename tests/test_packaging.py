@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
+pytestmark = pytest.mark.slow  # every case starts a fresh interpreter
 
 PROBE = """
 import importlib.metadata, importlib.util, json, sys

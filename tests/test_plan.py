@@ -102,16 +102,26 @@ def test_cli_bad_inputs_exit_2_with_one_line(tmp_path, capsys):
     for argv, named in cases:
         code, err = _run_cli(argv, capsys)
         assert code == 2 and named in err and len(err.splitlines()) == 1, err
-    gemma = tmp_path / "gemma2.json"  # an architecture the ring cannot run: online cp > 1 refused, offline planned
+    gemma = tmp_path / "gemma2.json"  # an architecture the ring cannot run: online cp > 1 refused
     Gemma2Config().to_json_file(gemma)
     code, err = _run_cli(["--ds_config", ds, "--target", str(gemma), "--length", "4k", "--cp", "2"], capsys)
     assert code == 2 and "online at cp_size=2" in err and "python -m recipe.dump" in err, err
-    code, _ = _run_cli(["--ds_config", ds, "--target", str(gemma), "--length", "4k", "--cp", "2", "--offline"], capsys)
-    assert code == 0
     with pytest.raises(SystemExit) as exc:
         cli.main(["--ds_config", ds, "--target", str(LLAMA_8B), "--length", "4q"])
     err = capsys.readouterr().err.strip()
     assert exc.value.code == 2 and "bad length '4q'" in err and len(err.splitlines()) == 1
+
+
+@pytest.mark.slow
+def test_cli_plans_offline_what_it_refuses_online(tmp_path, capsys):
+    """Gemma 2 (an architecture the ring cannot run, refused online at cp > 1 above) is planned offline at cp = 2
+    (a whole trace and fit: tens of seconds)."""
+    ds = str(ROOT / "ds_configs" / "zero3_bf16.json")
+    gemma = tmp_path / "gemma2.json"
+    Gemma2Config().to_json_file(gemma)
+    argv = ["--ds_config", ds, "--target", str(gemma), "--length", "4k", "--cp", "2", "--offline"]
+    code, err = _run_cli(argv, capsys)
+    assert code == 0, err
 
 
 def _small_inputs(gpu_gib: float, **spec_changes) -> PlanInputs:
@@ -127,6 +137,7 @@ def _small_inputs(gpu_gib: float, **spec_changes) -> PlanInputs:
                       partitioned_target=False, gpu="test", gpu_bytes=int(gpu_gib * GIB))
 
 
+@pytest.mark.slow
 def test_fits_and_longest_length(monkeypatch):
     monkeypatch.setattr(states, "CUDA_CONTEXT_BYTES", 0)  # the tiny draft must not drown in the fixed overheads
     inputs = _small_inputs(0.05)
@@ -144,6 +155,7 @@ def test_fits_and_longest_length(monkeypatch):
     assert not plan_length(dataclasses.replace(inputs, gpu_bytes=1), 1024)["fits"]
 
 
+@pytest.mark.slow
 def test_tp2_and_cp2_traces_hold_less_per_rank_than_one_rank():
     """Flex (the stand-in kernel; per-position memory dominates) and the tiled ring, on the fake process group."""
     base = BenchSpec(seq_len=4096, layout="chunked+ckpt", attention_backend="flex", **{**SMALL, "loss_chunk_size": 512})
@@ -253,6 +265,7 @@ def test_supervised_fraction_of_the_data_is_supervised_over_all_tokens(chat_targ
         measure_supervision([str(tmp_path / "nope.jsonl")], chat_target, 1024, cache_dir=cache)
 
 
+@pytest.mark.slow
 def test_cli_plans_the_supervised_fraction_given_or_measured_from_data(chat_target, tmp_path, capsys):
     data, cache, out = _chats(tmp_path / "chats.jsonl"), str(tmp_path / "cache"), tmp_path / "plan.json"
     base = ["--ds_config", str(ROOT / "ds_configs" / "zero3_bf16.json"), "--target", str(chat_target), "--length",

@@ -70,6 +70,7 @@ def test_sigterm_to_torchrun_saves_a_checkpoint_that_resumes_exactly(tiny_target
     same_curve(straight.metrics, resumed.metrics)
 
 
+@pytest.mark.slow
 def test_second_signal_exits_at_once_after_the_grace_period():
     script = ("import os, signal, time\n"
               "from recipe.train.signals import StopRequest\n"
@@ -183,6 +184,7 @@ def test_launcher_names_and_the_chain_of_this_process():
     assert broken_link([(os.getpid(), 1, "x")]) == (os.getpid(), 1, "x")
 
 
+@pytest.mark.slow
 def test_the_launcher_watch_stops_a_rank_whose_launcher_dies(tmp_path):
     """A stand-in launcher (a script named ``deepspeed``) starts a "rank" that waits for a stop request, then dies
     of SIGKILL: the orphaned rank's launcher watch requests the stop (the rank shares the test's stderr pipe, so

@@ -24,8 +24,8 @@ def _sharegpt(k):
 
 
 @pytest.fixture(scope="module")
-def tokenizer(assets):
-    return AutoTokenizer.from_pretrained(assets.target)
+def tokenizer(chat_target):
+    return AutoTokenizer.from_pretrained(chat_target)
 
 
 @pytest.fixture

@@ -203,6 +203,7 @@ def two_ranks():
     return run_ranks(2, _tp_worker)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("tile,ckpt", TP_CASES, ids=[f"tile{t}-{'ckpt' if c else 'plain'}" for t, c in TP_CASES])
 def test_tp2_tiled_matches_single_process_untiled(two_ranks, tile, ckpt):
     for result in two_ranks:
@@ -218,6 +219,7 @@ def test_tp2_tiled_matches_single_process_untiled(two_ranks, tile, ckpt):
         assert max_rel(r["aux_grad"], ref_aux) <= 1e-5
 
 
+@pytest.mark.slow
 def test_tp2_tiled_mlp_all_reduces_once_in_forward_and_never_in_the_recompute(two_ranks):
     numel = 2 * TP_SEQ * 32  # one [B, S, H]
     for result in two_ranks:
@@ -230,6 +232,7 @@ def test_tp2_tiled_mlp_all_reduces_once_in_forward_and_never_in_the_recompute(tw
         assert sorted(n for p, n in tiled if p == "backward") == [2 * 4 * 32, 2 * 8 * 32, 2 * 8 * 32]
 
 
+@pytest.mark.slow
 def test_zero3_tiled_training_matches_untiled(two_ranks):
     for result in two_ranks:
         (plain_loss, plain_params), (loss, params) = result["zero3"][None], result["zero3"][5]
@@ -242,6 +245,7 @@ def test_zero3_tiled_training_matches_untiled(two_ranks):
             assert max_rel(params[name], value) <= 1e-5, name
 
 
+@pytest.mark.slow
 def test_planner_trace_sees_the_tiling():
     """The fake-tensor trace (``recipe.plan``) runs the tiled step: its peak drops by more than four [S, I] fp32
     tensors (the untiled SwiGLU's), and ``--mlp-tile`` parses into one value per table."""
