@@ -27,14 +27,15 @@ from recipe.bench.measure import BenchSpec, run_measurement
 from recipe.cli import positive_int_list
 from recipe.parallel.cp_shard import contiguous_indices, zigzag_indices
 
-NUM_CHUNKS = 2  # local chunks per shard in the ring's work skipping (kernels.ring_attention default)
+NUM_CHUNKS = 2  # local chunks per shard in the ring's work skipping (the ring kernel's default, ring_attention_forward)
 
 
 def attention_work(seq_len: int, cp: int, split) -> dict:
     """Per-rank causal attention work of one ring pass for a split (``zigzag_indices`` or ``contiguous_indices``).
 
     ``pairs``: (query chunk, key chunk) blocks the ring computes (each rank's shard cut into NUM_CHUNKS chunks; a
-    pair is skipped when all its keys come after all its queries, as ``kernels.ring_attention`` does).
+    pair is skipped when all its keys come after all its queries, as the ring kernel's ``ring_attention_forward``
+    does).
     ``scores``: causal (query, key) entries, Σ over local queries q of (q + 1). Lists indexed by cp rank.
     """
     shards = [split(seq_len, cp, r) for r in range(cp)]

@@ -4,14 +4,14 @@
 
 Each (cp, tp) of the product of ``--cp`` and ``--tp`` runs in cp·tp fresh processes (gloo on CPU,
 ``recipe.bench.ranks``), as training does: (1, 1) the full-sequence ``TargetModel.capture`` (the model's own sdpa
-attention), otherwise ``CPTarget.capture`` split over the cp·tp ranks (each runs the ring over 1/(cp·tp) of the
+attention), otherwise ``SplitTarget.capture`` split over the cp·tp ranks (each runs the ring over 1/(cp·tp) of the
 sequence, then the tp all-gather and the cp halo sum give every rank its cp rank's aux states and label rows:
-``recipe.target.cp``). The target is ``--target`` or a random target of SmolLM2-135M's shape (Llama, hidden 576,
+``recipe.target.split``). The target is ``--target`` or a random target of SmolLM2-135M's shape (Llama, hidden 576,
 9 / 3 KV heads, MLP 1536, vocab 49152; ``--layers`` decoder layers), random tokens, no padding. Per rank:
 ``act_bytes`` = peak RSS during the capture minus the RSS just before it (weights loaded; the glibc set-up of
 ``recipe.bench.measure``), ``kept_bytes`` = the capture's output tensors (aux states, last hidden rows, argmax), wall
 and CPU seconds of the capture (CPU seconds are the process's own, unaffected by ranks sharing cores), and the bytes
-it received in the exchange (``recipe.target.cp.TargetExchangeCounts``); the maximum over ranks is reported.
+it received in the exchange (``recipe.target.split.TargetExchangeCounts``); the maximum over ranks is reported.
 
 Issue targets (reported, not asserted): at (cp, tp) = (2, 2) per-rank activation bytes <= 0.3x and CPU seconds
 <= 0.35x of (1, 1); at cp = 4 activation bytes <= 0.3x of cp = 1.
@@ -70,10 +70,10 @@ def _rank(rank: int, world: int, folder: str, cp: int, length: int, batch: int, 
     target = TargetModel(folder, dtype=torch.float32, device="cpu")
     split = None
     if world > 1:
-        from recipe.target.cp import CPTarget
+        from recipe.target.split import SplitTarget
 
         pstate = ParallelState(ParallelDims(world, tp=world // cp, cp=cp))
-        split = CPTarget.from_state(target, pstate, backend, tile, argmax_chunk)
+        split = SplitTarget.from_state(target, pstate, backend, tile, argmax_chunk)
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, target.vocab_size, (batch, length), generator=g)
     mask = torch.ones_like(ids)
@@ -107,7 +107,7 @@ def run(folder: Path, layouts: list[tuple[int, int]], length: int, batch: int, t
         with mmap_threshold_for_children("cpu"):
             ranks = spawn_gloo_ranks(cp * tp, _rank, str(folder), cp, length, batch, ttt_steps, backend, tile,
                                      argmax_chunk, repeats, timeout=3600.0)
-        rows.append({"cp": cp, "tp": tp, "forward": "TargetModel.capture" if cp * tp == 1 else "CPTarget.capture",
+        rows.append({"cp": cp, "tp": tp, "forward": "TargetModel.capture" if cp * tp == 1 else "SplitTarget.capture",
                      **{key: max(r[key] for r in ranks) for key in ("act_bytes", "kept_bytes", "seconds",
                                                                     "cpu_seconds", "exchange_bytes",
                                                                     "forward_positions")},

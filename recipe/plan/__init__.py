@@ -115,8 +115,8 @@ class PlanInputs:
     per length), ``dp``, ``zero_stage``, ``reduce_bucket`` (elements), ``params`` (``states.DraftParams``),
     ``target`` (``states.TargetShape``), ``offline``, ``partitioned_target``, ``gpu`` (name), ``gpu_bytes``,
     whether the bf16 run accumulates gradients (``fp32_grad_accum``) and reduces them (``fp32_comm``) in fp32,
-    whether the online target's attention runs through the ring (``ring_target``: its forward is then split over the
-    cp·tp ranks, ``recipe.target.cp``) and the argmax chunk (``argmax_chunk``, positions)."""
+    whether the online target's attention can be routed (``routable_attention``: its forward is then split over
+    the cp·tp ranks, ``recipe.target.split``) and the argmax chunk (``argmax_chunk``, positions)."""
 
     spec: BenchSpec
     dp: int
@@ -130,7 +130,7 @@ class PlanInputs:
     gpu_bytes: int
     fp32_grad_accum: bool = False
     fp32_comm: bool = False
-    ring_target: bool = True
+    routable_attention: bool = True
     argmax_chunk: int = 1024
 
     @property
@@ -213,7 +213,7 @@ def load_inputs(ds_config: Path, target: Path, gpu: str = "h200", world_size: in
                       partitioned_target=config.target.partitioned, gpu=str(gpu), gpu_bytes=size,
                       fp32_grad_accum=(config.deepspeed.get("data_types") or {}).get("grad_accum_dtype") == "fp32",
                       fp32_comm=config.deepspeed.get("communication_data_type") == "fp32",
-                      ring_target=arch_facts(hf).ring_attention,
+                      routable_attention=arch_facts(hf).routable_attention,
                       argmax_chunk=mem.argmax_positions(int(hf.vocab_size), torch.bfloat16))
 
 
@@ -239,7 +239,7 @@ def plan_length(inputs: PlanInputs, seq_len: int, fit: ActivationFit | None = No
     out.update(states.zero_states(inputs.params, inputs.zero_stage, spec.cp * inputs.dp, spec.dtype == "bf16",
                                   inputs.reduce_bucket, inputs.fp32_grad_accum, inputs.fp32_comm))
     out["batch"] = states.batch_bytes(inputs.target, tokens, w, spec.ttt_steps)
-    split = inputs.ring_target and spec.cp * spec.tp > 1  # recipe.target.registry.splits_target's rule
+    split = inputs.routable_attention and spec.cp * spec.tp > 1  # recipe.target.registry.splits_target's rule
     out.update(states.target_bytes(inputs.target, tokens // spec.tp if split else tokens, inputs.world,
                                    inputs.partitioned_target, inputs.offline, argmax_chunk=inputs.argmax_chunk))
     tensors = (sum(out[k] for k in ("weights", "grads", "optimizer", "zero_buffers", "batch", "target_weights"))

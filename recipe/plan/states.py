@@ -22,7 +22,7 @@ subtracts them from the trace and counts them here, as ZeRO holds them.
 Online target (``recipe.target.partition.build_target``: bf16 on CUDA): weights replicated, or ZeRO-3
 partitioned over the world (the JSON's ``target.partition: "zero3"``, ``recipe.target.options``) plus the
 largest gathered piece (a decoder layer, the embedding or the lm_head) during its forward. Its no-grad forward at
-the rank's m positions (``recipe.target.cp``: m = B·S/(cp·tp) when split over the cp·tp ranks, the ring-routable
+the rank's m positions (``recipe.target.split``: m = B·S/(cp·tp) when split over the cp·tp ranks, the ring-routable
 architectures; else B·S/cp): one layer's larger live set, attention m·(3H + (Hq + 2Hkv)·D + Hq·D) or MLP
 m·(2H + 3I), in bf16, the argmax chunk [c, V] in bf16 (``memory.argmax_chunk_size``; by default sized from the
 vocabulary, ``MemoryOptions.argmax_positions``), plus the captured aux [n, 3H_t] and last hidden states [n, H_t]

@@ -5,7 +5,7 @@ has the tokens) and only then is the batch zigzag-split across context-parallel 
 so no rank needs its neighbour's tokens. The hidden states are local: offline a cp rank reads only its rows of the
 store (``rows_needed``); online with cp > 1, or tp > 1 for a target whose attention the ring runs
 (``recipe.target.registry.splits_target``), the target itself runs split over the cp·tp ranks
-(``recipe.target.cp.CPTarget``): each rank runs it on 1/(cp·tp) of the sequence, then each cp rank has the aux
+(``recipe.target.split.SplitTarget``): each rank runs it on 1/(cp·tp) of the sequence, then each cp rank has the aux
 states of its zigzag positions and the last hidden states of its label rows, never the full sequence's.
 Tensor-parallel ranks read the same samples.
 """
@@ -76,7 +76,7 @@ class BatchBuilder:
         examples: ``datasets.Dataset`` with ``input_ids``/``loss_mask`` columns (online) or None.
         store: ``recipe.data.store.HiddenStateStore`` (offline) or None.
         target: online, a ``recipe.target.capture.TargetModel`` (run whole on this rank; cp = 1) or a
-            ``recipe.target.cp.CPTarget`` (split over this rank's cp·tp group; required at cp > 1); None offline.
+            ``recipe.target.split.SplitTarget`` (split over this rank's cp·tp group; required at cp > 1); None offline.
         t2d: [V] bool draft-vocabulary mask; copied once to the target's device online (where the target's argmax
             is computed), kept on the CPU offline (where the store's ``target_argmax`` is read).
     The in-draft-vocabulary flag of a position is the lookup ``t2d[target argmax]``: the argmax comes from the store
@@ -85,7 +85,7 @@ class BatchBuilder:
         ttt_steps: K.  seq_divisor: pad the sequence to a multiple of this (2·cp·tp).
         cp_size, cp_rank: context-parallel layout (1, 0 for none).
         device, dtype: where and in which float dtype the draft consumes the batch.
-        argmax_chunk_size: positions per argmax matmul of a whole-sequence ``TargetModel`` (a ``CPTarget`` has its
+        argmax_chunk_size: positions per argmax matmul of a whole-sequence ``TargetModel`` (a ``SplitTarget`` has its
             own).
         position_offset_max, seed: ``--position-offset-max``: > 0 replaces the draft's position ids by
             ``recipe.train.positions.anchor_offset_positions`` (sinks kept, the rest shifted per sample); 0 leaves
@@ -105,11 +105,11 @@ class BatchBuilder:
             raise ValueError("BatchBuilder needs exactly one of examples (online) or store (offline)")
         if examples is not None and target is None:
             raise ValueError("online mode needs the target model")
-        from recipe.target.cp import CPTarget
+        from recipe.target.split import SplitTarget
 
-        self.split_target = isinstance(target, CPTarget)
+        self.split_target = isinstance(target, SplitTarget)
         if examples is not None and cp_size > 1 and not self.split_target:
-            raise ValueError(f"online training with cp_size={cp_size} needs a recipe.target.cp.CPTarget, "
+            raise ValueError(f"online training with cp_size={cp_size} needs a recipe.target.split.SplitTarget, "
                              f"got {type(target).__name__}")
         self.examples, self.store, self.target = examples, store, target
         self.argmax_chunk_size = argmax_chunk_size
@@ -268,7 +268,7 @@ class BatchBuilder:
         return self._executor.submit(lambda: (host, self.read(host)))
 
     def _cp_online(self, input_ids, loss_mask, attention) -> TTTBatch:
-        """This rank's TTT batch from the split target forward (``CPTarget.capture``): the shifts are
+        """This rank's TTT batch from the split target forward (``SplitTarget.capture``): the shifts are
         made on the full token sequence with empty hidden states, the batch is sharded, then the local aux states
         and label rows are put in (``shard_ttt_batch`` orders the label rows as ``cp_shard.label_rows`` does)."""
         from recipe.parallel.cp_shard import shard_ttt_batch

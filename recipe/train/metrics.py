@@ -190,5 +190,5 @@ def plan_summary(parts) -> str:
             f"dtype {str(config.dtype).removeprefix('torch.')}; attention {config.kernels.attention} "
             f"(tile {config.memory.attention_tile_size}); batch {asdict(p)}; collectives {dist.get_backend()} on "
             f"{parts.pstate.device}" + (f"; {parts.resharding}" if parts.resharding else "")
-            + (f"; target forward split over {parts.builder.target.ring_size} ranks (cp·tp)"
+            + (f"; target forward split over {parts.builder.target.split_size} ranks (cp·tp)"
                if parts.builder.split_target else ""))
