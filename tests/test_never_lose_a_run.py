@@ -267,7 +267,7 @@ def _draft_config(**changes):
 
 
 def test_resume_check_of_older_checkpoints(tmp_path):
-    from recipe.train.checkpoint import DRAFT_CONFIG_FILE
+    from recipe.export import DRAFT_CONFIG_FILE
     from recipe.train.resume_checks import check_compatible
 
     geometry = dataclasses.asdict(_draft_config())

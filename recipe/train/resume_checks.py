@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from recipe.train.checkpoint import DRAFT_CONFIG_FILE
+from recipe.export import DRAFT_CONFIG_FILE
 
 # what a resume must match; the layout (LAYOUT_KEYS) may change, the checkpoint is then resharded
 COMPAT_KEYS = ("global_batch", "data_fingerprint", "ttt_steps", "draft_vocab_size", "aux_layer_ids", "max_length",
