@@ -76,7 +76,8 @@ def main(argv: list[str] | None = None) -> int:
     from rich.markup import escape
 
     from kernels.flex_attention import FlexCompileError, flex_compile_stats
-    from recipe.config import ConfigError, read_ds_config
+    from recipe.config import read_ds_config
+    from recipe.config_keys import ConfigError
     from recipe.io_errors import EXIT_WRITE_FAILED, WriteError
     from recipe.train.checkpoint import CheckpointError
     from recipe.train.distributed import init_distributed, release_shm_buffer

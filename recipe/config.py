@@ -24,21 +24,15 @@ import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from recipe.config_keys import (  # noqa: F401
-    KERNELS_SECTION,
-    MEMORY_SECTION,
-    ConfigError,
-    check_config_keys,
-    check_section_keys,
-    deepspeed_top_level_keys,
-    did_you_mean,
-    field_model,
-    model_keys,
-    strip_comments,
-)
+from recipe.config_keys import (KERNELS_SECTION, MEMORY_SECTION, ConfigError, check_config_keys, check_section_keys,
+                                did_you_mean, field_model, model_keys, strip_comments)
 from recipe.parallel.dims import PARALLEL_SECTION, ParallelDims
 from recipe.target.options import TARGET_SECTION, TargetOptions
+
+if TYPE_CHECKING:  # annotations only: reading a config does not import torch
+    import torch
 
 # DeepSpeed's monitor sections and the package each one's writer imports (csv_monitor needs none)
 MONITOR_PACKAGES = {"tensorboard": "tensorboard", "csv_monitor": None, "wandb": "wandb", "comet": "comet_ml"}
@@ -89,9 +83,8 @@ class MemoryOptions:
     ``sparse_anchors``: compute each TTT step only at the anchors some step's loss reads (``recipe.model.sparse_anchors``;
     step 0's keys/values still at every position): the same numbers as false (the dense path) up to float rounding,
     and work proportional to the supervised positions.
-    Which kernel computes the causal block is not a memory trade-off:
-    it is the ``kernels`` section (:class:`KernelOptions`); a ``memory.attention_backend`` key (its place before)
-    is refused naming the new one. DeepSpeed's own ``activation_checkpointing`` section configures
+    Which kernel computes the causal block is not a memory trade-off: it is the ``kernels`` section
+    (:class:`KernelOptions`). DeepSpeed's own ``activation_checkpointing`` section configures
     ``deepspeed.checkpointing`` only, which this recipe does not use, so it is not read.
     """
 
@@ -118,11 +111,6 @@ class MemoryOptions:
         if not isinstance(section, dict):
             raise ConfigError(f"{path}: '{MEMORY_SECTION}' must be an object like "
                               '{"loss_chunk_size": 4096, "checkpoint_ttt_steps": true, "attention_tile_size": 1024}')
-        if "attention_backend" in section:
-            moved = json.dumps({KERNELS_SECTION: {"attention": section["attention_backend"]}})
-            raise ConfigError(f"{path}: '{MEMORY_SECTION}.attention_backend' has moved: the attention kernel is chosen "
-                              f"in the '{KERNELS_SECTION}' section, as '{KERNELS_SECTION}.attention' ({moved}); "
-                              f"remove it from '{MEMORY_SECTION}'")
         known = ("loss_chunk_size", "checkpoint_ttt_steps", "attention_tile_size", "mlp_tile_size",
                  "argmax_chunk_size", "sparse_anchors")
         unknown = sorted(k for k in set(section) - set(known) if not k.startswith("_"))
@@ -354,8 +342,7 @@ def load_run_config(path: Path, world_size: int, overrides: dict | None = None) 
     sections, resolves the layout (:class:`ParallelDims`), the batch plan (:func:`resolve_batch`) and the dtype; the
     scheduler's ``"auto"`` values wait for :meth:`RunConfig.with_total_steps`. Raises ConfigError naming the file
     (and the field) for an unreadable file, invalid JSON, an unknown key (:func:`check_config_keys`, with the
-    nearest valid name), a bad section (or a monitor whose package is missing; a ``memory.attention_backend`` key,
-    which moved to ``kernels.attention``), a layout that does not fit ``world_size`` or inconsistent batch sizes.
+    nearest valid name), a bad section (or a monitor whose package is missing), a layout that does not fit ``world_size`` or inconsistent batch sizes.
     """
     ds_cfg, section = read_ds_config(path)
     memory = MemoryOptions.pop_from(ds_cfg, path)

@@ -187,7 +187,7 @@ def check_config_keys(cfg: dict, path) -> None:
 
     Top level: :func:`deepspeed_top_level_keys` (a key DeepSpeed has removed gets DeepSpeed's own message);
     ``zero_optimization`` (nested offload sections included), ``bf16``/``fp16``: DeepSpeed's pydantic models;
-    ``optimizer`` and ``scheduler``: DeepSpeed's ``type``/``params`` (and ``legacy_fusion``) constants, and the
+    ``optimizer`` and ``scheduler``: DeepSpeed's ``TYPE``/``OPTIMIZER_PARAMS``/``LEGACY_FUSION`` constants, and the
     scheduler's params the keyword arguments of DeepSpeed's scheduler class. Keys starting with "_" are allowed.
     Raises ConfigError naming the file and the key.
     """

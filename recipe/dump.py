@@ -174,7 +174,8 @@ def _parse(argv=None) -> argparse.Namespace:
 def target_options(args: argparse.Namespace) -> TargetOptions:
     """The ``target`` section of ``--ds_config`` (defaults without it), with ``partition = "zero3"`` under
     ``--partition-target``. Raises ConfigError naming the file and field for a bad JSON or section."""
-    from recipe.config import ConfigError, read_ds_config
+    from recipe.config import read_ds_config
+    from recipe.config_keys import ConfigError
 
     section = None
     if args.ds_config is not None:
@@ -191,7 +192,7 @@ def target_options(args: argparse.Namespace) -> TargetOptions:
 
 def main(argv=None) -> None:
     args = _parse(argv)
-    from recipe.config import ConfigError
+    from recipe.config_keys import ConfigError
 
     try:
         options = target_options(args)

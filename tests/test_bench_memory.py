@@ -11,7 +11,8 @@ import torch
 
 from recipe.bench import memory
 from recipe.cli import parse_length
-from recipe.bench.measure import BenchSpec, build_model, random_batch, time_step
+from recipe.bench.measure import build_model, random_batch, time_step
+from recipe.plan.spec import BenchSpec
 from recipe.plan import predict_step
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -14,7 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from recipe.config import ConfigError, load_run_config
+from recipe.config import load_run_config
+from recipe.config_keys import ConfigError
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIGS = sorted((ROOT / "ds_configs").glob("*.json"))

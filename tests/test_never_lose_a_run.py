@@ -183,7 +183,7 @@ def _load(tmp_path, **changes):
     ({"amp": {"enabled": True}}, "'amp': NVIDIA Apex AMP integration has been removed"),
 ])
 def test_unknown_keys_name_the_nearest_valid_one(tmp_path, changes, message):
-    from recipe.config import ConfigError
+    from recipe.config_keys import ConfigError
 
     with pytest.raises(ConfigError) as err:
         _load(tmp_path, **changes)
@@ -201,7 +201,7 @@ def test_comments_and_aliases_are_accepted(tmp_path):
 
 def test_known_keys_come_from_deepspeed():
     """The top-level set is what DeepSpeed's parser reads: its sections are there, nested keys and removed keys not."""
-    from recipe.config import deepspeed_top_level_keys
+    from recipe.config_keys import deepspeed_top_level_keys
 
     keys = deepspeed_top_level_keys()
     assert {"zero_optimization", "bf16", "fp16", "optimizer", "scheduler", "train_batch_size", "gradient_clipping",

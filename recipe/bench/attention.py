@@ -25,7 +25,8 @@ from rich.table import Table
 
 from recipe.bench.common import MIB, add_draft_shape_arguments, write_json
 from recipe.cli import length_list
-from recipe.bench.measure import DTYPES, MALLOC_ENV, CpuPeak, CudaPeak
+from recipe.bench.measure import MALLOC_ENV, CpuPeak, CudaPeak
+from recipe.plan.spec import DTYPES
 
 
 def _sync(device) -> None:

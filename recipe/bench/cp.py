@@ -23,7 +23,8 @@ from rich.console import Console
 from rich.table import Table
 
 from recipe.bench.common import GIB, MIB, add_draft_shape_arguments, write_json
-from recipe.bench.measure import BenchSpec, run_measurement
+from recipe.bench.measure import run_measurement
+from recipe.plan.spec import BenchSpec
 from recipe.cli import positive_int_list
 from recipe.parallel.cp_shard import contiguous_indices, zigzag_indices
 

@@ -23,14 +23,15 @@ from rich.console import Console
 from rich.table import Table
 
 from recipe.bench.common import add_draft_shape_arguments
-from recipe.bench.measure import LAYOUTS, BenchSpec, run_measurement
+from recipe.bench.measure import run_measurement
+from recipe.plan.spec import LAYOUTS, BenchSpec
 from recipe.cli import length_list
 
 GIB = 1024 ** 3
 
 
 def layout_list(text: str) -> list[str]:
-    """argparse type: comma-separated names of ``recipe.bench.measure.LAYOUTS``; ArgumentTypeError naming unknown
+    """argparse type: comma-separated names of ``recipe.plan.spec.LAYOUTS``; ArgumentTypeError naming unknown
     ones."""
     names = [x.strip() for x in text.split(",") if x.strip()]
     bad = [n for n in names if n not in LAYOUTS]

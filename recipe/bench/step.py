@@ -25,7 +25,8 @@ from rich.table import Table
 
 from recipe.cli import length_list
 from recipe.bench.common import GIB, add_draft_shape_arguments, write_json
-from recipe.bench.measure import DTYPES, LAYOUTS, BenchSpec, run_measurement
+from recipe.bench.measure import run_measurement
+from recipe.plan.spec import DTYPES, LAYOUTS, BenchSpec
 from recipe.plan.spec import MASKS
 
 

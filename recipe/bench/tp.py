@@ -24,7 +24,8 @@ from rich.console import Console
 from rich.table import Table
 
 from recipe.bench.common import GIB, MIB, add_draft_shape_arguments, tensor_bytes, write_json
-from recipe.bench.measure import BenchSpec, CpuPeak, build_model, random_batch
+from recipe.bench.measure import CpuPeak, build_model, random_batch
+from recipe.plan.spec import BenchSpec
 from recipe.bench.ranks import spawn_gloo_ranks
 from recipe.cli import positive_int_list
 

@@ -12,7 +12,7 @@ Per rank, by component (bytes; GiB in the table):
 ``total = overheads + weights + grads + optimizer + zero_buffers + target_weights + batch + max(draft_activations,
 target_forward)`` (the target's forward ends before the draft's step begins); a layout fits when total ≤ the GPU.
 
-Public API: :func:`predict_step` (one ``recipe.bench.measure.BenchSpec`` row: the step bytes ``time_step`` would
+Public API: :func:`predict_step` (one ``recipe.plan.spec.BenchSpec`` row: the step bytes ``time_step`` would
 measure), :class:`PlanInputs` / :func:`load_inputs` (from a ds_config and a target), :func:`plan_rows` (the table
 of one layout) and :func:`longest_fit`.
 """
@@ -163,7 +163,8 @@ def load_inputs(ds_config: Path, target: Path, gpu: str = "h200", world_size: in
     flex). Raises PlanError naming the input for a missing/bad file, layout or GPU name."""
     import torch
 
-    from recipe.config import ConfigError, load_run_config, read_ds_config
+    from recipe.config import load_run_config, read_ds_config
+    from recipe.config_keys import ConfigError
     from recipe.target.registry import arch_facts, draft_config_for, splits_target
 
     try:
