@@ -29,13 +29,19 @@ import os
 import sys
 from pathlib import Path
 
+from recipe.cli import parse_args
+from recipe.config import read_ds_config
+from recipe.config_keys import ConfigError
+from recipe.io_errors import EXIT_WRITE_FAILED, WriteError
+from recipe.train.signals import EXIT_INTERRUPTED, StopRequest, clear_interrupted, write_interrupted
+from recipe.train.watch import group_timeout
+
 
 def mark_interrupted(output: Path, stop, console) -> None:
     """Write ``OUTPUT/INTERRUPTED`` naming the checkpoint ``checkpoints/latest`` points at (rank 0, after an
     interrupted run saved it; ``recipe.train.signals.write_interrupted``). A failed write only warns: the checkpoint
     is saved and the exit code still says so."""
     from recipe.train.checkpoint import RUN_STATE, latest_tag
-    from recipe.train.signals import write_interrupted
 
     try:
         tag = latest_tag(output / "checkpoints")
@@ -64,8 +70,6 @@ def launch_rank() -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from recipe.cli import parse_args
-
     args = parse_args(argv)
     from recipe.train.distributed import default_cuda_alloc_conf
 
@@ -76,14 +80,9 @@ def main(argv: list[str] | None = None) -> int:
     from rich.markup import escape
 
     from kernels.flex_attention import FlexCompileError, flex_compile_stats
-    from recipe.config import read_ds_config
-    from recipe.config_keys import ConfigError
-    from recipe.io_errors import EXIT_WRITE_FAILED, WriteError
     from recipe.train.checkpoint import CheckpointError
     from recipe.train.distributed import init_distributed, release_shm_buffer
     from recipe.train.oom import StepOutOfMemory
-    from recipe.train.signals import EXIT_INTERRUPTED, StopRequest, clear_interrupted
-    from recipe.train.watch import group_timeout
 
     console = Console(stderr=True)
     try:  # a wrong path or broken JSON is found before the process group is up (every rank says so)

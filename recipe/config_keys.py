@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import difflib
 import functools
+import inspect
 import typing
 
 from recipe.parallel.dims import PARALLEL_SECTION
@@ -172,8 +173,6 @@ def _section_models() -> dict[str, object]:
 def _scheduler_param_names(name: str) -> set[str] | None:
     """The keyword arguments of DeepSpeed's LR scheduler class ``name`` (``scheduler.params``), or None when the
     name is not one of DeepSpeed's (``lr_schedules.VALID_LR_SCHEDULES``: a torch scheduler, checked by DeepSpeed)."""
-    import inspect
-
     from deepspeed.runtime import lr_schedules
 
     if name not in getattr(lr_schedules, "VALID_LR_SCHEDULES", ()):

@@ -31,7 +31,11 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
+from recipe.assets import prepare_assets
 from recipe.cli import positive_int_list, subprocess_env
+from recipe.data.store import HiddenStateStore
+from recipe.eval.harness import evaluate
+from recipe.eval.prompts import read_prompts
 from recipe.eval.tree import add_tree_arguments, tree_from_args
 from recipe.plot import CURVES_FILE, plot_note
 from recipe.train.distributed import free_port
@@ -107,8 +111,6 @@ def stage_regenerate(args, assets, console: Console) -> Path:
 
 def stage_dump(args, assets, data: Path, store: Path, console: Console) -> bool:
     """The hidden-state dump into ``store``; True when it was already complete (nothing run)."""
-    from recipe.data.store import HiddenStateStore
-
     try:
         HiddenStateStore(store).validate()
         console.print(f"dump: {store} is complete, skipped")
@@ -174,9 +176,6 @@ def stage_eval(args, assets, ks: list[int], console: Console) -> dict:
     """τ of ``OUTPUT/export`` on ``--eval-prompts`` MT-Bench first turns: chain drafting at each k and the dynamic
     tree (``recipe.eval.harness.evaluate``, every output checked against greedy decoding), on every CPU core."""
     import torch
-
-    from recipe.eval.harness import evaluate
-    from recipe.eval.prompts import read_prompts
 
     done = args.output / "eval.json"
     if done.is_file() and done.stat().st_mtime > (args.output / "export" / "model.safetensors").stat().st_mtime:
@@ -272,8 +271,6 @@ def main(argv: list[str] | None = None) -> int:
             else:  # unknown: no entry rather than this run's ~0 s
                 del seconds[name]
         return out
-
-    from recipe.assets import prepare_assets
 
     assets = timed("assets", prepare_assets)
     store = args.output / f"store-{args.answers}-n{args.conversations}-len{args.max_length}"

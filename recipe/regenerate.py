@@ -47,6 +47,7 @@ import torch
 
 from recipe.cli import add_data_arguments, check_data_arguments
 from recipe.jsonl import read_jsonl
+from recipe.train.distributed import launcher_ranks
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
@@ -242,7 +243,6 @@ def main(argv: list[str] | None = None) -> int:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from recipe.target.capture import TargetModel
-    from recipe.train.distributed import launcher_ranks
 
     console = Console(stderr=True)
     skips: Counter = Counter()

@@ -29,7 +29,9 @@ from rich.console import Console
 from rich.table import Table
 
 from recipe.bench.common import write_json
+from recipe.bench.target import save_random_target
 from recipe.cli import positive_int_list
+from recipe.model.packed_linear import pack_linear_layers, packing_available
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -89,9 +91,6 @@ def main(argv: list[str] | None = None) -> int:
     if args.smoke:
         args.layers, args.reps, args.rounds, args.prompts, args.new_tokens = 2, 2, 1, 3, 4
     from transformers import AutoModelForCausalLM
-
-    from recipe.bench.target import save_random_target
-    from recipe.model.packed_linear import pack_linear_layers, packing_available
 
     torch.set_num_threads(args.threads)
     console = Console()

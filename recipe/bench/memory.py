@@ -24,8 +24,9 @@ from rich.table import Table
 
 from recipe.bench.common import add_draft_shape_arguments
 from recipe.bench.measure import run_measurement
-from recipe.plan.spec import LAYOUTS, BenchSpec
 from recipe.cli import length_list
+from recipe.plan import layout_fit, predict_step, trace_limit
+from recipe.plan.spec import LAYOUTS, BenchSpec
 
 GIB = 1024 ** 3
 
@@ -95,8 +96,6 @@ def make_spec(args, length: int, layout: str) -> BenchSpec:
 
 def run_report(args, console: Console) -> dict:
     """Measure every (layout, length); returns the JSON-ready report."""
-    from recipe.plan import layout_fit, predict_step, trace_limit
-
     results, max_length = [], {}
     for layout in args.layouts:
         stopped, fit = None, None

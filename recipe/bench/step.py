@@ -23,16 +23,14 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from recipe.cli import length_list
+from kernels.attention_backends import BACKENDS, backend_runs_on, resolve_attention_backend
 from recipe.bench.common import GIB, add_draft_shape_arguments, write_json
 from recipe.bench.measure import run_measurement
-from recipe.plan.spec import DTYPES, LAYOUTS, BenchSpec
-from recipe.plan.spec import MASKS
+from recipe.cli import length_list
+from recipe.plan.spec import DTYPES, LAYOUTS, MASKS, BenchSpec
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from kernels.attention_backends import BACKENDS
-
     def names(text):
         out = [x.strip() for x in text.split(",") if x.strip()]
         if not out or any(n not in BACKENDS for n in out):
@@ -95,8 +93,6 @@ def summarise(rows: list[dict]) -> list[dict]:
 def main(argv: list[str] | None = None) -> int:
     """CLI entry (``python -m recipe.bench step``). Returns 0, or 2 on bad flags."""
     import torch
-
-    from kernels.attention_backends import BACKENDS, backend_runs_on, resolve_attention_backend
 
     parser = build_parser()
     args = parser.parse_args(argv)

@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import tempfile
 import time
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
@@ -28,7 +29,10 @@ from rich.console import Console
 from rich.table import Table
 
 from recipe.bench.common import MIB, add_draft_shape_arguments, tensor_bytes, write_json
+from recipe.bench.ranks import spawn_gloo_ranks
 from recipe.cli import positive_int_list
+from recipe.config import MemoryOptions
+from recipe.parallel.dims import ParallelDims
 
 SMOLLM2_SHAPE = dict(hidden_size=576, intermediate_size=1536, num_attention_heads=9, num_key_value_heads=3,
                      head_dim=64, vocab_size=49152, tie_word_embeddings=True, rms_norm_eps=1e-5,
@@ -60,10 +64,7 @@ def _rank(rank: int, world: int, folder: str, cp: int, length: int, batch: int, 
           tile: int | None, argmax_chunk: int, repeats: int) -> dict:
     """One rank's measurement (``spawn_gloo_ranks`` worker, ``world`` = cp·tp): a warm-up forward on a short
     sequence, then ``repeats`` timed forwards of the [batch, length] sequence."""
-    from dataclasses import asdict
-
     from recipe.bench.measure import CpuPeak
-    from recipe.parallel.dims import ParallelDims
     from recipe.parallel.topology import ParallelState
     from recipe.target.capture import TargetModel
 
@@ -100,7 +101,6 @@ def run(folder: Path, layouts: list[tuple[int, int]], length: int, batch: int, t
         tile: int | None, argmax_chunk: int, repeats: int) -> dict:
     """One row per (cp, tp) (maxima over ranks) and the issue targets' ratios."""
     from recipe.bench.measure import mmap_threshold_for_children
-    from recipe.bench.ranks import spawn_gloo_ranks
 
     rows = []
     for cp, tp in layouts:
@@ -174,8 +174,6 @@ def main(argv: list[str] | None = None) -> int:
         folder = args.target or save_random_target(Path(tmp) / "target", args.layers, args.length + 1)
         if args.argmax_chunk is None:  # as training sizes it (memory.argmax_chunk_size absent)
             from transformers import AutoConfig
-
-            from recipe.config import MemoryOptions
 
             args.argmax_chunk = MemoryOptions().argmax_positions(AutoConfig.from_pretrained(folder).vocab_size,
                                                                  torch.float32)

@@ -24,6 +24,9 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
+from recipe.config import load_run_config, read_ds_config
+from recipe.config_keys import ConfigError
+from recipe.parallel.dims import seq_divisor
 from recipe.plan import states
 from recipe.plan.spec import DTYPES, BenchSpec
 from recipe.plan.states import GIB, gpu_bytes
@@ -163,8 +166,6 @@ def load_inputs(ds_config: Path, target: Path, gpu: str = "h200", world_size: in
     flex). Raises PlanError naming the input for a missing/bad file, layout or GPU name."""
     import torch
 
-    from recipe.config import load_run_config, read_ds_config
-    from recipe.config_keys import ConfigError
     from recipe.target.registry import arch_facts, draft_config_for, splits_target
 
     try:
@@ -219,8 +220,6 @@ def load_inputs(ds_config: Path, target: Path, gpu: str = "h200", world_size: in
 
 
 def _check_length(inputs: PlanInputs, seq_len: int) -> None:
-    from recipe.parallel.dims import seq_divisor
-
     div = seq_divisor(inputs.spec.cp, inputs.spec.tp)
     if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 1 or seq_len % div:
         raise PlanError(f"--length {seq_len!r}: must be a positive multiple of {div} (2·cp·tp with "
@@ -256,8 +255,6 @@ def longest_fit(inputs: PlanInputs, fit: ActivationFit | None = None, granularit
     """The longest length (a multiple of lcm(``granularity``, 2·cp·tp), at most ``limit``) whose planned total
     fits the GPU, from the layout's fit (``layout_fit``; totals are monotone in S, so a bisection); None when not
     even the shortest fits."""
-    from recipe.parallel.dims import seq_divisor
-
     fit = fit or layout_fit(inputs.spec)
     step = math.lcm(granularity, seq_divisor(inputs.spec.cp, inputs.spec.tp))
     lo, hi = 0, limit // step

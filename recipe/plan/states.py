@@ -32,6 +32,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from recipe.parallel.apply_tp import COLUMN, LM_HEAD, ROW
+
 GIB = 1024 ** 3
 MIB = 1024 ** 2
 
@@ -101,7 +103,6 @@ def count_draft_params(draft_config, tp: int = 1, freeze_lm_head: bool = False) 
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from recipe.model.draft import Eagle3Draft
-    from recipe.parallel.apply_tp import COLUMN, LM_HEAD, ROW
 
     with FakeTensorMode():
         draft = Eagle3Draft(draft_config, seed=0)

@@ -39,6 +39,8 @@ from typing import Callable
 import torch
 from transformers import AttentionInterface
 
+from kernels.attention_backends import make_causal_attention
+from kernels.host_positions import attach_host_copies
 from recipe.parallel.cp_shard import label_rows, zigzag_indices
 from recipe.target.capture import TargetModel, capture_layer_outputs
 from recipe.target.head import lm_head_argmax
@@ -155,8 +157,6 @@ class SplitTarget:
     def __init__(self, target: TargetModel, comm, cp_group, cp_size: int, cp_rank: int,
                  attention_backend: str = "auto", tile_size: int | None = None, argmax_chunk_size: int = 1024, *,
                  tp_group=None, tp_size: int = 1, tp_rank: int = 0, split_group=None):
-        from kernels.attention_backends import make_causal_attention
-
         check_split_target(target.config)
         if tp_size > 1 and split_group is None:
             raise ValueError(f"SplitTarget over tp_size={tp_size} needs the cp·tp split_group "
@@ -200,8 +200,6 @@ class SplitTarget:
         call = SplitAttentionCall(self.block, pos.expand(b, -1).contiguous(),
                                attention_mask_BS.to(t.device)[:, pos].bool(), s)
         if attention_mask_BS.device.type == "cpu":  # every rank's positions/validity on the host: the ring's pairs
-            from kernels.host_positions import attach_host_copies
-
             mine = [zigzag_indices(s, n, r) for r in range(n)]
             attach_host_copies(call.position_ids_BS, [m.expand(b, -1).contiguous() for m in mine], j)
             attach_host_copies(call.key_valid_BS, [attention_mask_BS[:, m].bool() for m in mine], j)

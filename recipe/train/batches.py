@@ -18,9 +18,12 @@ from dataclasses import dataclass
 
 import torch
 
+from kernels.host_positions import attach_host_copies
 from recipe.data.store import DTYPES
 from recipe.model.ttt import TTTBatch, make_ttt_batch, target_in_draft_vocab
+from recipe.parallel.cp_shard import label_rows, shard_ttt_batch, zigzag_indices, zigzag_split
 from recipe.target.head import validity_rows
+from recipe.target.split import SplitTarget
 from recipe.train.positions import anchor_offset_positions
 
 
@@ -105,7 +108,6 @@ class BatchBuilder:
             raise ValueError("BatchBuilder needs exactly one of examples (online) or store (offline)")
         if examples is not None and target is None:
             raise ValueError("online mode needs the target model")
-        from recipe.target.split import SplitTarget
 
         self.split_target = isinstance(target, SplitTarget)
         if examples is not None and cp_size > 1 and not self.split_target:
@@ -144,7 +146,6 @@ class BatchBuilder:
         """
         if self.cp_size == 1:
             return None, None
-        from recipe.parallel.cp_shard import label_rows, zigzag_indices
 
         return zigzag_indices(seq, self.cp_size, self.cp_rank), label_rows(seq, self.cp_size, self.cp_rank,
                                                                            self.ttt_steps)
@@ -180,8 +181,6 @@ class BatchBuilder:
                              target_in_draft_vocab(host.argmax_BS, self.t2d), self.ttt_steps)
         valid = ttt.valid_KBS
         if self.cp_size > 1:
-            from recipe.parallel.cp_shard import zigzag_split
-
             valid = zigzag_split(valid, self.cp_size, self.cp_rank, 2)
         return valid.sum(dim=(1, 2))
 
@@ -193,8 +192,6 @@ class BatchBuilder:
         ttt = make_ttt_batch(host.input_ids_BS, host.loss_mask_BS, host.attention_BS, aux, last,
                              target_in_draft_vocab(host.argmax_BS, self.t2d), self.ttt_steps)
         if self.cp_size > 1:
-            from recipe.parallel.cp_shard import shard_ttt_batch
-
             ttt = shard_ttt_batch(ttt, self.cp_size, self.cp_rank)
         if self.pin_memory:
             ttt = dataclasses.replace(ttt, **{f.name: getattr(ttt, f.name).pin_memory()
@@ -233,8 +230,6 @@ class BatchBuilder:
 
     def _cp_part(self, x_BS: torch.Tensor) -> torch.Tensor:
         """This cp rank's zigzag part of a full [B, S] tensor (the whole of it at cp = 1)."""
-        from recipe.parallel.cp_shard import zigzag_split
-
         return x_BS if self.cp_size == 1 else zigzag_split(x_BS, self.cp_size, self.cp_rank, 1)
 
     def _attach_host_copies(self, ttt: TTTBatch, host: HostTokens, positions_BS: torch.Tensor | None = None,
@@ -244,9 +239,6 @@ class BatchBuilder:
         padding), for the attention's pair decision; and to ``valid_KBS`` this rank's CPU copy ``host_valid`` when
         the batch was built on the CPU (the sparse anchors' sets, ``recipe.model.sparse_anchors``, are then decided
         without a device sync)."""
-        from kernels.host_positions import attach_host_copies
-        from recipe.parallel.cp_shard import zigzag_split
-
         b, s = host.attention_BS.shape
         pos = torch.arange(s, dtype=torch.int64).expand(b, s) if positions_BS is None else positions_BS
         valid = host.attention_BS.bool()
@@ -271,8 +263,6 @@ class BatchBuilder:
         """This rank's TTT batch from the split target forward (``SplitTarget.capture``): the shifts are
         made on the full token sequence with empty hidden states, the batch is sharded, then the local aux states
         and label rows are put in (``shard_ttt_batch`` orders the label rows as ``cp_shard.label_rows`` does)."""
-        from recipe.parallel.cp_shard import shard_ttt_batch
-
         dev = self.target.device
         cap = self.target.capture(input_ids, attention, self.ttt_steps, validity_rows(loss_mask))
         b, s = input_ids.shape

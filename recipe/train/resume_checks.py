@@ -8,6 +8,7 @@
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -27,8 +28,6 @@ UNRECORDED_KEYS = ("target_fingerprint", "draft_config")
 def _saved_draft_config(path: Path) -> dict | None:
     """The draft geometry (``dataclasses.asdict(Eagle3DraftConfig)``) of a checkpoint without ``draft_config`` in
     its run state, from its ``draft_config.json``; None when that file is missing or unreadable."""
-    import dataclasses
-
     from recipe.model.draft_config import Eagle3DraftConfig
 
     try:
