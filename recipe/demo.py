@@ -28,6 +28,7 @@ import sys
 import time
 from pathlib import Path
 
+import torch
 from rich.console import Console
 from rich.table import Table
 
@@ -86,8 +87,6 @@ def _run(cmd: list[str], env: dict, console: Console, what: str) -> None:
 
 
 def _cuda_count() -> int:
-    import torch
-
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
@@ -175,8 +174,6 @@ def _settings(args) -> dict:
 def stage_eval(args, assets, ks: list[int], console: Console) -> dict:
     """τ of ``OUTPUT/export`` on ``--eval-prompts`` MT-Bench first turns: chain drafting at each k and the dynamic
     tree (``recipe.eval.harness.evaluate``, every output checked against greedy decoding), on every CPU core."""
-    import torch
-
     done = args.output / "eval.json"
     if done.is_file() and done.stat().st_mtime > (args.output / "export" / "model.safetensors").stat().st_mtime:
         previous = _read_eval_json(done)  # None when corrupt: evaluate again (the file is rewritten at the end)

@@ -19,6 +19,7 @@ import os
 import sys
 from pathlib import Path
 
+import torch
 from rich.console import Console
 from rich.table import Table
 
@@ -209,8 +210,6 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.device is None:
-        import torch
-
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
     if args.attention_tile < 0:
         parser.error("--attention-tile must be >= 0 (0: dense attention)")

@@ -20,6 +20,7 @@ import statistics
 import sys
 from pathlib import Path
 
+import torch
 from rich.console import Console
 from rich.table import Table
 
@@ -92,8 +93,6 @@ def summarise(rows: list[dict]) -> list[dict]:
 
 def main(argv: list[str] | None = None) -> int:
     """CLI entry (``python -m recipe.bench step``). Returns 0, or 2 on bad flags."""
-    import torch
-
     parser = build_parser()
     args = parser.parse_args(argv)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")

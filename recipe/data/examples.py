@@ -30,6 +30,7 @@ import argparse
 from pathlib import Path
 
 import datasets
+from rich.console import Console
 
 from recipe.cli import add_data_arguments, check_data_arguments
 from recipe.data.chain import ChainReport, chain_rows
@@ -191,7 +192,6 @@ def examples_fingerprint(examples: datasets.Dataset) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    from rich.console import Console
     from transformers import AutoTokenizer
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])

@@ -24,6 +24,8 @@ import sys
 from pathlib import Path
 
 import torch
+from rich.console import Console
+from transformers import AutoConfig
 
 from recipe.assets import prepare_assets
 from recipe.cli import context_length_list, positive_int_list
@@ -104,8 +106,6 @@ def _context_run(args, console, tree) -> dict:
     tokenizer = load_tokenizer(args.target)
     skipped = {}
     if bucketed:
-        from transformers import AutoConfig
-
         try:  # prompts too long for the target are skipped (counted); a GGUF target is checked later instead
             limit = getattr(AutoConfig.from_pretrained(args.target), "max_position_embeddings", None)
         except (OSError, ValueError):
@@ -133,7 +133,6 @@ def _context_run(args, console, tree) -> dict:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    from rich.console import Console
 
     console = Console(stderr=True)
     try:

@@ -24,6 +24,8 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+
 from recipe.config import load_run_config, read_ds_config
 from recipe.config_keys import ConfigError
 from recipe.parallel.dims import seq_divisor
@@ -164,8 +166,6 @@ def load_inputs(ds_config: Path, target: Path, gpu: str = "h200", world_size: in
     (``recipe.target.registry.draft_config_for``, draft vocab capped at V). ``tp`` / ``cp`` override the JSON's
     parallelism; ``world_size`` defaults to tp·cp (dp = 1). The attention backend is resolved for CUDA ("auto" →
     flex). Raises PlanError naming the input for a missing/bad file, layout or GPU name."""
-    import torch
-
     from recipe.target.registry import arch_facts, draft_config_for, splits_target
 
     try:

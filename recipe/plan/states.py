@@ -32,6 +32,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 from recipe.parallel.apply_tp import COLUMN, LM_HEAD, ROW
 
 GIB = 1024 ** 3
@@ -170,7 +172,6 @@ class TargetShape:
 
 def target_shape(hf_config) -> TargetShape:
     """Read ``hf_config`` (a transformers config) and count its parameters on the meta device (no memory)."""
-    import torch
     from transformers import AutoModelForCausalLM
 
     with torch.device("meta"):
