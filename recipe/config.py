@@ -26,8 +26,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from recipe.config_keys import (KERNELS_SECTION, MEMORY_SECTION, ConfigError, check_config_keys, check_section_keys,
-                                did_you_mean, field_model, model_keys, strip_comments)
+from recipe.config_keys import (
+    KERNELS_SECTION,
+    MEMORY_SECTION,
+    ConfigError,
+    check_config_keys,
+    check_section_keys,
+    did_you_mean,
+    field_model,
+    model_keys,
+    strip_comments,
+)
 from recipe.parallel.dims import PARALLEL_SECTION, ParallelDims
 from recipe.target.options import TARGET_SECTION, TargetOptions
 
@@ -160,7 +169,7 @@ class KernelOptions:
             hint = did_you_mean(unknown[0], known)
             raise ConfigError(f"{path}: unknown key(s) {unknown} in '{KERNELS_SECTION}'"
                               f"{'; did you mean ' + hint + '?' if hint else ''}; known keys: {list(known)}")
-        from kernels.attention_backends import BACKENDS
+        from kernels.attention_backends import BACKENDS  # import cost: pulls in torch
 
         attention = section.get("attention", cls.attention)
         names = ("auto", *BACKENDS)
@@ -184,8 +193,8 @@ def pop_monitor_sections(cfg: dict, path: Path | str) -> dict:
     for name, section in sections.items():
         if not isinstance(section, dict):
             raise ConfigError(f"{path}: '{name}' must be an object like {{\"enabled\": true, \"output_path\": ...}}")
-    from deepspeed.monitor.config import DeepSpeedMonitorConfig, get_monitor_config
-    from pydantic import ValidationError
+    from deepspeed.monitor.config import DeepSpeedMonitorConfig, get_monitor_config  # import cost: deepspeed
+    from pydantic import ValidationError  # import cost: pydantic
 
     sections = {name: strip_comments(section) for name, section in sections.items()}
     try:
@@ -291,7 +300,7 @@ class RunConfig:
     @property
     def dtype(self):
         """``torch.bfloat16`` with ``bf16.enabled``, else ``torch.float32``: the dtype of the draft's inputs."""
-        import torch
+        import torch  # import cost: torch
 
         return torch.bfloat16 if self.bf16 else torch.float32
 
@@ -308,7 +317,7 @@ class RunConfig:
         """A copy whose ``kernels.attention`` is what the configured name stands for on ``device``
         (``kernels.attention_backends.resolve_attention_backend``: "auto" becomes a backend name). Raises
         ConfigError naming the file when the configured kernel cannot run on ``device``."""
-        from kernels.attention_backends import resolve_attention_backend
+        from kernels.attention_backends import resolve_attention_backend  # import cost: pulls in torch
 
         try:
             backend = resolve_attention_backend(self.kernels.attention, device)
@@ -351,7 +360,7 @@ def load_run_config(path: Path, world_size: int, overrides: dict | None = None) 
     target_section = ds_cfg.pop(TARGET_SECTION, None)
     check_config_keys(ds_cfg, path)
     if isinstance(target_section, dict) and isinstance(target_section.get("zero_optimization"), dict):
-        from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+        from deepspeed.runtime.zero.config import DeepSpeedZeroConfig  # import cost: deepspeed
 
         check_section_keys(target_section["zero_optimization"], DeepSpeedZeroConfig,  # TargetOptions validates it
                            f"{TARGET_SECTION}.zero_optimization", path, only_close=True)

@@ -223,7 +223,7 @@ def main(argv=None) -> None:
         comm = Collectives(device)
     console = Console()
     try:
-        from recipe.data.examples import build_examples
+        from recipe.data.examples import build_examples  # import cost: pulls in datasets
 
         target = build_target(args.target, options, aux_layer_ids=args.aux_layer_ids, device=device)
 

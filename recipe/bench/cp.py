@@ -15,8 +15,8 @@ Issue targets (reported, not asserted): activation memory at cp=4 ≤ 0.3x cp=1,
 from __future__ import annotations
 
 import argparse
-import math
 import dataclasses
+import math
 from pathlib import Path
 
 from rich.console import Console
@@ -24,9 +24,9 @@ from rich.table import Table
 
 from recipe.bench.common import GIB, MIB, add_draft_shape_arguments, write_json
 from recipe.bench.measure import run_measurement
-from recipe.plan.spec import BenchSpec
 from recipe.cli import positive_int_list
 from recipe.parallel.cp_shard import contiguous_indices, zigzag_indices
+from recipe.plan.spec import BenchSpec
 
 NUM_CHUNKS = 2  # local chunks per shard in the ring's work skipping (the ring kernel's default, ring_attention_forward)
 
@@ -144,10 +144,10 @@ def tables(res: dict, spec: BenchSpec, budget_gib: float) -> list[Table]:
 def plot(res: dict, path: Path) -> bool:
     """PNG of activation memory of the search probes vs length, one line per cp; False without matplotlib."""
     try:
-        import matplotlib
+        import matplotlib  # optional dependency (matplotlib)
 
         matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        import matplotlib.pyplot as plt  # optional dependency (matplotlib)
     except ImportError:
         return False
     fig, ax = plt.subplots(figsize=(6, 4))

@@ -182,10 +182,10 @@ def print_report(report: dict, console: Console) -> None:
 def write_plot(report: dict, path: Path, console: Console) -> bool:
     """PNG of peak GiB vs length per layout; False (and a note) when matplotlib is not installed."""
     try:
-        import matplotlib
+        import matplotlib  # optional dependency (matplotlib)
 
         matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        import matplotlib.pyplot as plt  # optional dependency (matplotlib)
     except ImportError:
         console.print("[yellow]--plot skipped: matplotlib is not installed (pip install matplotlib)[/yellow]")
         return False

@@ -42,7 +42,7 @@ SMOLLM2_SHAPE = dict(hidden_size=576, intermediate_size=1536, num_attention_head
 
 def save_random_target(folder: Path, layers: int, max_positions: int, seed: int = 0) -> Path:
     """A random fp32 Llama of ``SMOLLM2_SHAPE`` with ``layers`` decoder layers saved to ``folder``."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaConfig, LlamaForCausalLM  # import cost: transformers
 
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
@@ -64,14 +64,14 @@ def _rank(rank: int, world: int, folder: str, cp: int, length: int, batch: int, 
           tile: int | None, argmax_chunk: int, repeats: int) -> dict:
     """One rank's measurement (``spawn_gloo_ranks`` worker, ``world`` = cp·tp): a warm-up forward on a short
     sequence, then ``repeats`` timed forwards of the [batch, length] sequence."""
-    from recipe.bench.measure import CpuPeak
-    from recipe.parallel.topology import ParallelState
-    from recipe.target.capture import TargetModel
+    from recipe.bench.measure import CpuPeak  # import cost: pulls in transformers
+    from recipe.parallel.topology import ParallelState  # import cost: pulls in deepspeed
+    from recipe.target.capture import TargetModel  # import cost: pulls in transformers
 
     target = TargetModel(folder, dtype=torch.float32, device="cpu")
     split = None
     if world > 1:
-        from recipe.target.split import SplitTarget
+        from recipe.target.split import SplitTarget  # import cost: pulls in transformers
 
         pstate = ParallelState(ParallelDims(world, tp=world // cp, cp=cp))
         split = SplitTarget.from_state(target, pstate, backend, tile, argmax_chunk)
@@ -100,7 +100,7 @@ def _rank(rank: int, world: int, folder: str, cp: int, length: int, batch: int, 
 def run(folder: Path, layouts: list[tuple[int, int]], length: int, batch: int, ttt_steps: int, backend: str,
         tile: int | None, argmax_chunk: int, repeats: int) -> dict:
     """One row per (cp, tp) (maxima over ranks) and the issue targets' ratios."""
-    from recipe.bench.measure import mmap_threshold_for_children
+    from recipe.bench.measure import mmap_threshold_for_children  # import cost: pulls in transformers
 
     rows = []
     for cp, tp in layouts:
@@ -173,7 +173,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         folder = args.target or save_random_target(Path(tmp) / "target", args.layers, args.length + 1)
         if args.argmax_chunk is None:  # as training sizes it (memory.argmax_chunk_size absent)
-            from transformers import AutoConfig
+            from transformers import AutoConfig  # import cost: transformers
 
             args.argmax_chunk = MemoryOptions().argmax_positions(AutoConfig.from_pretrained(folder).vocab_size,
                                                                  torch.float32)

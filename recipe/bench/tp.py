@@ -43,7 +43,7 @@ def _train_step(model, batch, optimizer) -> float:
 
 def _rank(rank: int, world: int, spec_fields: dict) -> dict:
     """One rank of a tp=world layout: byte counts, then peak memory and time of a measured training step."""
-    from recipe.parallel.topology import ParallelState
+    from recipe.parallel.topology import ParallelState  # import cost: pulls in deepspeed
 
     spec = BenchSpec(**spec_fields)
     pstate = ParallelState(ParallelDims(world_size=world, tp=world))

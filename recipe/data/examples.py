@@ -192,7 +192,7 @@ def examples_fingerprint(examples: datasets.Dataset) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer  # import cost: transformers
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokenizer", required=True, help="tokenizer folder (the target's)")

@@ -27,15 +27,13 @@ that holds it.
 from __future__ import annotations
 
 import ast
-
 import hashlib
 from dataclasses import dataclass
 from pathlib import Path
 
 import datasets
 
-from recipe.data.conversations import (DOCUMENT_FIELDS, LOADERS, check_file, file_digest, iter_rows,
-                                       row_from_record)
+from recipe.data.conversations import DOCUMENT_FIELDS, LOADERS, check_file, file_digest, iter_rows, row_from_record
 
 READER_VERSION = "sources-v2"  # bump when the reading / normalisation semantics change
 ROW_FEATURES = datasets.Features({

@@ -59,7 +59,7 @@ def gather_full_tensors(module: nn.Module, tp_group=None, keep=None) -> dict[str
     ``partition_dim``. ``keep(name) -> bool`` selects tensors (default: all); unselected ones are never gathered.
     Collective: every rank of the ZeRO and tp groups calls it with the same module structure.
     """
-    import deepspeed
+    import deepspeed  # import cost: deepspeed
 
     out = {}
     for name, tensor in module.state_dict(keep_vars=True).items():

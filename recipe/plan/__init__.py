@@ -145,7 +145,7 @@ class PlanInputs:
 
 def _read_target_config(target: Path):
     """The target's transformers config from a folder holding config.json or a config.json file."""
-    from transformers import AutoConfig
+    from transformers import AutoConfig  # import cost: transformers
 
     path = Path(target)
     file = path / "config.json" if path.is_dir() else path
@@ -166,7 +166,7 @@ def load_inputs(ds_config: Path, target: Path, gpu: str = "h200", world_size: in
     (``recipe.target.registry.draft_config_for``, draft vocab capped at V). ``tp`` / ``cp`` override the JSON's
     parallelism; ``world_size`` defaults to tp·cp (dp = 1). The attention backend is resolved for CUDA ("auto" →
     flex). Raises PlanError naming the input for a missing/bad file, layout or GPU name."""
-    from recipe.target.registry import arch_facts, draft_config_for, splits_target
+    from recipe.target.registry import arch_facts, draft_config_for, splits_target  # import cost: pulls in transformers
 
     try:
         size = gpu_bytes(gpu)

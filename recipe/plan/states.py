@@ -102,9 +102,9 @@ def count_draft_params(draft_config, tp: int = 1, freeze_lm_head: bool = False) 
     """Count the parameters of the real ``recipe.model.draft.Eagle3Draft`` for ``draft_config`` (built on fake
     tensors: nothing allocated), the tensor-parallel ones (``recipe.parallel.apply_tp``: q/k/v/o, gate/up/down,
     lm_head) divided by ``tp``."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch._subclasses.fake_tensor import FakeTensorMode  # import cost: torch._subclasses.fake_tensor
 
-    from recipe.model.draft import Eagle3Draft
+    from recipe.model.draft import Eagle3Draft  # import cost: pulls in transformers
 
     with FakeTensorMode():
         draft = Eagle3Draft(draft_config, seed=0)
@@ -172,7 +172,7 @@ class TargetShape:
 
 def target_shape(hf_config) -> TargetShape:
     """Read ``hf_config`` (a transformers config) and count its parameters on the meta device (no memory)."""
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM  # import cost: transformers
 
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(hf_config)

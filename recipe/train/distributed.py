@@ -186,7 +186,7 @@ def init_distributed(timeout=None) -> tuple[torch.device, bool]:
     if int(os.environ.get("WORLD_SIZE", "1")) > 1 and "OMP_NUM_THREADS" not in os.environ:
         os.environ["OMP_NUM_THREADS"] = "1"
         torch.set_num_threads(1)
-    import deepspeed
+    import deepspeed  # import cost: deepspeed
 
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if torch.cuda.is_available():

@@ -28,7 +28,7 @@ UNRECORDED_KEYS = ("target_fingerprint", "draft_config")
 def _saved_draft_config(path: Path) -> dict | None:
     """The draft geometry (``dataclasses.asdict(Eagle3DraftConfig)``) of a checkpoint without ``draft_config`` in
     its run state, from its ``draft_config.json``; None when that file is missing or unreadable."""
-    from recipe.model.draft_config import Eagle3DraftConfig
+    from recipe.model.draft_config import Eagle3DraftConfig  # import cost: pulls in transformers
 
     try:
         config = Eagle3DraftConfig.from_hf_dict(json.loads((Path(path) / DRAFT_CONFIG_FILE).read_text()))
