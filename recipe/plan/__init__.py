@@ -31,14 +31,12 @@ from recipe.config_keys import ConfigError
 from recipe.parallel.dims import seq_divisor
 from recipe.plan import states
 from recipe.plan.spec import DTYPES, BenchSpec
-from recipe.plan.states import GIB, gpu_bytes
+from recipe.plan.states import gpu_bytes
 from recipe.plan.trace import ActivationFit, fit_activation, is_dense, trace_lengths, trace_step, traced_backend
 
 __all__ = [
-    "GIB",
     "PlanError",
     "PlanInputs",
-    "gpu_bytes",
     "layout_fit",
     "load_inputs",
     "longest_fit",

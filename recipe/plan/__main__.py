@@ -22,7 +22,8 @@ from rich.console import Console
 from rich.table import Table
 
 from recipe.cli import add_data_arguments, check_data_arguments, length_list
-from recipe.plan import GIB, PlanError, load_inputs, plan_rows, states
+from recipe.plan import PlanError, load_inputs, plan_rows, states
+from recipe.plan.states import GIB
 from recipe.plan.spec import MASKS, check_fraction, fraction_mask, mask_fraction, spec_draft_config
 from recipe.plan.supervision import measure_supervision
 

@@ -9,7 +9,6 @@ from fractions import Fraction
 
 import torch
 
-from recipe.cli import length_list, parse_length  # noqa: F401 (the length syntax, shared with recipe.eval)
 from recipe.parallel.dims import check_tp_divides, seq_divisor
 
 LAYOUTS = {"full": (False, False), "chunked": (True, False), "ckpt": (False, True), "chunked+ckpt": (True, True)}
