@@ -29,13 +29,19 @@ import os
 import sys
 from pathlib import Path
 
+from recipe.cli import parse_args
+from recipe.config import read_ds_config
+from recipe.config_keys import ConfigError
+from recipe.io_errors import EXIT_WRITE_FAILED, WriteError
+from recipe.train.signals import EXIT_INTERRUPTED, StopRequest, clear_interrupted, write_interrupted
+from recipe.train.watch import group_timeout
+
 
 def mark_interrupted(output: Path, stop, console) -> None:
     """Write ``OUTPUT/INTERRUPTED`` naming the checkpoint ``checkpoints/latest`` points at (rank 0, after an
     interrupted run saved it; ``recipe.train.signals.write_interrupted``). A failed write only warns: the checkpoint
     is saved and the exit code still says so."""
-    from recipe.train.checkpoint import RUN_STATE, latest_tag
-    from recipe.train.signals import write_interrupted
+    from recipe.train.checkpoint import RUN_STATE, latest_tag  # import cost: torch, DeepSpeed (see main)
 
     try:
         tag = latest_tag(output / "checkpoints")
@@ -51,9 +57,10 @@ def mark_interrupted(output: Path, stop, console) -> None:
 def launch_rank() -> int:
     """This process's global rank before ``init_distributed``: the group's when one is up, else the launcher's
     variables' (``recipe.train.distributed.launcher_ranks``), 0 when they do not describe a world."""
+    # import cost: torch (see main)
     import torch.distributed as dist
 
-    from recipe.train.distributed import launcher_ranks
+    from recipe.train.distributed import launcher_ranks  # import cost: pulls in torch
 
     if dist.is_initialized():
         return dist.get_rank()
@@ -64,25 +71,21 @@ def launch_rank() -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from recipe.cli import parse_args
-
     args = parse_args(argv)
+    # import cost: torch, DeepSpeed and transformers load only from here, so --help and flag errors answer without them
     from recipe.train.distributed import default_cuda_alloc_conf
 
     default_cuda_alloc_conf()  # expandable segments on CUDA unless the user set the allocator (before any allocation)
 
+    # import cost: torch and the training modules (see above)
     import torch.distributed as dist
-    from rich.console import Console
-    from rich.markup import escape
+    from rich.console import Console  # import cost: rich
+    from rich.markup import escape  # import cost: rich
 
-    from kernels.flex_attention import FlexCompileError, flex_compile_stats
-    from recipe.config import ConfigError, read_ds_config
-    from recipe.io_errors import EXIT_WRITE_FAILED, WriteError
-    from recipe.train.checkpoint import CheckpointError
-    from recipe.train.distributed import init_distributed, release_shm_buffer
-    from recipe.train.oom import StepOutOfMemory
-    from recipe.train.signals import EXIT_INTERRUPTED, StopRequest, clear_interrupted
-    from recipe.train.watch import group_timeout
+    from kernels.flex_attention import FlexCompileError, flex_compile_stats  # import cost: pulls in torch
+    from recipe.train.checkpoint import CheckpointError  # import cost: pulls in torch
+    from recipe.train.distributed import init_distributed, release_shm_buffer  # import cost: pulls in torch
+    from recipe.train.oom import StepOutOfMemory  # import cost: pulls in torch
 
     console = Console(stderr=True)
     try:  # a wrong path or broken JSON is found before the process group is up (every rank says so)
@@ -103,9 +106,12 @@ def main(argv: list[str] | None = None) -> int:
     # counts (watch_launcher), a forced exit still unlinks the /dev/shm buffer, and signals while closing are ignored
     stop = StopRequest(watch_launcher=True, on_abort=release_shm_buffer).__enter__()
     try:
+        # import cost: DeepSpeed and transformers, once the process group is up
         from recipe.train.loop import Trainer, TrainSettings
-        from recipe.train.metrics import plan_summary
-        from recipe.train.positions import position_lines, run_positions
+        from recipe.train.metrics import plan_summary  # import cost: pulls in torch
+        from recipe.train.positions import position_lines, run_positions  # import cost: pulls in torch
+
+        # import cost: pulls in deepspeed, transformers, torch
         from recipe.train.setup import build_run, write_resolved_config
 
         parts = build_run(args, device, console)  # checks --output (a previous run, writable) before writing to it

@@ -95,6 +95,7 @@ class CompiledFlex:
     def __init__(self, fn=None, *, dynamic: bool = FLEX_DYNAMIC, recompile_limit: int = FLEX_RECOMPILE_LIMIT,
                  backend: str = "inductor"):
         if fn is None:
+            # import cost: torch.nn.attention.flex_attention
             from torch.nn.attention.flex_attention import flex_attention as fn
         self.fn, self.dynamic, self.recompile_limit, self.backend = fn, dynamic, recompile_limit, backend
         self.compiles = self.calls = 0
@@ -102,7 +103,7 @@ class CompiledFlex:
         self._compiled = None
 
     def _compile_graph(self, gm, example_inputs):
-        from torch._dynamo.backends.registry import lookup_backend
+        from torch._dynamo.backends.registry import lookup_backend  # import cost: torch._dynamo.backends.registry
 
         self.compiles += 1
         self.last_shapes = [tuple(t.shape) for t in example_inputs if isinstance(t, torch.Tensor)][:4]
@@ -115,9 +116,9 @@ class CompiledFlex:
             self._compiled = torch.compile(self.fn, backend=self._compile_graph, dynamic=self.dynamic,
                                            fullgraph=True)
         self.calls += 1
+        # import cost: torch's compiler stack (dynamo, fx), loaded only when flex runs
         from torch._dynamo import config as dynamo_config
         from torch._dynamo.exc import BackendCompilerFailed, FailOnRecompileLimitHit, Unsupported
-
         from torch.fx.experimental import _config as shape_config
 
         # the float scale specialised, duck sizing off (module docstring); skipped where a torch lacks the switch
@@ -232,7 +233,7 @@ def flex_block_mask(q_pos_BS: torch.Tensor, k_pos_BS: torch.Tensor, k_valid_BS: 
     mask_mod decides per element. Positions are padded to whole blocks (padding keys invalid) so the mask_mod never
     indexes past its tensors. Raises ValueError when ``block_size`` is not a positive integer.
     """
-    from torch.nn.attention.flex_attention import BlockMask
+    from torch.nn.attention.flex_attention import BlockMask  # import cost: torch.nn.attention.flex_attention
 
     if not isinstance(block_size, int) or block_size < 1:
         raise ValueError(f"flex block size must be a positive integer, got {block_size!r}")
@@ -283,6 +284,7 @@ def flex_block_attention(q_BHSD, k_BHkvSD, v_BHkvSD, q_pos_BS, k_pos_BS, k_valid
     Raises :class:`FlexCompileError` for ``compiled=False`` on CUDA (and from the compiled call, see
     :class:`CompiledFlex`), NotImplementedError (torch's) for a CPU call that needs gradients.
     """
+    # import cost: torch.nn.attention.flex_attention
     from torch.nn.attention.flex_attention import AuxRequest, flex_attention
 
     if compiled is False and q_BHSD.is_cuda:

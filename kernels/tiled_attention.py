@@ -163,7 +163,7 @@ def _dense_forward(q_BHSD, k_BHkvSD, v_BHkvSD, q_pos_BS, k_pos_BS, k_valid_BS, s
     return block_attention(q_BHSD, k_BHkvSD, v_BHkvSD, q_pos_BS, k_pos_BS, k_valid_BS, scale=scale)
 
 
-DENSE_KERNEL = BlockKernel("tiled", _dense_forward, attention_block_backward)
+DENSE_KERNEL = BlockKernel("dense", _dense_forward, attention_block_backward)
 """The reference kernel: dense scores of one pair in the accumulation dtype (``block_attention``), backward by the
 flash-attention formulas (``attention_block_backward``). Any device, any float dtype (fp64 included)."""
 

@@ -24,14 +24,14 @@ import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from recipe.config_keys import (  # noqa: F401
+from recipe.config_keys import (
     KERNELS_SECTION,
     MEMORY_SECTION,
     ConfigError,
     check_config_keys,
     check_section_keys,
-    deepspeed_top_level_keys,
     did_you_mean,
     field_model,
     model_keys,
@@ -39,6 +39,9 @@ from recipe.config_keys import (  # noqa: F401
 )
 from recipe.parallel.dims import PARALLEL_SECTION, ParallelDims
 from recipe.target.options import TARGET_SECTION, TargetOptions
+
+if TYPE_CHECKING:  # annotations only: reading a config does not import torch
+    import torch
 
 # DeepSpeed's monitor sections and the package each one's writer imports (csv_monitor needs none)
 MONITOR_PACKAGES = {"tensorboard": "tensorboard", "csv_monitor": None, "wandb": "wandb", "comet": "comet_ml"}
@@ -89,9 +92,8 @@ class MemoryOptions:
     ``sparse_anchors``: compute each TTT step only at the anchors some step's loss reads (``recipe.model.sparse_anchors``;
     step 0's keys/values still at every position): the same numbers as false (the dense path) up to float rounding,
     and work proportional to the supervised positions.
-    Which kernel computes the causal block is not a memory trade-off:
-    it is the ``kernels`` section (:class:`KernelOptions`); a ``memory.attention_backend`` key (its place before)
-    is refused naming the new one. DeepSpeed's own ``activation_checkpointing`` section configures
+    Which kernel computes the causal block is not a memory trade-off: it is the ``kernels`` section
+    (:class:`KernelOptions`). DeepSpeed's own ``activation_checkpointing`` section configures
     ``deepspeed.checkpointing`` only, which this recipe does not use, so it is not read.
     """
 
@@ -118,11 +120,6 @@ class MemoryOptions:
         if not isinstance(section, dict):
             raise ConfigError(f"{path}: '{MEMORY_SECTION}' must be an object like "
                               '{"loss_chunk_size": 4096, "checkpoint_ttt_steps": true, "attention_tile_size": 1024}')
-        if "attention_backend" in section:
-            moved = json.dumps({KERNELS_SECTION: {"attention": section["attention_backend"]}})
-            raise ConfigError(f"{path}: '{MEMORY_SECTION}.attention_backend' has moved: the attention kernel is chosen "
-                              f"in the '{KERNELS_SECTION}' section, as '{KERNELS_SECTION}.attention' ({moved}); "
-                              f"remove it from '{MEMORY_SECTION}'")
         known = ("loss_chunk_size", "checkpoint_ttt_steps", "attention_tile_size", "mlp_tile_size",
                  "argmax_chunk_size", "sparse_anchors")
         unknown = sorted(k for k in set(section) - set(known) if not k.startswith("_"))
@@ -172,7 +169,7 @@ class KernelOptions:
             hint = did_you_mean(unknown[0], known)
             raise ConfigError(f"{path}: unknown key(s) {unknown} in '{KERNELS_SECTION}'"
                               f"{'; did you mean ' + hint + '?' if hint else ''}; known keys: {list(known)}")
-        from kernels.attention_backends import BACKENDS
+        from kernels.attention_backends import BACKENDS  # import cost: pulls in torch
 
         attention = section.get("attention", cls.attention)
         names = ("auto", *BACKENDS)
@@ -196,8 +193,8 @@ def pop_monitor_sections(cfg: dict, path: Path | str) -> dict:
     for name, section in sections.items():
         if not isinstance(section, dict):
             raise ConfigError(f"{path}: '{name}' must be an object like {{\"enabled\": true, \"output_path\": ...}}")
-    from deepspeed.monitor.config import DeepSpeedMonitorConfig, get_monitor_config
-    from pydantic import ValidationError
+    from deepspeed.monitor.config import DeepSpeedMonitorConfig, get_monitor_config  # import cost: deepspeed
+    from pydantic import ValidationError  # import cost: pydantic
 
     sections = {name: strip_comments(section) for name, section in sections.items()}
     try:
@@ -303,7 +300,7 @@ class RunConfig:
     @property
     def dtype(self):
         """``torch.bfloat16`` with ``bf16.enabled``, else ``torch.float32``: the dtype of the draft's inputs."""
-        import torch
+        import torch  # import cost: torch
 
         return torch.bfloat16 if self.bf16 else torch.float32
 
@@ -320,7 +317,7 @@ class RunConfig:
         """A copy whose ``kernels.attention`` is what the configured name stands for on ``device``
         (``kernels.attention_backends.resolve_attention_backend``: "auto" becomes a backend name). Raises
         ConfigError naming the file when the configured kernel cannot run on ``device``."""
-        from kernels.attention_backends import resolve_attention_backend
+        from kernels.attention_backends import resolve_attention_backend  # import cost: pulls in torch
 
         try:
             backend = resolve_attention_backend(self.kernels.attention, device)
@@ -354,8 +351,7 @@ def load_run_config(path: Path, world_size: int, overrides: dict | None = None) 
     sections, resolves the layout (:class:`ParallelDims`), the batch plan (:func:`resolve_batch`) and the dtype; the
     scheduler's ``"auto"`` values wait for :meth:`RunConfig.with_total_steps`. Raises ConfigError naming the file
     (and the field) for an unreadable file, invalid JSON, an unknown key (:func:`check_config_keys`, with the
-    nearest valid name), a bad section (or a monitor whose package is missing; a ``memory.attention_backend`` key,
-    which moved to ``kernels.attention``), a layout that does not fit ``world_size`` or inconsistent batch sizes.
+    nearest valid name), a bad section (or a monitor whose package is missing), a layout that does not fit ``world_size`` or inconsistent batch sizes.
     """
     ds_cfg, section = read_ds_config(path)
     memory = MemoryOptions.pop_from(ds_cfg, path)
@@ -364,7 +360,7 @@ def load_run_config(path: Path, world_size: int, overrides: dict | None = None) 
     target_section = ds_cfg.pop(TARGET_SECTION, None)
     check_config_keys(ds_cfg, path)
     if isinstance(target_section, dict) and isinstance(target_section.get("zero_optimization"), dict):
-        from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+        from deepspeed.runtime.zero.config import DeepSpeedZeroConfig  # import cost: deepspeed
 
         check_section_keys(target_section["zero_optimization"], DeepSpeedZeroConfig,  # TargetOptions validates it
                            f"{TARGET_SECTION}.zero_optimization", path, only_close=True)

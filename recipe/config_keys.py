@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import difflib
 import functools
+import inspect
 import typing
 
 from recipe.parallel.dims import PARALLEL_SECTION
@@ -94,7 +95,7 @@ def deepspeed_top_level_keys() -> frozenset[str]:
     it builds: ZeRO, monitors, profiler, autotuning, checkpointing...), plus ``sequence_parallel_size`` (read by
     ``DeepSpeedConfig.__init__`` without an mpu). Keys DeepSpeed has removed are not in it (see
     :func:`check_config_keys`)."""
-    import deepspeed.runtime.config as ds_config
+    import deepspeed.runtime.config as ds_config  # import cost: deepspeed
 
     recorder = _KeyRecorder({"_probe": 0})  # non-empty: some getters skip an empty dict (``if param_dict and ...``)
     probe = ds_config.DeepSpeedConfig.__new__(ds_config.DeepSpeedConfig)
@@ -110,7 +111,7 @@ def deepspeed_top_level_keys() -> frozenset[str]:
         pass
     keys = {k for k in recorder.seen if isinstance(k, str) and not k.startswith("_")}
     if not traced:
-        from deepspeed.runtime import constants
+        from deepspeed.runtime import constants  # import cost: deepspeed
 
         keys |= {v for k, v in vars(constants).items() if k.isupper() and isinstance(v, str) and v.isidentifier()}
     return frozenset(keys | {"sequence_parallel_size"})
@@ -118,7 +119,7 @@ def deepspeed_top_level_keys() -> frozenset[str]:
 
 def field_model(annotation):
     """The pydantic model class inside a field annotation (``Optional[Model]``, ``Model``), else None."""
-    from pydantic import BaseModel
+    from pydantic import BaseModel  # import cost: pydantic
 
     for candidate in (annotation, *typing.get_args(annotation)):
         if isinstance(candidate, type) and issubclass(candidate, BaseModel):
@@ -162,8 +163,8 @@ def _check_plain_keys(section: dict, known, where: str, path) -> None:
 
 def _section_models() -> dict[str, object]:
     """DeepSpeed sections this recipe reads or rewrites that DeepSpeed describes with a pydantic model."""
-    from deepspeed.runtime.precision_config import DeepSpeedBF16Config, DeepSpeedFP16Config
-    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+    from deepspeed.runtime.precision_config import DeepSpeedBF16Config, DeepSpeedFP16Config  # import cost: deepspeed
+    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig  # import cost: deepspeed
 
     return {"zero_optimization": DeepSpeedZeroConfig, "bf16": DeepSpeedBF16Config, "bfloat16": DeepSpeedBF16Config,
             "fp16": DeepSpeedFP16Config}
@@ -172,9 +173,7 @@ def _section_models() -> dict[str, object]:
 def _scheduler_param_names(name: str) -> set[str] | None:
     """The keyword arguments of DeepSpeed's LR scheduler class ``name`` (``scheduler.params``), or None when the
     name is not one of DeepSpeed's (``lr_schedules.VALID_LR_SCHEDULES``: a torch scheduler, checked by DeepSpeed)."""
-    import inspect
-
-    from deepspeed.runtime import lr_schedules
+    from deepspeed.runtime import lr_schedules  # import cost: deepspeed
 
     if name not in getattr(lr_schedules, "VALID_LR_SCHEDULES", ()):
         return None
@@ -187,12 +186,12 @@ def check_config_keys(cfg: dict, path) -> None:
 
     Top level: :func:`deepspeed_top_level_keys` (a key DeepSpeed has removed gets DeepSpeed's own message);
     ``zero_optimization`` (nested offload sections included), ``bf16``/``fp16``: DeepSpeed's pydantic models;
-    ``optimizer`` and ``scheduler``: DeepSpeed's ``type``/``params`` (and ``legacy_fusion``) constants, and the
+    ``optimizer`` and ``scheduler``: DeepSpeed's ``TYPE``/``OPTIMIZER_PARAMS``/``LEGACY_FUSION`` constants, and the
     scheduler's params the keyword arguments of DeepSpeed's scheduler class. Keys starting with "_" are allowed.
     Raises ConfigError naming the file and the key.
     """
-    import deepspeed.runtime.config as ds_config
-    from deepspeed.runtime import constants
+    import deepspeed.runtime.config as ds_config  # import cost: deepspeed
+    from deepspeed.runtime import constants  # import cost: deepspeed
 
     removed = getattr(ds_config, "_REMOVED_TOP_LEVEL_CONFIG_KEYS", {})
     known = deepspeed_top_level_keys()

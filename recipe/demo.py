@@ -29,12 +29,20 @@ import sys
 import time
 from pathlib import Path
 
+import torch
 from rich.console import Console
 from rich.table import Table
 
+from recipe.assets import prepare_assets
 from recipe.cli import context_length_list, positive_int_list, subprocess_env
+from recipe.data.store import HiddenStateStore
+from recipe.eval.by_length import evaluate_by_length
+from recipe.eval.context import context_prompts, read_context_data
+from recipe.eval.harness import evaluate
+from recipe.eval.prompts import read_prompts
 from recipe.eval.tree import add_tree_arguments, tree_from_args
 from recipe.plot import CURVES_FILE, plot_note
+from recipe.target.capture import load_tokenizer
 from recipe.train.distributed import free_port
 
 REPO = Path(__file__).resolve().parent.parent
@@ -88,8 +96,6 @@ def _run(cmd: list[str], env: dict, console: Console, what: str) -> None:
 
 
 def _cuda_count() -> int:
-    import torch
-
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
@@ -113,8 +119,6 @@ def stage_regenerate(args, assets, console: Console) -> Path:
 
 def stage_dump(args, assets, data: Path, store: Path, console: Console) -> bool:
     """The hidden-state dump into ``store``; True when it was already complete (nothing run)."""
-    from recipe.data.store import HiddenStateStore
-
     try:
         HiddenStateStore(store).validate()
         console.print(f"dump: {store} is complete, skipped")
@@ -185,11 +189,6 @@ def _settings(args) -> dict:
 def stage_eval(args, assets, ks: list[int], console: Console) -> dict:
     """τ of ``OUTPUT/export`` on ``--eval-prompts`` MT-Bench first turns: chain drafting at each k and the dynamic
     tree (``recipe.eval.harness.evaluate``, every output checked against greedy decoding), on every CPU core."""
-    import torch
-
-    from recipe.eval.harness import evaluate
-    from recipe.eval.prompts import read_prompts
-
     done = args.output / "eval.json"
     if done.is_file() and done.stat().st_mtime > (args.output / "export" / "model.safetensors").stat().st_mtime:
         previous = _read_eval_json(done)  # None when corrupt: evaluate again (the file is rewritten at the end)
@@ -218,13 +217,6 @@ def stage_context(args, assets, ks: list[int], console: Console) -> dict | None:
     turn asks about an inserted earlier ShareGPT conversation (``recipe.eval.by_length``, chain drafting at the first
     k, greedy-checked); ``{"lengths": [...], "tau_by_length": {L: τ}, "tau_se_by_length": {L: se}}``, or None
     with ``--context-prompts 0``."""
-    import torch
-
-    from recipe.eval.by_length import evaluate_by_length
-    from recipe.eval.context import context_prompts, read_context_data
-    from recipe.eval.prompts import read_prompts
-    from recipe.target.capture import load_tokenizer
-
     if args.context_prompts <= 0:
         return None
     every = read_prompts(assets.prompts)
@@ -324,8 +316,6 @@ def main(argv: list[str] | None = None) -> int:
             else:  # unknown: no entry rather than this run's ~0 s
                 del seconds[name]
         return out
-
-    from recipe.assets import prepare_assets
 
     assets = timed("assets", prepare_assets)
     store = args.output / f"store-{args.answers}-n{args.conversations}-len{args.max_length}"

@@ -31,11 +31,15 @@ from rich.console import Console
 from rich.table import Table
 
 from recipe.cli import add_data_arguments, check_data_arguments, int_list
+from recipe.config import read_ds_config
+from recipe.config_keys import ConfigError
 from recipe.data.store import DTYPES, HiddenStateStore, StoreMeta, examples_hash
 from recipe.data.store_writer import StoreWriter, shard_plan
 from recipe.parallel.collectives import Collectives
 from recipe.target.head import validity_rows
 from recipe.target.options import TARGET_SECTION, TargetOptions
+from recipe.target.partition import build_target
+from recipe.train.distributed import cuda_device_index, launcher_environment
 
 
 @dataclass
@@ -174,8 +178,6 @@ def _parse(argv=None) -> argparse.Namespace:
 def target_options(args: argparse.Namespace) -> TargetOptions:
     """The ``target`` section of ``--ds_config`` (defaults without it), with ``partition = "zero3"`` under
     ``--partition-target``. Raises ConfigError naming the file and field for a bad JSON or section."""
-    from recipe.config import ConfigError, read_ds_config
-
     section = None
     if args.ds_config is not None:
         cfg, _ = read_ds_config(args.ds_config)
@@ -191,13 +193,11 @@ def target_options(args: argparse.Namespace) -> TargetOptions:
 
 def main(argv=None) -> None:
     args = _parse(argv)
-    from recipe.config import ConfigError
 
     try:
         options = target_options(args)
     except ConfigError as exc:
         raise SystemExit(f"python -m recipe.dump: {exc}") from None
-    from recipe.train.distributed import cuda_device_index, launcher_environment
 
     try:  # rank and world from whichever launcher started this process (torchrun, deepspeed, MPI, Slurm)
         _, found = launcher_environment(os.environ)
@@ -223,8 +223,7 @@ def main(argv=None) -> None:
         comm = Collectives(device)
     console = Console()
     try:
-        from recipe.data.examples import build_examples
-        from recipe.target.partition import build_target
+        from recipe.data.examples import build_examples  # import cost: pulls in datasets
 
         target = build_target(args.target, options, aux_layer_ids=args.aux_layer_ids, device=device)
 

@@ -35,7 +35,7 @@ def read_metrics(path: Path) -> list[dict]:
 def curves_figure(records: list[dict], title: str = ""):
     """The three-panel ``matplotlib.figure.Figure`` of ``records`` (``step``, ``loss``, ``acc`` list, ``lr``):
     axes 0 loss, 1 one line per ``acc_k``, 2 lr, each line's x the steps. Raises ImportError without matplotlib."""
-    from matplotlib.figure import Figure
+    from matplotlib.figure import Figure  # optional dependency (matplotlib)
 
     steps = [r["step"] for r in records]
     fig = Figure(figsize=(7, 8), layout="constrained")

@@ -47,6 +47,7 @@ import torch
 
 from recipe.cli import add_data_arguments, check_data_arguments
 from recipe.jsonl import read_jsonl
+from recipe.train.distributed import launcher_ranks
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
@@ -121,7 +122,7 @@ def read_conversations(args, skips: Counter) -> list[dict]:
     assistant turns that open a conversation are dropped (nothing to generate them from; ShareGPT's split
     conversations often start so), the rest is cut after ``--max-turns`` assistant turns. Bad rows, and rows left
     without an answer to generate (``no_prompt``), are counted in ``skips``."""
-    from recipe.data.sources import load_rows, resolve_source
+    from recipe.data.sources import load_rows, resolve_source  # import cost: pulls in datasets
 
     out = []
     for spec in args.data:
@@ -238,11 +239,12 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     check_data_arguments(parser, args)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    from rich.console import Console
+    from rich.console import Console  # import cost: rich
+
+    # import cost: rich
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from recipe.target.capture import TargetModel
-    from recipe.train.distributed import launcher_ranks
+    from recipe.target.capture import TargetModel  # import cost: pulls in transformers
 
     console = Console(stderr=True)
     skips: Counter = Counter()

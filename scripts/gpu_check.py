@@ -210,9 +210,9 @@ class Schedule:
 
 
 def table_spec(smoke: bool, length: int):
-    """The ``recipe.bench.measure.BenchSpec`` of a table row: bf16, every memory switch on (loss chunks, per-step
+    """The ``recipe.plan.spec.BenchSpec`` of a table row: bf16, every memory switch on (loss chunks, per-step
     checkpointing, flex on the GPU; the tiled kernel on the CPU, where flex has no backward)."""
-    from recipe.bench.measure import BenchSpec
+    from recipe.plan.spec import BenchSpec
 
     steps = 2 if smoke else TABLE_STEPS[length]
     return BenchSpec(seq_len=length, layout="chunked+ckpt", ttt_steps=2 if smoke else 7, dtype="bf16",

@@ -31,7 +31,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from recipe.bench.measure import BenchSpec, build_model, random_batch, time_step  # noqa: E402
+from recipe.bench.measure import build_model, random_batch, time_step  # noqa: E402
+from recipe.plan.spec import BenchSpec  # noqa: E402
 from recipe.model.ttt import step_weights  # noqa: E402
 
 DRAFT_8B = dict(hidden=4096, heads=32, kv_heads=8, head_dim=128, intermediate=14336, draft_vocab=32000,

@@ -15,7 +15,7 @@ from helpers.ranks import run_ranks
 from helpers.training import ROOT, train_argv, write_ds_config
 
 from recipe.io_errors import EXIT_WRITE_FAILED
-from recipe.train.checkpoint import LATEST
+from recipe.export import LATEST
 from recipe.train.sampler import StepSampler
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")

@@ -9,7 +9,8 @@ import torch
 
 from kernels.sdpa_attention import SDPA_KERNEL
 from recipe.bench import attention, step
-from recipe.bench.measure import BenchSpec, build_model
+from recipe.bench.measure import build_model
+from recipe.plan.spec import BenchSpec
 
 
 def test_speedups_are_relative_to_tiled_at_the_same_dtype_and_length():

@@ -11,7 +11,8 @@ import torch
 
 from recipe.bench import memory
 from recipe.cli import parse_length
-from recipe.bench.measure import BenchSpec, build_model, random_batch, time_step
+from recipe.bench.measure import build_model, random_batch, time_step
+from recipe.plan.spec import BenchSpec
 from recipe.plan import predict_step
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -66,11 +67,9 @@ def test_report_finds_the_longest_length_within_budget_and_stops_after(monkeypat
              ("chunked", 4096): 2.0}
     monkeypatch.setattr(memory, "run_measurement", _fake_measurement(peaks))  # ("full", 4096) would raise KeyError
     monkeypatch.setattr(memory, "_available_gib", lambda: 1000.0)  # the machine's free memory must not decide
-    import recipe.plan
-
-    monkeypatch.setattr(recipe.plan, "predict_step", lambda spec, fit=None: {"step_bytes": 1, "peak_bytes": 2,
-                                                                            "method": "trace"})
-    monkeypatch.setattr(recipe.plan, "trace_limit", lambda spec: 1 << 30)  # no fit: the prediction is faked
+    monkeypatch.setattr(memory, "predict_step", lambda spec, fit=None: {"step_bytes": 1, "peak_bytes": 2,
+                                                                       "method": "trace"})
+    monkeypatch.setattr(memory, "trace_limit", lambda spec: 1 << 30)  # no fit: the prediction is faked
     out = tmp_path / "r.json"
     assert memory.main(["--lengths", "1k,2k,4k", "--layouts", "full,chunked", "--budget-gib", "2.5", "--device",
                         "cpu", "--json", str(out), "--plot", str(tmp_path / "p.png")]) == 0

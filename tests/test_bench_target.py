@@ -23,7 +23,7 @@ def test_target_bench_json(tiny_target, tmp_path):
     hidden, fp32, int64 = 32, 4, 8  # the tiny target: hidden 32, fp32; argmax [1, S] int64 on every rank
     for row in res["rows"]:
         cp, tp = row["cp"], row["tp"]
-        assert row["forward"] == ("TargetModel.capture" if cp * tp == 1 else "CPTarget.capture")
+        assert row["forward"] == ("TargetModel.capture" if cp * tp == 1 else "SplitTarget.capture")
         assert len(row["ranks"]) == cp * tp
         for rank, r in enumerate(row["ranks"]):
             rows = length - 1 if cp == 1 else label_rows(length, cp, rank // tp, k).numel()  # label rows 1..S-1

@@ -10,13 +10,17 @@ import pytest
 import torch
 
 from helpers.ranks import run_ranks
+from recipe.export import LATEST
 from recipe.train import checkpoint as ckpt
+from recipe.train.manifest import MANIFEST, manifest_dict
+from recipe.train.rng_state import rng_state, set_rng_state
 
 
 def _complete(root, step):
     folder = root / ckpt.tag_for(step)
     folder.mkdir(parents=True)
     (folder / ckpt.RUN_STATE).write_text(json.dumps({"step": step}))
+    (folder / MANIFEST).write_text(json.dumps(manifest_dict(folder.name, folder=folder)))
     return folder
 
 
@@ -26,7 +30,7 @@ def test_resolve_latest_explicit_and_incomplete(tmp_path):
         ckpt.resolve("latest", root)
     _complete(root, 4)
     eight = _complete(root, 8)
-    (root / ckpt.LATEST).write_text("step-00000008\n")
+    (root / LATEST).write_text("step-00000008\n")
     assert ckpt.resolve("latest", root) == eight
     assert ckpt.resolve(str(root), tmp_path / "elsewhere") == eight          # a checkpoints folder: its latest
     assert ckpt.resolve(str(root / "step-00000004"), root) == root / "step-00000004"
@@ -38,7 +42,7 @@ def test_resolve_latest_explicit_and_incomplete(tmp_path):
 def test_prune_keeps_newest_and_latest(tmp_path):
     for step in (2, 4, 6, 8):
         _complete(tmp_path, step)
-    (tmp_path / ckpt.LATEST).write_text("step-00000002\n")  # e.g. resumed from an old one
+    (tmp_path / LATEST).write_text("step-00000002\n")  # e.g. resumed from an old one
     ckpt.prune(tmp_path, keep=2)
     assert sorted(p.name for p in tmp_path.glob("step-*")) == ["step-00000002", "step-00000006", "step-00000008"]
 
@@ -64,10 +68,10 @@ def test_fault_point_matches_stage_and_step(monkeypatch):
 
 
 def test_rng_state_round_trip():
-    state = ckpt.rng_state()
+    state = rng_state()
     expected = (random.random(), float(np.random.rand()), torch.rand(3))
     random.random(), np.random.rand(), torch.rand(3)  # move on
-    ckpt.set_rng_state(state)
+    set_rng_state(state)
     got = (random.random(), float(np.random.rand()), torch.rand(3))
     assert got[:2] == expected[:2] and torch.equal(got[2], expected[2])
 

@@ -3,9 +3,9 @@ unknown keys refused with the nearest valid name. The shipped ds_configs/*.json:
 import pytest
 from helpers.training import write_ds_config
 
-from recipe.config import (BatchPlan, ConfigError, KernelOptions, MemoryOptions, load_run_config, resolve_batch,
+from recipe.config import (BatchPlan, KernelOptions, MemoryOptions, load_run_config, resolve_batch,
                            resolve_scheduler)
-from recipe.config_keys import deepspeed_top_level_keys
+from recipe.config_keys import ConfigError, deepspeed_top_level_keys
 from recipe.parallel.dims import ParallelDims
 
 
@@ -40,26 +40,6 @@ def test_kernels_section_errors_name_file_and_field(section, message):
     assert str(err.value).startswith("cfg.json: ") and message in str(err.value)
 
 
-def test_attention_backend_under_memory_is_refused_naming_its_new_place(tmp_path):
-    """The kernel choice moved from ``memory.attention_backend`` to ``kernels.attention``: an old JSON is refused
-    (never silently run on the default kernel), naming the file, the old key and the new place with its value."""
-    import json
-
-    path = tmp_path / "old.json"
-    path.write_text(json.dumps({"train_batch_size": 1, "memory": {"attention_tile_size": 512,
-                                                                  "attention_backend": "tiled"}}))
-    with pytest.raises(ConfigError) as err:
-        load_run_config(path, world_size=1)
-    assert str(err.value) == (f"{path}: 'memory.attention_backend' has moved: the attention kernel is chosen in the "
-                              "'kernels' section, as 'kernels.attention' ({\"kernels\": {\"attention\": \"tiled\"}}); "
-                              "remove it from 'memory'")
-    path.write_text(json.dumps({"train_batch_size": 1, "memory": {"attention_tile_size": 512},
-                                "kernels": {"attention": "tiled"}}))
-    config = load_run_config(path, world_size=1)
-    assert config.kernels.attention == "tiled" and config.memory.attention_tile_size == 512
-    assert "kernels" not in config.deepspeed and "memory" not in config.deepspeed
-
-
 @pytest.mark.parametrize("section, message", [
     ({"loss_chunk": 4}, "unknown key(s) ['loss_chunk']"),
     ({"loss_chunk_size": 0}, "memory.loss_chunk_size' must be a positive integer"),
@@ -67,8 +47,7 @@ def test_attention_backend_under_memory_is_refused_naming_its_new_place(tmp_path
     ({"checkpoint_ttt_steps": "yes"}, "memory.checkpoint_ttt_steps' must be true or false"),
     ({"attention_tile_size": 0}, "memory.attention_tile_size' must be a positive integer or null"),
     ({"attention_tile_size": 1.5}, "memory.attention_tile_size' must be a positive integer or null"),
-    ({"attention_backend": "flash"}, "'memory.attention_backend' has moved: the attention kernel is chosen in the "
-                                     "'kernels' section"),
+    ({"attention_backend": "flash"}, "unknown key(s) ['attention_backend'] in 'memory'"),
     ([1], "'memory' must be an object"),
     (0, "'memory' must be an object"),
     ("", "'memory' must be an object"),

@@ -139,8 +139,6 @@ def test_rerun_keeps_the_seconds_of_skipped_stages(tmp_path, monkeypatch):
     other settings, or no readable eval.json, gets no seconds at all rather than this run's ~0 s."""
     from types import SimpleNamespace
 
-    import recipe.assets
-
     argv = ["--output", str(tmp_path)]
     settings = demo._settings(demo.build_parser().parse_args(argv)) | {"output": str(tmp_path.resolve())}
     earlier = {"tau": 1.3, "tau_tree": 1.5, "num_draft_tokens": 5, "num_prompts": 16, "per_k": {"5": {"tau": 1.3}},
@@ -155,7 +153,7 @@ def test_rerun_keeps_the_seconds_of_skipped_stages(tmp_path, monkeypatch):
         assert demo.main(argv) == 0
         return json.loads((tmp_path / "eval.json").read_text())
 
-    monkeypatch.setattr(recipe.assets, "prepare_assets", lambda: SimpleNamespace(conversations=tmp_path / "c.jsonl"))
+    monkeypatch.setattr(demo, "prepare_assets", lambda: SimpleNamespace(conversations=tmp_path / "c.jsonl"))
     monkeypatch.setattr(demo, "stage_train", lambda *a: True)
     monkeypatch.setattr(demo, "summary_table", lambda *a: "")
     contexts = []

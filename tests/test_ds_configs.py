@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from recipe.config import ConfigError, load_run_config
-from recipe.config_keys import OUR_SECTIONS
+from recipe.config import load_run_config
+from recipe.config_keys import OUR_SECTIONS, ConfigError
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIGS = sorted((ROOT / "ds_configs").glob("*.json"))

@@ -336,5 +336,5 @@ def test_cli_on_real_target(assets, tmp_path, monkeypatch):
 
     def mismatch(*_a, **_k):
         raise MismatchError("prompt 'x'")
-    monkeypatch.setattr("recipe.eval.harness.evaluate", mismatch)
+    monkeypatch.setattr(cli, "evaluate", mismatch)
     assert cli.main(argv) == 1

@@ -298,7 +298,7 @@ def test_cli_by_context_length_on_real_target(assets, tmp_path, monkeypatch):
 
     def no_assets(*_a, **_k):
         raise AssertionError("prepare_assets called")
-    monkeypatch.setattr("recipe.assets.prepare_assets", no_assets)
+    monkeypatch.setattr(cli, "prepare_assets", no_assets)
     out = tmp_path / "by_length.json"
     argv = ["--target", str(assets.target), "--draft", str(export), "--num-draft-tokens", "2", "--max-new-tokens",
             "4", "--limit", "2", "--output", str(out), "--device", "cpu", "--tree-topk", "2", "--tree-depth", "2",
@@ -351,9 +351,9 @@ def test_cli_buckets_prompts_alone_and_inserts_context_data_without_assets(conve
 
     def no_assets(*_a, **_k):
         raise AssertionError("prepare_assets called")
-    monkeypatch.setattr("recipe.target.capture.load_tokenizer", lambda _path: WordTokenizer())
-    monkeypatch.setattr("recipe.eval.by_length.evaluate_by_length", fake_evaluate)
-    monkeypatch.setattr("recipe.assets.prepare_assets", no_assets)
+    monkeypatch.setattr(cli, "load_tokenizer", lambda _path: WordTokenizer())
+    monkeypatch.setattr(cli, "evaluate_by_length", fake_evaluate)
+    monkeypatch.setattr(cli, "prepare_assets", no_assets)
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": _words(n, "w"), "id": f"n{n}"}) + "\n" for n in (5, 30, 80, 300)))
     base = ["--target", str(tiny_target), "--draft", str(tmp_path), "--prompts", str(prompts), "--max-new-tokens",

@@ -10,7 +10,8 @@ import json
 import pytest
 
 from helpers.ranks import run_ranks
-from recipe.config import ConfigError, load_run_config, pop_monitor_sections
+from recipe.config import load_run_config, pop_monitor_sections
+from recipe.config_keys import ConfigError
 from recipe.train.monitor import step_events
 from helpers.training import run_training, train_argv, write_ds_config
 

@@ -177,20 +177,18 @@ def test_weight_fingerprint_of_smollm2_is_cheap(assets):
     assert time.perf_counter() - start < 1.0
 
 
-def test_legacy_store_is_checked_the_old_way_with_a_note(tiny_target_and_store, other_tiny_target, tmp_path):
+def test_store_of_an_older_version_is_refused_naming_its_index(tiny_target_and_store, tmp_path):
     from recipe.data.store import HiddenStateStore, StoreError
-    from recipe.target.capture import legacy_target_fingerprint
 
     target, store = tiny_target_and_store
-    assert HiddenStateStore(store).check_compatible(target, None) is None  # a store of this version: no note
+    assert HiddenStateStore(store).check_compatible(target, None) is None  # a store of this version passes
     old = shutil.copytree(store, tmp_path / "old_store")
     index = json.loads((old / "index.json").read_text())
-    index["meta"]["target_fingerprint"] = legacy_target_fingerprint(target)
+    index["meta"]["target_fingerprint"] = "0123456789abcdef"  # an older version's 16-hex fingerprint, no "w1:"
     (old / "index.json").write_text(json.dumps(index))
-    note = HiddenStateStore(old).check_compatible(target, None)
-    assert "predates weight fingerprints" in note and "Re-dump" in note
-    with pytest.raises(StoreError, match="target fingerprint .* != the current target's"):
-        HiddenStateStore(old).check_compatible(other_tiny_target, None)
+    with pytest.raises(StoreError, match=r"old_store/index.json: written by an older version of this recipe .*"
+                                         r"re-create it"):
+        HiddenStateStore(old).check_compatible(target, None)
 
 
 def _draft_config(**changes):
@@ -202,7 +200,7 @@ def _draft_config(**changes):
 
 
 def test_resume_check_of_older_checkpoints(tmp_path):
-    from recipe.train.checkpoint import DRAFT_CONFIG_FILE
+    from recipe.export import DRAFT_CONFIG_FILE
     from recipe.train.resume_checks import check_compatible
 
     geometry = dataclasses.asdict(_draft_config())

@@ -1,6 +1,6 @@
 """End to end, online (the target runs during training): the real SmolLM2 target on ShareGPT, fp32 on CPU gloo ranks.
 
-The curve at cp = 2 (the context-parallel target forward, ``recipe.target.cp``), at tp = 2 and at tp2 × cp2 (the
+The curve at cp = 2 (the context-parallel target forward, ``recipe.target.split``), at tp = 2 and at tp2 × cp2 (the
 target forward split over the tp ranks too: each of the cp·tp ranks runs 1/(cp·tp) of the sequence) equals the online
 cp = 1 curve (the full-sequence target forward) within rel 1e-5: the same samples, the same draft initialisation,
 only the sharding of the target and the draft differ. ``run_config.json`` records the split.

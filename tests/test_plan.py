@@ -10,9 +10,11 @@ import pytest
 import torch
 from transformers import Gemma2Config
 
-from recipe.bench.measure import BenchSpec, build_model, run_measurement
+from recipe.bench.measure import build_model, run_measurement
+from recipe.plan.spec import BenchSpec
 from recipe.model.draft_config import Eagle3DraftConfig
-from recipe.plan import GIB, PlanInputs, longest_fit, plan_length, predict_step, states
+from recipe.plan import PlanInputs, longest_fit, plan_length, predict_step, states
+from recipe.plan.states import GIB
 from recipe.plan import __main__ as cli
 from recipe.plan.trace import trace_step
 

@@ -12,7 +12,9 @@ import pytest
 from helpers.faults import Job, run_jobs, same_curve
 from helpers.ranks import run_ranks
 from helpers.training import train_argv, write_ds_config
-from recipe.train.checkpoint import FAULT_ENV, LATEST, PARTIAL, verify
+from recipe.export import LATEST
+from recipe.train.checkpoint import FAULT_ENV, PARTIAL
+from recipe.train.manifest import verify
 from recipe.train.resume_checks import check_compatible
 from recipe.train.signals import EXIT_INTERRUPTED
 

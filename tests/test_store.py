@@ -294,7 +294,9 @@ def test_version_1_store_is_refused_naming_it_and_the_redump(store_dir):
     with pytest.raises(StoreError) as err:
         HiddenStateStore(store_dir)
     message = str(err.value)
-    assert f"{store_dir / 'index.json'}: store version 1 has no 'target_argmax'" in message
+    assert message.startswith(f"{store_dir / 'index.json'}: written by an older version of this recipe (store "
+                              "version 1, no 'target_argmax' field;")
+    assert "re-create it into a new folder" in message
     assert f"python -m recipe.dump --target {index['meta']['target_path']}" in message
 
 

@@ -1,4 +1,4 @@
-"""The context-parallel target forward (``recipe.target.cp``) against the full single-process forward.
+"""The context-parallel target forward (``recipe.target.split``) against the full single-process forward.
 
 For every supported architecture (tiny random Llama, Qwen2, Qwen3, Mistral built locally), fp32 on CPU, with right
 padding and K larger than a zigzag chunk (so label rows cross chunks): on cp ∈ {2, 4} gloo ranks each rank's aux states
@@ -45,12 +45,12 @@ def _cp_worker(rank, world_size, folders):
 
     from recipe.parallel.collectives import Collectives
     from recipe.target.capture import TargetModel
-    from recipe.target.cp import CPTarget
+    from recipe.target.split import SplitTarget
 
     ids, mask, _ = _batch()
     out = {}
     for name, folder in folders.items():
-        target = CPTarget(TargetModel(folder, dtype=torch.float32, device="cpu"), Collectives("cpu"),
+        target = SplitTarget(TargetModel(folder, dtype=torch.float32, device="cpu"), Collectives("cpu"),
                           dist.group.WORLD, world_size, rank, "auto", tile_size=4)
         cap = target.capture(ids, mask, K)
         out[name] = (cap.aux_hidden_BSA, cap.label_hidden_BUH, cap.argmax_BS)
@@ -85,7 +85,7 @@ def _builder_worker(rank, world_size, folder):
 
     from recipe.parallel.collectives import Collectives
     from recipe.target.capture import TargetModel
-    from recipe.target.cp import CPTarget
+    from recipe.target.split import SplitTarget
     from recipe.train.batches import BatchBuilder
 
     ids, mask, loss_mask = _batch()
@@ -94,7 +94,7 @@ def _builder_worker(rank, world_size, folder):
     target = TargetModel(folder, dtype=torch.float32, device="cpu")
     t2d = torch.arange(96) % 3 != 0
     kwargs = dict(examples=Dataset.from_dict(rows), t2d=t2d, ttt_steps=K, seq_divisor=2 * world_size)
-    cp_target = CPTarget(target, Collectives("cpu"), dist.group.WORLD, world_size, rank, "tiled", tile_size=None)
+    cp_target = SplitTarget(target, Collectives("cpu"), dist.group.WORLD, world_size, rank, "tiled", tile_size=None)
     got = BatchBuilder(target=cp_target, cp_size=world_size, cp_rank=rank, **kwargs).build([0, 1]).ttt
     full = BatchBuilder(target=target, **kwargs).build([0, 1]).ttt
     return got, full
@@ -120,11 +120,11 @@ def _split_worker(rank, world_size, folder, cp, tp):
     from recipe.parallel.dims import ParallelDims
     from recipe.parallel.topology import ParallelState
     from recipe.target.capture import TargetModel
-    from recipe.target.cp import CPTarget
+    from recipe.target.split import SplitTarget
 
     ids, mask, _ = _batch()
     pstate = ParallelState(ParallelDims(world_size, tp=tp, cp=cp))
-    target = CPTarget.from_state(TargetModel(folder, dtype=torch.float32, device="cpu"), pstate, "auto", 4)
+    target = SplitTarget.from_state(TargetModel(folder, dtype=torch.float32, device="cpu"), pstate, "auto", 4)
     cap = target.capture(ids, mask, K)
     return pstate.cp_rank, pstate.tp_rank, cap, target.counts
 
@@ -164,11 +164,11 @@ def test_single_rank_cp_target_equals_capture(arch_targets):
     """cp = 1 through the registry (the single-device block): the same states as the model's own attention."""
     from recipe.parallel.collectives import Collectives
     from recipe.target.capture import TargetModel
-    from recipe.target.cp import CPTarget
+    from recipe.target.split import SplitTarget
 
     ids, mask, _ = _batch()
     target = TargetModel(arch_targets["qwen2"], dtype=torch.float32, device="cpu")
-    cap = CPTarget(target, Collectives("cpu"), None, 1, 0, "tiled", None).capture(ids, mask, K)
+    cap = SplitTarget(target, Collectives("cpu"), None, 1, 0, "tiled", None).capture(ids, mask, K)
     full = target.capture(ids, mask)
     assert target.config._attn_implementation == "sdpa"  # restored after the capture
     real = mask.bool()  # padded rows are unspecified: the full capture runs without the (right-padding) mask
@@ -180,12 +180,12 @@ def test_single_rank_cp_target_equals_capture(arch_targets):
 def test_unsupported_target_names_its_model_type(tmp_path):
     from transformers import Gemma2Config
 
-    from recipe.target.registry import check_cp_target
+    from recipe.target.registry import check_split_target
 
     with pytest.raises(ValueError, match=r"model_type 'gemma2'.*recipe\.dump.*--hidden-states"):
-        check_cp_target(Gemma2Config())
+        check_split_target(Gemma2Config())
     for name in ARCHITECTURES:
-        check_cp_target(ARCHITECTURES[name][0]())
+        check_split_target(ARCHITECTURES[name][0]())
 
 
 def test_sliding_window_shorter_than_the_sequence_is_refused(tmp_path):
@@ -193,12 +193,12 @@ def test_sliding_window_shorter_than_the_sequence_is_refused(tmp_path):
 
     from recipe.parallel.collectives import Collectives
     from recipe.target.capture import TargetModel
-    from recipe.target.cp import CPTarget
+    from recipe.target.split import SplitTarget
 
     config = MistralConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=8,
                            num_attention_heads=4, num_key_value_heads=2, sliding_window=16)
     MistralForCausalLM(config).save_pretrained(tmp_path / "mistral")
-    target = CPTarget(TargetModel(tmp_path / "mistral", device="cpu"), Collectives("cpu"), None, 1, 0, "tiled")
+    target = SplitTarget(TargetModel(tmp_path / "mistral", device="cpu"), Collectives("cpu"), None, 1, 0, "tiled")
     ids, mask, _ = _batch()
     with pytest.raises(ValueError, match="sliding window of 16 < sequence length 48"):
         target.capture(ids, mask, K)

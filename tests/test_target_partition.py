@@ -12,7 +12,8 @@ from helpers.ranks import run_ranks
 from helpers.tiny_target import random_chats, save_tiny_llama
 from helpers.training import assert_curves_close, run_training, write_ds_config
 
-from recipe.config import ConfigError, load_run_config
+from recipe.config import load_run_config
+from recipe.config_keys import ConfigError
 from recipe.target.options import TargetOptions
 
 # partition every parameter (DeepSpeed keeps parameters below 1e5 elements whole by default: all of a tiny model's)

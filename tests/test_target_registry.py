@@ -11,12 +11,12 @@ import pytest
 from helpers.tiny_target import ARCHITECTURES as TINY
 from transformers import Gemma2Config, LlamaConfig, Phi3Config, Qwen3Config
 
-from recipe.target.registry import (ARCHITECTURES, GENERIC, arch_facts, check_cp_target, draft_config_for,
+from recipe.target.registry import (ARCHITECTURES, GENERIC, arch_facts, check_split_target, draft_config_for,
                                     final_logit_softcap, splits_target)
 
 
 def test_every_ring_architecture_has_a_tiny_target_that_the_cp_tests_train():
-    ring = {name for name, arch in ARCHITECTURES.items() if arch.ring_attention}
+    ring = {name for name, arch in ARCHITECTURES.items() if arch.routable_attention}
     assert ring == set(TINY) == {"llama", "mistral", "qwen2", "qwen3", "phi3"}
 
 
@@ -28,7 +28,7 @@ def test_entry_matches_its_config(name):
                         rope_theta=123456.0, **extra)
     arch = arch_facts(config)
     assert arch is ARCHITECTURES[name] and arch.model_type == config.model_type == name
-    check_cp_target(config)  # no error
+    check_split_target(config)  # no error
     assert final_logit_softcap(config) is None
     draft = draft_config_for(config, 64)
     assert draft.rope_theta == 123456.0 and draft.rope_scaling is None
@@ -60,10 +60,10 @@ def test_architectures_outside_the_ring_are_refused_at_cp_with_the_offline_way()
     assert arch_facts({"model_type": "somenewlm"}) is GENERIC
     for config in (Gemma2Config(), {"model_type": "somenewlm"}):
         with pytest.raises(ValueError, match="python -m recipe.dump") as err:
-            check_cp_target(config)
+            check_split_target(config)
         assert repr(config["model_type"] if isinstance(config, dict) else config.model_type) in str(err.value)
         assert "llama, mistral, qwen2, qwen3, phi3" in str(err.value)
-    check_cp_target(Qwen3Config())
+    check_split_target(Qwen3Config())
 
 
 def test_the_target_forward_is_split_at_cp_and_at_tp_only_through_the_ring():

@@ -4,7 +4,6 @@ Every rank builds the full single-device module from the same seed, runs it as t
 version, and asserts forward values and every gradient. Each rank function returns a short summary that the parent
 also checks, so a rank that skipped its checks fails the test.
 """
-import types
 import warnings
 
 import pytest
@@ -17,22 +16,12 @@ from helpers.ranks import run_ranks
 from recipe.parallel.apply_tp import apply_tensor_parallel
 from recipe.parallel.parallelize import gather_full_tensors
 from helpers.tp_reference import gather_from_tp_region, scatter_to_tp_region
+from helpers.tp_stand_in import TTTStandIn, soft_ce
 from recipe.parallel.mappings import copy_to_tp_region, reduce_from_tp_region
 from recipe.parallel.tp_layers import (ColumnParallelLinear, RowParallelLinear, VocabParallelLMHead, gather_tensor,
                                        vocab_parallel_soft_ce)
 
 TOL = {torch.float64: 1e-12, torch.float32: 1e-6}
-
-
-def soft_ce(logits_BSV, target_logits_BSV, valid_BS):
-    """Single-device reference: Σ_valid −Σ_v softmax(target)·log_softmax(logits); argmax matches among valid."""
-    logp = torch.log_softmax(logits_BSV.float() if logits_BSV.dtype != torch.float64 else logits_BSV, -1)
-    p = torch.softmax(target_logits_BSV.to(logp.dtype), -1)
-    per_pos = -(p * logp).sum(-1)
-    valid = valid_BS.bool()
-    loss_sum = per_pos[valid].sum()
-    correct = ((logits_BSV.argmax(-1) == target_logits_BSV.argmax(-1)) & valid).sum()
-    return loss_sum, correct
 
 
 def assert_close(actual, expected, dtype, what):
@@ -252,74 +241,13 @@ def test_vocab_parallel_soft_ce_single_process_group_of_one():
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-class _Attention(nn.Module):
-    """Stand-in for the draft attention: reshapes with -1 heads, GQA, causal softmax."""
-
-    def __init__(self, hidden, heads, kv_heads, head_dim):
-        super().__init__()
-        self.head_dim, self.groups = head_dim, heads // kv_heads
-        self.q_proj = nn.Linear(2 * hidden, heads * head_dim, bias=False)
-        self.k_proj = nn.Linear(2 * hidden, kv_heads * head_dim, bias=False)
-        self.v_proj = nn.Linear(2 * hidden, kv_heads * head_dim, bias=False)
-        self.o_proj = nn.Linear(heads * head_dim, hidden, bias=False)
-
-    def forward(self, x_BSX):
-        b, s, _ = x_BSX.shape
-        q = self.q_proj(x_BSX).view(b, s, -1, self.head_dim).transpose(1, 2)
-        k = self.k_proj(x_BSX).view(b, s, -1, self.head_dim).transpose(1, 2).repeat_interleave(self.groups, 1)
-        v = self.v_proj(x_BSX).view(b, s, -1, self.head_dim).transpose(1, 2).repeat_interleave(self.groups, 1)
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.o_proj(out.transpose(1, 2).reshape(b, s, -1))
-
-
-class _Mlp(nn.Module):
-    def __init__(self, hidden, inter):
-        super().__init__()
-        self.gate_proj = nn.Linear(hidden, inter, bias=False)
-        self.up_proj = nn.Linear(hidden, inter, bias=False)
-        self.down_proj = nn.Linear(inter, hidden, bias=False)
-
-    def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-
-
-class _Draft(nn.Module):
-    def __init__(self, hidden=8, heads=4, kv_heads=2, head_dim=4, inter=16, vd=8):
-        super().__init__()
-        self.config = types.SimpleNamespace(num_attention_heads=heads, num_key_value_heads=kv_heads)
-        self.midlayer = nn.Module()
-        self.midlayer.self_attn = _Attention(hidden, heads, kv_heads, head_dim)
-        self.midlayer.mlp = _Mlp(hidden, inter)
-        self.norm = nn.LayerNorm(hidden)
-        self.lm_head = nn.Linear(hidden, vd, bias=False)
-
-    def forward(self, emb_BSH, h_BSH):
-        h = h_BSH + self.midlayer.self_attn(torch.cat([emb_BSH, h_BSH], -1))
-        h = h + self.midlayer.mlp(h)
-        return self.lm_head(self.norm(h))
-
-
-class _TTT(nn.Module):
-    """Stand-in TTT wrapper: draft, frozen target_head_d [Vd, H_t], swappable loss_fn."""
-
-    def __init__(self, dtype, **kw):
-        super().__init__()
-        self.draft = _Draft(**kw).to(dtype)
-        self.register_buffer("target_head_d", torch.randn(self.draft.lm_head.out_features, 6, dtype=dtype))
-        self.loss_fn = soft_ce
-
-    def forward(self, emb_BSH, h_BSH, target_hidden_BSHt, valid_BS):
-        target_logits = target_hidden_BSHt @ self.target_head_d.T
-        return self.loss_fn(self.draft(emb_BSH, h_BSH), target_logits, valid_BS)
-
-
 def _apply_tp(rank, world, dtype):
     group = dist.group.WORLD
     kw = dict(hidden=8, heads=2 * world, kv_heads=world, head_dim=4, inter=4 * world, vd=4 * world)
     torch.manual_seed(0)
-    ref = _TTT(dtype, **kw)
+    ref = TTTStandIn(dtype, **kw)
     torch.manual_seed(0)
-    model = _TTT(dtype, **kw)
+    model = TTTStandIn(dtype, **kw)
     full_state = {k: v.clone() for k, v in model.state_dict().items()}
     emb, h = torch.randn(2, 6, 8, dtype=dtype), torch.randn(2, 6, 8, dtype=dtype)
     target_hidden = torch.randn(2, 6, 6, dtype=dtype)
@@ -363,7 +291,7 @@ def test_apply_tensor_parallel_stand_in_matches_single_device(ranks):
 
 
 def _apply_tp_bad_heads(rank, world, dtype):
-    model = _TTT(torch.float32, hidden=8, heads=4 * world, kv_heads=3, head_dim=4, inter=4 * world, vd=4 * world)
+    model = TTTStandIn(torch.float32, hidden=8, heads=4 * world, kv_heads=3, head_dim=4, inter=4 * world, vd=4 * world)
     with pytest.raises(ValueError, match=rf"tensor-parallel size tp={world} must divide.*num_key_value_heads=3") as err:
         apply_tensor_parallel(model, dist.group.WORLD)
     assert "num_attention_heads" not in str(err.value) and "intermediate_size" not in str(err.value)

@@ -11,7 +11,7 @@ import torch
 
 from helpers.ranks import run_ranks
 from helpers.training import assert_curves_close, run_training, train_argv, write_ds_config
-from recipe.train.checkpoint import LATEST
+from recipe.export import LATEST
 
 pytestmark = pytest.mark.slow  # DeepSpeed training runs
 

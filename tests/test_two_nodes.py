@@ -92,7 +92,8 @@ def test_two_nodes_train_the_one_node_curve(two_nodes):
 
 def test_two_node_checkpoints_and_export_are_complete(two_nodes):
     from recipe.export import check_export, load_export
-    from recipe.train.checkpoint import latest_tag, rng_file
+    from recipe.train.checkpoint import latest_tag
+    from recipe.train.rng_state import rng_file
     from recipe.train.manifest import MANIFEST, verify
 
     tmp, _, _, _, _ = two_nodes

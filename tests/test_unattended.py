@@ -21,8 +21,9 @@ from helpers.faults import Job, run_jobs, same_curve
 from helpers.ranks import run_ranks
 from helpers.training import ROOT, train_argv, write_ds_config
 from recipe.cli import build_parser, parse_args
-from recipe.train import checkpoint
+from recipe.export import LATEST
 from recipe.train.distributed import free_port
+from recipe.train.manifest import verify
 from recipe.train.output_dir import resume_mode
 from recipe.train.signals import EXIT_INTERRUPTED, INTERRUPTED_FILE
 from recipe.train.watch import EXIT_HUNG, HangWatchdog, SaveClock, group_timeout
@@ -82,7 +83,7 @@ def test_resume_auto_decides_by_what_the_folder_holds(tmp_path):
 
     run = tmp_path / "run"
     (run / "checkpoints" / "step-00000004").mkdir(parents=True)
-    (run / "checkpoints" / checkpoint.LATEST).write_text("step-00000004\n")
+    (run / "checkpoints" / LATEST).write_text("step-00000004\n")
     (run / "metrics.jsonl").write_text('{"step": 1}\n')
     assert resume_mode(_args(run, "--resume", "auto")) == ("latest", None)
     assert resume_mode(_args(run, "--resume")) == ("latest", None)
@@ -228,8 +229,8 @@ def test_a_rank_blocked_in_a_collective_leaves_every_ranks_stacks_and_exit_76(ti
     assert "step_or_hang" in stacks[1] and "all_reduce" in stacks[1]  # the stuck rank, in its extra collective
     assert "step_or_hang" in stacks[0] and " in train_step\n" in stacks[0]  # rank 0: in the step, waiting for 1
     assert len((out / "metrics.jsonl").read_text().splitlines()) == 4
-    assert (out / "checkpoints" / checkpoint.LATEST).read_text().strip() == "step-00000004"  # the resume point
-    assert checkpoint.verify(out / "checkpoints" / "step-00000004") is None
+    assert (out / "checkpoints" / LATEST).read_text().strip() == "step-00000004"  # the resume point
+    assert verify(out / "checkpoints" / "step-00000004") is None
     assert not list((out / "checkpoints").glob(".partial/*"))
 
 
@@ -272,7 +273,7 @@ def test_slurm_script_checkpoints_on_the_early_signal_requeues_and_continues_the
     assert 2 <= cut < total, text
     assert f"--resume auto: resuming the run in {out}" in " ".join(text.split()) and f"at step {cut}" in text
     assert not (out / INTERRUPTED_FILE).exists()
-    assert (out / "checkpoints" / checkpoint.LATEST).read_text().strip() == f"step-{total:08d}"
+    assert (out / "checkpoints" / LATEST).read_text().strip() == f"step-{total:08d}"
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert straight.rc == 0, straight.stderr
     same_curve(straight.metrics, records)  # steps 1..16 once each, bit-identical across the requeue

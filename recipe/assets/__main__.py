@@ -6,14 +6,14 @@ import argparse
 import time
 from pathlib import Path
 
-from recipe.assets import AssetSourceError, Assets, cache_bytes, prepare_assets
+from recipe.assets import Assets, AssetSourceError, cache_bytes, prepare_assets
 from recipe.assets.data import AssetDataError
 from recipe.assets.target import TargetConversionError
 
 
 def _print_summary(assets: Assets, total_seconds: float) -> None:
-    from rich.console import Console
-    from rich.table import Table
+    from rich.console import Console  # import cost: rich
+    from rich.table import Table  # import cost: rich
 
     table = Table(title=f"recipe assets in {assets.cache_dir}")
     for column in ("asset", "path", "contents", "status"):

@@ -28,7 +28,7 @@ class TargetConversionError(RuntimeError):
 @contextmanager
 def _quiet_transformers():
     """Silence transformers' warnings (e.g. 'Dequantizing the whole model ... install kernels') for a block."""
-    from transformers.utils import logging as hf_logging
+    from transformers.utils import logging as hf_logging  # import cost: transformers
 
     level = hf_logging.get_verbosity()
     hf_logging.set_verbosity_error()
@@ -40,8 +40,8 @@ def _quiet_transformers():
 
 def load_gguf(gguf_file: Path, with_tokenizer: bool = True):
     """``(model, tokenizer)`` loaded from the GGUF by transformers (fp32, dequantised); tokenizer None if not asked."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    import torch  # import cost: torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer  # import cost: transformers
 
     with _quiet_transformers():
         tokenizer = (
@@ -53,7 +53,7 @@ def load_gguf(gguf_file: Path, with_tokenizer: bool = True):
 
 def check_ids(tokenizer) -> torch.Tensor:
     """Token ids ``[1, S]`` (int64) of a one-turn ChatML prompt with the generation prompt, for logit checks."""
-    import torch
+    import torch  # import cost: torch
 
     ids = tokenizer.apply_chat_template(_CHECK_MESSAGES, add_generation_prompt=True, tokenize=True)
     if hasattr(ids, "keys"):  # transformers 5 returns a BatchEncoding
@@ -63,8 +63,8 @@ def check_ids(tokenizer) -> torch.Tensor:
 
 def _rebuild_from_config(gguf_model):
     """A fresh fp32 model from the GGUF model's config (quantisation entry dropped) holding its exact weights."""
-    import torch
-    from transformers import AutoModelForCausalLM
+    import torch  # import cost: torch
+    from transformers import AutoModelForCausalLM  # import cost: transformers
 
     config = copy.deepcopy(gguf_model.config)
     if hasattr(config, "quantization_config"):
@@ -93,8 +93,8 @@ def _verify_folder(folder: Path, gguf_model, tokenizer) -> dict:
     """Raise TargetConversionError unless ``folder`` reloads plainly and reproduces the GGUF model's logits.
 
     Returns the GGUF model's ``reference_logits`` on the check prompt."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    import torch  # import cost: torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer  # import cost: transformers
 
     reloaded = AutoModelForCausalLM.from_pretrained(folder).eval()
     reloaded_tokenizer = AutoTokenizer.from_pretrained(folder)

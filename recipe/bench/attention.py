@@ -14,23 +14,26 @@ from __future__ import annotations
 
 import argparse
 import os
+import queue as queue_mod
 import statistics
 import sys
 import time
 import traceback
 from pathlib import Path
 
+import torch
+import torch.multiprocessing as mp
 from rich.console import Console
 from rich.table import Table
 
+from kernels.attention_backends import BACKENDS, backend_runs_on, make_causal_attention, resolve_attention_backend
 from recipe.bench.common import MIB, add_draft_shape_arguments, write_json
+from recipe.bench.measure import MALLOC_ENV, CpuPeak, CudaPeak
 from recipe.cli import length_list
-from recipe.bench.measure import DTYPES, MALLOC_ENV, CpuPeak, CudaPeak
+from recipe.plan.spec import DTYPES
 
 
 def _sync(device) -> None:
-    import torch
-
     if device.type == "cuda":
         torch.cuda.synchronize()
 
@@ -39,8 +42,6 @@ def time_attention(attention, length: int, dtype, device, heads: int, kv_heads: 
                    repeats: int, seed: int = 0) -> dict:
     """Median seconds of the forward alone and of forward + backward of ``attention`` on one [1, H, S, D] block,
     and the bytes the forward+backward adds at its peak (over its inputs). Raises what the attention raises."""
-    import torch
-
     g = torch.Generator(device="cpu").manual_seed(seed)
     q = torch.randn(1, heads, length, head_dim, generator=g).to(device=device, dtype=dtype)
     k, v = (torch.randn(1, kv_heads, length, head_dim, generator=g).to(device=device, dtype=dtype) for _ in range(2))
@@ -79,10 +80,6 @@ def time_attention(attention, length: int, dtype, device, heads: int, kv_heads: 
 
 def _child(backend: str, dtype_name: str, cfg: dict, queue) -> None:
     """One (backend, dtype) in a fresh process: every length, results (or the error) on ``queue``."""
-    import torch
-
-    from kernels.attention_backends import make_causal_attention
-
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     device = torch.device(cfg["device"])
     rows = []
@@ -104,10 +101,6 @@ def _child(backend: str, dtype_name: str, cfg: dict, queue) -> None:
 
 def run_child(backend: str, dtype_name: str, cfg: dict, timeout: float) -> list[dict]:
     """``_child`` in a spawned process (CPU: mmap threshold 1 MiB); a row with status "error" if it dies."""
-    import queue as queue_mod
-
-    import torch.multiprocessing as mp
-
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     saved = os.environ.get(MALLOC_ENV)
@@ -167,8 +160,6 @@ def _names(text: str, allowed, what: str) -> list[str]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from kernels.attention_backends import BACKENDS
-
     p = argparse.ArgumentParser(prog="python -m recipe.bench attention", description=__doc__.split("\n\n")[0])
     p.add_argument("--lengths", type=length_list, default=[512, 1024, 2048, 4096], help="e.g. 512,1k,2k (k = 1024)")
     p.add_argument("--dtypes", type=lambda t: _names(t, DTYPES, "dtype"), default=["fp32", "bf16"])
@@ -185,10 +176,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """CLI entry (``python -m recipe.bench attention``). Returns 0, or 2 on bad flags."""
-    import torch
-
-    from kernels.attention_backends import BACKENDS, backend_runs_on, resolve_attention_backend
-
     parser = build_parser()
     args = parser.parse_args(argv)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")

@@ -15,26 +15,28 @@ Issue targets (reported, not asserted): activation memory at cp=4 ≤ 0.3x cp=1,
 from __future__ import annotations
 
 import argparse
-import math
 import dataclasses
+import math
 from pathlib import Path
 
 from rich.console import Console
 from rich.table import Table
 
 from recipe.bench.common import GIB, MIB, add_draft_shape_arguments, write_json
-from recipe.bench.measure import BenchSpec, run_measurement
+from recipe.bench.measure import run_measurement
 from recipe.cli import positive_int_list
 from recipe.parallel.cp_shard import contiguous_indices, zigzag_indices
+from recipe.plan.spec import BenchSpec
 
-NUM_CHUNKS = 2  # local chunks per shard in the ring's work skipping (kernels.ring_attention default)
+NUM_CHUNKS = 2  # local chunks per shard in the ring's work skipping (the ring kernel's default, ring_attention_forward)
 
 
 def attention_work(seq_len: int, cp: int, split) -> dict:
     """Per-rank causal attention work of one ring pass for a split (``zigzag_indices`` or ``contiguous_indices``).
 
     ``pairs``: (query chunk, key chunk) blocks the ring computes (each rank's shard cut into NUM_CHUNKS chunks; a
-    pair is skipped when all its keys come after all its queries, as ``kernels.ring_attention`` does).
+    pair is skipped when all its keys come after all its queries, as the ring kernel's ``ring_attention_forward``
+    does).
     ``scores``: causal (query, key) entries, Σ over local queries q of (q + 1). Lists indexed by cp rank.
     """
     shards = [split(seq_len, cp, r) for r in range(cp)]
@@ -142,10 +144,10 @@ def tables(res: dict, spec: BenchSpec, budget_gib: float) -> list[Table]:
 def plot(res: dict, path: Path) -> bool:
     """PNG of activation memory of the search probes vs length, one line per cp; False without matplotlib."""
     try:
-        import matplotlib
+        import matplotlib  # optional dependency (matplotlib)
 
         matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        import matplotlib.pyplot as plt  # optional dependency (matplotlib)
     except ImportError:
         return False
     fig, ax = plt.subplots(figsize=(6, 4))

@@ -38,7 +38,7 @@ DEFAULT_ARMS = "sharegpt:740:1,sharegpt:190:4,regenerated:190:7"
 
 def parse_arm(text: str) -> tuple[str, int, float]:
     """``"ANSWERS:CONVERSATIONS:EPOCHS"`` -> (answers, conversations, epochs); ValueError naming the arm."""
-    from recipe.demo import ANSWERS
+    from recipe.demo import ANSWERS  # import cost: pulls in transformers
 
     parts = text.split(":")
     try:
@@ -103,8 +103,8 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         console.print(f"[bold red]error[/bold red]: {exc}")
         return 2
-    from recipe.demo import build_parser
-    from recipe.demo import main as demo_main
+    from recipe.demo import build_parser  # import cost: pulls in transformers
+    from recipe.demo import main as demo_main  # import cost: pulls in transformers
 
     batch = build_parser().parse_args(demo_flags).batch_size
     rows = []

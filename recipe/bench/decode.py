@@ -29,7 +29,9 @@ from rich.console import Console
 from rich.table import Table
 
 from recipe.bench.common import write_json
+from recipe.bench.target import save_random_target
 from recipe.cli import positive_int_list
+from recipe.model.packed_linear import pack_linear_layers, packing_available
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -51,7 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
 @torch.no_grad()
 def forward_ms(model, rows: int, context: int, reps: int) -> float:
     """Mean milliseconds of one cached forward over ``rows`` new random tokens after ``context`` cached ones."""
-    from transformers import DynamicCache
+    from transformers import DynamicCache  # import cost: transformers
 
     gen = torch.Generator().manual_seed(rows)
     vocab = model.config.vocab_size
@@ -70,8 +72,8 @@ def forward_ms(model, rows: int, context: int, reps: int) -> float:
 def reference_seconds(model, prompts: list[list[int]], new_tokens: int) -> dict:
     """Seconds of the greedy reference of ``prompts`` prompt by prompt and in one batch (after a short warm-up of
     each), and whether they agree."""
-    from recipe.eval.speculative import greedy_generate, greedy_generate_batched
-    from recipe.target.runtime import CachedTarget
+    from recipe.eval.speculative import greedy_generate, greedy_generate_batched  # import cost: pulls in transformers
+    from recipe.target.runtime import CachedTarget  # import cost: pulls in transformers
 
     greedy_generate(CachedTarget(model), prompts[0], 2)  # warm-up of both paths, so neither pays a first call
     greedy_generate_batched(model, prompts[:2], 2)
@@ -88,10 +90,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.smoke:
         args.layers, args.reps, args.rounds, args.prompts, args.new_tokens = 2, 2, 1, 3, 4
-    from transformers import AutoModelForCausalLM
-
-    from recipe.bench.target import save_random_target
-    from recipe.model.packed_linear import pack_linear_layers, packing_available
+    from transformers import AutoModelForCausalLM  # import cost: transformers
 
     torch.set_num_threads(args.threads)
     console = Console()

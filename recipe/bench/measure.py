@@ -23,7 +23,7 @@ import torch
 
 from recipe.config import KernelOptions, MemoryOptions
 from recipe.parallel.parallelize import parallelize
-from recipe.plan.spec import DTYPES, LAYOUTS, BenchSpec, spec_draft_config, supervised_mask  # noqa: F401
+from recipe.plan.spec import DTYPES, LAYOUTS, BenchSpec, spec_draft_config, supervised_mask
 from recipe.train.distributed import free_port
 
 MALLOC_ENV = "MALLOC_MMAP_THRESHOLD_"

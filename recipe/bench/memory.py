@@ -19,18 +19,21 @@ import os
 import sys
 from pathlib import Path
 
+import torch
 from rich.console import Console
 from rich.table import Table
 
 from recipe.bench.common import add_draft_shape_arguments
-from recipe.bench.measure import LAYOUTS, BenchSpec, run_measurement
+from recipe.bench.measure import run_measurement
 from recipe.cli import length_list
+from recipe.plan import layout_fit, predict_step, trace_limit
+from recipe.plan.spec import LAYOUTS, BenchSpec
 
 GIB = 1024 ** 3
 
 
 def layout_list(text: str) -> list[str]:
-    """argparse type: comma-separated names of ``recipe.bench.measure.LAYOUTS``; ArgumentTypeError naming unknown
+    """argparse type: comma-separated names of ``recipe.plan.spec.LAYOUTS``; ArgumentTypeError naming unknown
     ones."""
     names = [x.strip() for x in text.split(",") if x.strip()]
     bad = [n for n in names if n not in LAYOUTS]
@@ -94,8 +97,6 @@ def make_spec(args, length: int, layout: str) -> BenchSpec:
 
 def run_report(args, console: Console) -> dict:
     """Measure every (layout, length); returns the JSON-ready report."""
-    from recipe.plan import layout_fit, predict_step, trace_limit
-
     results, max_length = [], {}
     for layout in args.layouts:
         stopped, fit = None, None
@@ -181,10 +182,10 @@ def print_report(report: dict, console: Console) -> None:
 def write_plot(report: dict, path: Path, console: Console) -> bool:
     """PNG of peak GiB vs length per layout; False (and a note) when matplotlib is not installed."""
     try:
-        import matplotlib
+        import matplotlib  # optional dependency (matplotlib)
 
         matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        import matplotlib.pyplot as plt  # optional dependency (matplotlib)
     except ImportError:
         console.print("[yellow]--plot skipped: matplotlib is not installed (pip install matplotlib)[/yellow]")
         return False
@@ -209,8 +210,6 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.device is None:
-        import torch
-
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
     if args.attention_tile < 0:
         parser.error("--attention-tile must be >= 0 (0: dense attention)")

@@ -7,10 +7,13 @@ from __future__ import annotations
 
 import io
 import os
+import queue as queue_mod
 import time
 import traceback
 
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 
 from recipe.train.distributed import free_port
 
@@ -22,7 +25,6 @@ def _worker(rank, world, port, fn, args, queue, seed):
                       WORLD_SIZE=str(world))
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
-    import torch.distributed as dist
 
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world)
@@ -45,10 +47,6 @@ def spawn_gloo_ranks(world: int, fn, *args, timeout: float = 900.0, seed: int | 
     handles would die with the worker). ``seed``: ``torch.manual_seed`` on every rank after the group is up. Raises RuntimeError with the failing rank's traceback, or on a rank
     that dies without a result (e.g. killed for memory) or a timeout.
     """
-    import queue as queue_mod
-
-    import torch.multiprocessing as mp
-
     ctx = mp.get_context("spawn")
     results_q = ctx.Queue()
     port = free_port()

@@ -20,18 +20,18 @@ import statistics
 import sys
 from pathlib import Path
 
+import torch
 from rich.console import Console
 from rich.table import Table
 
-from recipe.cli import length_list
+from kernels.attention_backends import BACKENDS, backend_runs_on, resolve_attention_backend
 from recipe.bench.common import GIB, add_draft_shape_arguments, write_json
-from recipe.bench.measure import DTYPES, LAYOUTS, BenchSpec, run_measurement
-from recipe.plan.spec import MASKS
+from recipe.bench.measure import run_measurement
+from recipe.cli import length_list
+from recipe.plan.spec import DTYPES, LAYOUTS, MASKS, BenchSpec
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from kernels.attention_backends import BACKENDS
-
     def names(text):
         out = [x.strip() for x in text.split(",") if x.strip()]
         if not out or any(n not in BACKENDS for n in out):
@@ -93,10 +93,6 @@ def summarise(rows: list[dict]) -> list[dict]:
 
 def main(argv: list[str] | None = None) -> int:
     """CLI entry (``python -m recipe.bench step``). Returns 0, or 2 on bad flags."""
-    import torch
-
-    from kernels.attention_backends import BACKENDS, backend_runs_on, resolve_attention_backend
-
     parser = build_parser()
     args = parser.parse_args(argv)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")

@@ -4,14 +4,14 @@
 
 Each (cp, tp) of the product of ``--cp`` and ``--tp`` runs in cp·tp fresh processes (gloo on CPU,
 ``recipe.bench.ranks``), as training does: (1, 1) the full-sequence ``TargetModel.capture`` (the model's own sdpa
-attention), otherwise ``CPTarget.capture`` split over the cp·tp ranks (each runs the ring over 1/(cp·tp) of the
+attention), otherwise ``SplitTarget.capture`` split over the cp·tp ranks (each runs the ring over 1/(cp·tp) of the
 sequence, then the tp all-gather and the cp halo sum give every rank its cp rank's aux states and label rows:
-``recipe.target.cp``). The target is ``--target`` or a random target of SmolLM2-135M's shape (Llama, hidden 576,
+``recipe.target.split``). The target is ``--target`` or a random target of SmolLM2-135M's shape (Llama, hidden 576,
 9 / 3 KV heads, MLP 1536, vocab 49152; ``--layers`` decoder layers), random tokens, no padding. Per rank:
 ``act_bytes`` = peak RSS during the capture minus the RSS just before it (weights loaded; the glibc set-up of
 ``recipe.bench.measure``), ``kept_bytes`` = the capture's output tensors (aux states, last hidden rows, argmax), wall
 and CPU seconds of the capture (CPU seconds are the process's own, unaffected by ranks sharing cores), and the bytes
-it received in the exchange (``recipe.target.cp.TargetExchangeCounts``); the maximum over ranks is reported.
+it received in the exchange (``recipe.target.split.TargetExchangeCounts``); the maximum over ranks is reported.
 
 Issue targets (reported, not asserted): at (cp, tp) = (2, 2) per-rank activation bytes <= 0.3x and CPU seconds
 <= 0.35x of (1, 1); at cp = 4 activation bytes <= 0.3x of cp = 1.
@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import tempfile
 import time
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
@@ -28,7 +29,10 @@ from rich.console import Console
 from rich.table import Table
 
 from recipe.bench.common import MIB, add_draft_shape_arguments, tensor_bytes, write_json
+from recipe.bench.ranks import spawn_gloo_ranks
 from recipe.cli import positive_int_list
+from recipe.config import MemoryOptions
+from recipe.parallel.dims import ParallelDims
 
 SMOLLM2_SHAPE = dict(hidden_size=576, intermediate_size=1536, num_attention_heads=9, num_key_value_heads=3,
                      head_dim=64, vocab_size=49152, tie_word_embeddings=True, rms_norm_eps=1e-5,
@@ -38,7 +42,7 @@ SMOLLM2_SHAPE = dict(hidden_size=576, intermediate_size=1536, num_attention_head
 
 def save_random_target(folder: Path, layers: int, max_positions: int, seed: int = 0) -> Path:
     """A random fp32 Llama of ``SMOLLM2_SHAPE`` with ``layers`` decoder layers saved to ``folder``."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaConfig, LlamaForCausalLM  # import cost: transformers
 
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
@@ -60,20 +64,17 @@ def _rank(rank: int, world: int, folder: str, cp: int, length: int, batch: int, 
           tile: int | None, argmax_chunk: int, repeats: int) -> dict:
     """One rank's measurement (``spawn_gloo_ranks`` worker, ``world`` = cp·tp): a warm-up forward on a short
     sequence, then ``repeats`` timed forwards of the [batch, length] sequence."""
-    from dataclasses import asdict
-
-    from recipe.bench.measure import CpuPeak
-    from recipe.parallel.dims import ParallelDims
-    from recipe.parallel.topology import ParallelState
-    from recipe.target.capture import TargetModel
+    from recipe.bench.measure import CpuPeak  # import cost: pulls in transformers
+    from recipe.parallel.topology import ParallelState  # import cost: pulls in deepspeed
+    from recipe.target.capture import TargetModel  # import cost: pulls in transformers
 
     target = TargetModel(folder, dtype=torch.float32, device="cpu")
     split = None
     if world > 1:
-        from recipe.target.cp import CPTarget
+        from recipe.target.split import SplitTarget  # import cost: pulls in transformers
 
         pstate = ParallelState(ParallelDims(world, tp=world // cp, cp=cp))
-        split = CPTarget.from_state(target, pstate, backend, tile, argmax_chunk)
+        split = SplitTarget.from_state(target, pstate, backend, tile, argmax_chunk)
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, target.vocab_size, (batch, length), generator=g)
     mask = torch.ones_like(ids)
@@ -99,15 +100,14 @@ def _rank(rank: int, world: int, folder: str, cp: int, length: int, batch: int, 
 def run(folder: Path, layouts: list[tuple[int, int]], length: int, batch: int, ttt_steps: int, backend: str,
         tile: int | None, argmax_chunk: int, repeats: int) -> dict:
     """One row per (cp, tp) (maxima over ranks) and the issue targets' ratios."""
-    from recipe.bench.measure import mmap_threshold_for_children
-    from recipe.bench.ranks import spawn_gloo_ranks
+    from recipe.bench.measure import mmap_threshold_for_children  # import cost: pulls in transformers
 
     rows = []
     for cp, tp in layouts:
         with mmap_threshold_for_children("cpu"):
             ranks = spawn_gloo_ranks(cp * tp, _rank, str(folder), cp, length, batch, ttt_steps, backend, tile,
                                      argmax_chunk, repeats, timeout=3600.0)
-        rows.append({"cp": cp, "tp": tp, "forward": "TargetModel.capture" if cp * tp == 1 else "CPTarget.capture",
+        rows.append({"cp": cp, "tp": tp, "forward": "TargetModel.capture" if cp * tp == 1 else "SplitTarget.capture",
                      **{key: max(r[key] for r in ranks) for key in ("act_bytes", "kept_bytes", "seconds",
                                                                     "cpu_seconds", "exchange_bytes",
                                                                     "forward_positions")},
@@ -173,9 +173,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         folder = args.target or save_random_target(Path(tmp) / "target", args.layers, args.length + 1)
         if args.argmax_chunk is None:  # as training sizes it (memory.argmax_chunk_size absent)
-            from transformers import AutoConfig
-
-            from recipe.config import MemoryOptions
+            from transformers import AutoConfig  # import cost: transformers
 
             args.argmax_chunk = MemoryOptions().argmax_positions(AutoConfig.from_pretrained(folder).vocab_size,
                                                                  torch.float32)

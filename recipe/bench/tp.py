@@ -24,14 +24,15 @@ from rich.console import Console
 from rich.table import Table
 
 from recipe.bench.common import GIB, MIB, add_draft_shape_arguments, tensor_bytes, write_json
-from recipe.bench.measure import BenchSpec, CpuPeak, build_model, random_batch
+from recipe.bench.measure import CpuPeak, build_model, random_batch
 from recipe.bench.ranks import spawn_gloo_ranks
 from recipe.cli import positive_int_list
+from recipe.model.ttt import ttt_objective
+from recipe.parallel.dims import ParallelDims
+from recipe.plan.spec import BenchSpec
 
 
 def _train_step(model, batch, optimizer) -> float:
-    from recipe.model.ttt import ttt_objective
-
     start = time.perf_counter()
     out = model(batch)
     ttt_objective(out, out.valid_K).backward()
@@ -42,8 +43,7 @@ def _train_step(model, batch, optimizer) -> float:
 
 def _rank(rank: int, world: int, spec_fields: dict) -> dict:
     """One rank of a tp=world layout: byte counts, then peak memory and time of a measured training step."""
-    from recipe.parallel.dims import ParallelDims
-    from recipe.parallel.topology import ParallelState
+    from recipe.parallel.topology import ParallelState  # import cost: pulls in deepspeed
 
     spec = BenchSpec(**spec_fields)
     pstate = ParallelState(ParallelDims(world_size=world, tp=world))

@@ -63,7 +63,8 @@ SKIP_REASONS = {
     "no_supervised_tokens": "no assistant token left after truncation",
 }
 
-SUFFIXES = (".json", ".jsonl", ".parquet", ".csv")  # files recipe.data.sources reads
+LOADERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv"}
+"""The conversation file suffixes ``--data`` reads and the ``datasets`` loader of each (``recipe.data.sources``)."""
 
 
 class BadRow(Exception):
@@ -218,15 +219,15 @@ def document_turns(record: dict, columns: dict[str, str] | None = None) -> list[
 
 
 def check_file(path: str | Path) -> Path:
-    """Validate that ``path`` exists, has a suffix of :data:`SUFFIXES` and is not empty; return it as a Path.
+    """Validate that ``path`` exists, has a suffix of :data:`LOADERS` and is not empty; return it as a Path.
 
     Raises:
         ValueError: naming the file, for a missing file, an unknown extension or an empty file.
     """
     path = Path(path)
-    if path.suffix.lower() not in SUFFIXES:
+    if path.suffix.lower() not in LOADERS:
         raise ValueError(f"{path}: unknown conversation file extension {path.suffix!r}; expected one of "
-                         f"{', '.join(SUFFIXES)}")
+                         f"{', '.join(LOADERS)}")
     if not path.is_file():
         raise ValueError(f"{path}: conversation file not found")
     with open(path, "rb") as f:

@@ -30,7 +30,9 @@ import argparse
 from pathlib import Path
 
 import datasets
+from rich.console import Console
 
+from recipe.cli import add_data_arguments, check_data_arguments
 from recipe.data.chain import ChainReport, chain_rows
 from recipe.data.chat_mask import tokenize_conversation
 from recipe.data.conversations import BadRow
@@ -38,7 +40,7 @@ from recipe.data.lengths import LengthReport
 from recipe.data.report import DataReport, SkipReport
 from recipe.data.sources import fingerprint as _hash
 from recipe.data.sources import load_rows, resolve_source
-from recipe.data.vocab import iter_token_arrays
+from recipe.data.vocab import build_vocab_map, iter_token_arrays, supervised_token_counts, vocab_stats
 
 PIPELINE_VERSION = "examples-v3"  # bump when the tokenisation / masking semantics change
 
@@ -190,10 +192,7 @@ def examples_fingerprint(examples: datasets.Dataset) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    from rich.console import Console
-    from transformers import AutoTokenizer
-
-    from recipe.cli import add_data_arguments, check_data_arguments
+    from transformers import AutoTokenizer  # import cost: transformers
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokenizer", required=True, help="tokenizer folder (the target's)")
@@ -220,8 +219,6 @@ def main(argv: list[str] | None = None) -> None:
     total, supervised = token_counts(dataset)
     console.print(f"examples {len(dataset)}  tokens {total}  supervised {supervised} ({supervised / total:.1%})")
     if args.draft_vocab:
-        from recipe.data.vocab import build_vocab_map, supervised_token_counts, vocab_stats
-
         vocab = build_vocab_map(dataset, len(tokenizer), args.draft_vocab, cache_dir=args.cache_dir)
         console.print(vocab_stats(vocab, supervised_token_counts(dataset, len(tokenizer))[0]))
 

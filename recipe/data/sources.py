@@ -27,18 +27,15 @@ that holds it.
 from __future__ import annotations
 
 import ast
-
 import hashlib
 from dataclasses import dataclass
 from pathlib import Path
 
 import datasets
 
-from recipe.data.conversations import (DOCUMENT_FIELDS, SUFFIXES, check_file, file_digest, iter_rows,
-                                       row_from_record)
+from recipe.data.conversations import DOCUMENT_FIELDS, LOADERS, check_file, file_digest, iter_rows, row_from_record
 
 READER_VERSION = "sources-v2"  # bump when the reading / normalisation semantics change
-LOADERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv"}
 ROW_FEATURES = datasets.Features({
     "row": datasets.Value("int64"),
     "messages": datasets.List({"role": datasets.Value("string"), "content": datasets.Value("string")}),
@@ -81,7 +78,7 @@ def resolve_source(spec: str | Path) -> list[DataFile]:
     if path.is_dir():
         files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix.lower() in LOADERS)
         if not files:
-            raise ValueError(f"{path}: folder holds no conversation file ({', '.join(SUFFIXES)})")
+            raise ValueError(f"{path}: folder holds no conversation file ({', '.join(LOADERS)})")
         return [DataFile(str(f), LOADERS[f.suffix.lower()]) for f in files]
     if path.exists() or path.suffix.lower() in LOADERS:
         check_file(path)  # names the file: unknown extension, not found, empty

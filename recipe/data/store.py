@@ -46,8 +46,8 @@ class StoreMeta:
     """What a store was made from; a re-run must match it to resume, a trainer must match it to use the store.
 
     target_path: where the target was loaded from (informative); target_fingerprint: ``TargetModel.fingerprint``
-    (``recipe.target.capture.target_fingerprint``: config + weights; stores written before it hold the legacy
-    config + 8 embedding rows fingerprint, still accepted by :meth:`HiddenStateStore.check_compatible`);
+    (``recipe.target.capture.target_fingerprint``: config + weights; a store of an older version holds another
+    kind, refused by :meth:`HiddenStateStore.check_compatible`);
     hidden_size: H_t; aux_layer_ids: captured decoder layers (aux width = len(ids)·H_t); dtype: "bf16" | "fp32";
     max_length: the examples' token limit; data_hash: ``examples_hash`` of the dataset; num_samples: its length.
     """
@@ -146,8 +146,9 @@ class HiddenStateStore:
         except json.JSONDecodeError as err:
             raise StoreError(f"{index_path}: not valid JSON ({err})") from err
         if self.index.get("format") == FORMAT and self.index.get("version") == 1:
-            raise StoreError(f"{index_path}: store version 1 has no 'target_argmax' field (version {VERSION} stores "
-                             "the target's greedy token per position); re-dump it into a new folder: python -m "
+            raise StoreError(f"{index_path}: written by an older version of this recipe (store version 1, no "
+                             f"'target_argmax' field; version {VERSION} stores the target's greedy token per position):"
+                             " re-create it into a new folder: python -m "
                              f"recipe.dump --target {self.index.get('meta', {}).get('target_path', 'TARGET')} "
                              "--data CONVERSATIONS --output NEW_STORE")
         if self.index.get("format") != FORMAT or self.index.get("version") != VERSION:
@@ -244,27 +245,26 @@ class HiddenStateStore:
             out[field] = t.long() if field in ("input_ids", "loss_mask", "target_argmax") else t
         return out
 
-    def check_compatible(self, target, aux_layer_ids=None) -> str | None:
+    def check_compatible(self, target, aux_layer_ids=None) -> None:
         """Raise StoreError if this store was dumped from another target or with other aux layer ids.
 
         target: a fingerprint string, a ``TargetModel``, or a target path (folder or ``.gguf``; fingerprinted with
         ``recipe.target.capture.target_fingerprint``: config + a sample of every weight tensor). aux_layer_ids: None
-        skips that check. A store written before weight fingerprints (a legacy 16-hex ``target_fingerprint``: config
-        + 8 embedding rows) is still read: it is compared with the target's legacy fingerprint, and the one-line
-        note returned says so (None otherwise); a fingerprint string cannot be compared with the other kind.
+        skips that check. A store whose fingerprint is not of this version's kind (``is_weight_fingerprint``) was
+        written by an older version of this recipe: StoreError naming its index file, to re-create it.
         """
-        from recipe.target.capture import is_weight_fingerprint, legacy_target_fingerprint, target_fingerprint
+        # lazy: recipe.target.capture imports transformers, which reading a store does not need
+        from recipe.target.capture import is_weight_fingerprint, target_fingerprint
 
-        note = None
-        legacy = not is_weight_fingerprint(self.meta.target_fingerprint)
+        if not is_weight_fingerprint(self.meta.target_fingerprint):
+            raise StoreError(f"{self.path / INDEX_NAME}: written by an older version of this recipe (target "
+                             f"fingerprint {self.meta.target_fingerprint!r} of another kind): re-create it with "
+                             "`python -m recipe.dump` into a new folder")
         path = getattr(target, "path", None) if hasattr(target, "fingerprint") else target
         if isinstance(path, Path) or (isinstance(path, str) and os.path.exists(path)):
-            current = legacy_target_fingerprint(path) if legacy else target_fingerprint(path)
+            current = target_fingerprint(path)
         else:
             current = target.fingerprint if hasattr(target, "fingerprint") else str(target)
-        if legacy:
-            note = (f"note: store {self.path} predates weight fingerprints (its target fingerprint covers the config "
-                    "and 8 embedding rows); checked that way. Re-dump it for the full check")
         problems = []
         if current != self.meta.target_fingerprint:
             problems.append(f"target fingerprint {self.meta.target_fingerprint} (from {self.meta.target_path}) "
@@ -273,7 +273,6 @@ class HiddenStateStore:
             problems.append(f"aux_layer_ids {list(self.meta.aux_layer_ids)} != requested {list(aux_layer_ids)}")
         if problems:
             raise StoreError(f"store {self.path} is incompatible: " + "; ".join(problems) + ". Re-dump it.")
-        return note
 
     def validate(self, deep: bool = False) -> None:
         """Check the store against its index; raise StoreError listing every problem, each naming its shard file.

@@ -24,11 +24,19 @@ import sys
 from pathlib import Path
 
 import torch
+from rich.console import Console
+from transformers import AutoConfig
 
+from recipe.assets import prepare_assets
 from recipe.cli import context_length_list, positive_int_list
-from recipe.eval.context import CONTEXT_REQUESTS
-from recipe.eval.harness import REFERENCE_MODES
+from recipe.eval.by_length import evaluate_by_length
+from recipe.eval.context import CONTEXT_REQUESTS, bucket_prompts, context_prompts, read_context_data
+from recipe.eval.harness import REFERENCE_MODES, evaluate
+from recipe.eval.length_report import NO_MATPLOTLIB, plot_tau_by_length
+from recipe.eval.prompts import read_prompts
+from recipe.eval.speculative import MismatchError
 from recipe.eval.tree import add_tree_arguments, tree_from_args
+from recipe.target.capture import load_tokenizer
 
 DRAFT_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
@@ -111,11 +119,6 @@ def _positive(text: str) -> int:
 def _context_run(args, console, tree) -> dict:
     """The ``--context-lengths`` run: prompts per length (inserted context or bucketed prompts), then
     ``evaluate_by_length``. Calls ``prepare_assets`` only for a default it needs (MT-Bench prompts, ShareGPT)."""
-    from recipe.eval.by_length import evaluate_by_length
-    from recipe.eval.context import bucket_prompts, context_prompts, read_context_data
-    from recipe.eval.prompts import read_prompts
-    from recipe.target.capture import load_tokenizer
-
     if args.reference != "sequential":
         raise ValueError("--reference batched does not apply with --context-lengths (each prompt's prefill and "
                          "greedy reference are computed once and shared by all drafts)")
@@ -124,8 +127,6 @@ def _context_run(args, console, tree) -> dict:
         raise ValueError("--context-request about-context needs inserted context (--context-data); prompts given "
                          "alone are bucketed by their own length")
     if args.prompts is None or (args.context_data is None and not bucketed):
-        from recipe.assets import prepare_assets
-
         assets = prepare_assets()
         args.prompts = args.prompts or assets.prompts
         args.context_data = args.context_data or [assets.conversations]
@@ -133,8 +134,6 @@ def _context_run(args, console, tree) -> dict:
     tokenizer = load_tokenizer(args.target)
     skipped = {}
     if bucketed:
-        from transformers import AutoConfig
-
         try:  # prompts too long for the target are skipped (counted); a GGUF target is checked later instead
             limit = getattr(AutoConfig.from_pretrained(args.target), "max_position_embeddings", None)
         except (OSError, ValueError):
@@ -163,11 +162,6 @@ def _context_run(args, console, tree) -> dict:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    from rich.console import Console
-
-    from recipe.eval.harness import evaluate
-    from recipe.eval.prompts import read_prompts
-    from recipe.eval.speculative import MismatchError
 
     console = Console(stderr=True)
     try:
@@ -177,8 +171,6 @@ def main(argv: list[str] | None = None) -> int:
         if args.context_data is not None or args.context_request != "unrelated":
             raise ValueError("--context-data and --context-request need --context-lengths")
         if args.prompts is None:
-            from recipe.assets import prepare_assets
-
             args.prompts = prepare_assets().prompts
         prompts = read_prompts(args.prompts, args.limit)
         folders, windows = _drafts(args)
@@ -208,8 +200,6 @@ def _finish(args, console, result: dict) -> int:
         args.output.write_text(json.dumps(result, indent=2) + "\n")
         console.print(f"results written to {args.output}")
         if "lengths" in result:
-            from recipe.eval.length_report import NO_MATPLOTLIB, plot_tau_by_length
-
             plot = plot_tau_by_length(result["lengths"], args.output.with_suffix(".png"),
                                       title=f"τ by context length ({result['context_request']} requests)")
             console.print(f"plot written to {plot}" if plot is not None else NO_MATPLOTLIB)

@@ -28,6 +28,7 @@ from recipe.eval.speculative import (
 from recipe.eval.tree import TreeSpec, tree_speculative_generate
 from recipe.eval.tree_draft import EagleTreeDrafter
 from recipe.model.packed_linear import pack_linear_layers
+from recipe.target.capture import TargetModel
 from recipe.target.runtime import CachedTarget, TargetStep
 
 
@@ -83,8 +84,6 @@ def evaluate_by_length(target_dir: str | Path, drafts: dict[str, Path], buckets:
     for an unloadable export or a prompt that with ``max_new_tokens`` and the drafted tokens would pass the target's
     ``max_position_embeddings`` (naming the prompt, its tokens and the limit).
     """
-    from recipe.target.capture import TargetModel
-
     console = console or Console(stderr=True)
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = target_dtype or torch.float32

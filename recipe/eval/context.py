@@ -23,7 +23,8 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from recipe.eval.prompts import Prompt
+from recipe.data.conversations import iter_rows
+from recipe.eval.prompts import Prompt, prompt_ids
 
 CONTEXT_REQUESTS = ("unrelated", "about-context")
 MAX_DRAWS = 400  # conversations drawn at most to fill one prompt's context
@@ -75,8 +76,6 @@ def read_context_data(files: list[str | Path], limit: int | None = None) -> Cont
     """The conversations of ``files`` (``.json``/``.jsonl``, ShareGPT or OpenAI form; at most ``limit`` rows a file)
     as turn pairs. Raises ValueError naming the file for a whole-file problem (``recipe.data.conversations``) or when
     no conversation has a turn pair."""
-    from recipe.data.conversations import iter_rows
-
     pairs, skipped = [], Counter()
     for file in files:
         for row in iter_rows(file, limit=limit):
@@ -194,8 +193,6 @@ def bucket_prompts(tokenizer, prompts: list[Prompt], lengths: list[int],
     ``prompt_ids``) goes to the largest of ``lengths`` at or below its token count. Returns ``({L: [ContextPrompt,
     ...]}, skipped)`` with ``skipped["shorter_than_lengths"]`` (below the smallest length) and, with
     ``max_tokens``, ``skipped["too_long_for_target"]`` (more tokens than that)."""
-    from recipe.eval.prompts import prompt_ids
-
     out: dict[int, list[ContextPrompt]] = {length: [] for length in lengths}
     skipped: Counter = Counter()
     for prompt in prompts:

@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from kernels.attention_backends import make_causal_attention
 from recipe.export import CONFIG_FILE, check_tensors, load_export
 from recipe.model.draft import Eagle3Draft
 from recipe.model.draft_config import Eagle3DraftConfig
@@ -41,8 +42,6 @@ def load_draft_export(path: str | Path, embed_VH: torch.Tensor, device: str | to
     d2t/t2d disagreeing) or the embedding shape does not fit, and ValueError for an attention backend that is
     unknown or cannot run on ``device``.
     """
-    from kernels.attention_backends import make_causal_attention
-
     attention = make_causal_attention(attention_backend, None, device)
     tensors, cfg = load_export(Path(path))
     problems = check_tensors(tensors, cfg)

@@ -22,6 +22,7 @@ from recipe.eval.speculative import (
 from recipe.eval.tree import TreeSpec, tree_speculative_generate
 from recipe.eval.tree_draft import EagleTreeDrafter
 from recipe.model.packed_linear import pack_linear_layers
+from recipe.target.capture import TargetModel
 from recipe.target.runtime import CachedTarget
 
 REFERENCE_MODES = ("sequential", "batched")
@@ -54,8 +55,6 @@ def evaluate(target_dir: str | Path, drafts: dict[str, Path], prompts: list[Prom
     ``MismatchError`` naming the prompt when speculative output differs from greedy decoding; ValueError for an
     unloadable export (names the folder).
     """
-    from recipe.target.capture import TargetModel
-
     if reference not in REFERENCE_MODES:
         raise ValueError(f"reference={reference!r}: choose from {', '.join(REFERENCE_MODES)}")
     console = console or Console(stderr=True)

@@ -91,7 +91,7 @@ def length_table(entries: list[dict]) -> Table:
 def tau_by_length_figure(entries: list[dict], title: str = ""):
     """``matplotlib.figure.Figure`` of τ against mean context tokens: one line with standard-error bars per draft
     and k (solid) and per draft's tree (dashed). Raises ImportError without matplotlib."""
-    from matplotlib.figure import Figure
+    from matplotlib.figure import Figure  # optional dependency (matplotlib)
 
     fig = Figure(figsize=(7, 4.5), layout="constrained")
     ax = fig.subplots()

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
+from transformers import DynamicCache
 
 from recipe.target.runtime import CachedTarget
 
@@ -141,7 +142,6 @@ def greedy_generate_batched(model, prompts: list[list[int]], max_new_tokens: int
     """
     if not prompts or any(len(p) == 0 for p in prompts) or max_new_tokens < 1:
         raise ValueError("greedy_generate_batched needs non-empty prompts and max_new_tokens >= 1")
-    from transformers import DynamicCache
 
     device = next(model.parameters()).device
     longest = max(len(p) for p in prompts)

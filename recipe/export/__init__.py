@@ -62,7 +62,7 @@ def expected_shapes(cfg: dict) -> dict[str, tuple[int, ...]]:
 def export_tensors(draft_state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Pick the export tensors out of a full draft state dict (drops the embedding, see
     ``recipe.model.draft.is_exported``, and any ``draft.`` prefix); CPU, contiguous, d2t int64, t2d bool."""
-    from recipe.model.draft import is_exported
+    from recipe.model.draft import is_exported  # import cost: pulls in transformers
 
     out = {}
     for name, tensor in draft_state.items():

@@ -9,7 +9,7 @@ is the one way the project issues such collectives: every tensor is copied onto 
 its own.
 
 Not routed through here: the autograd collectives of tensor parallelism (``recipe.parallel.mappings``,
-``recipe.parallel.tp_layers``) and the ring's send/recv (``kernels.ring_attention``), which communicate the
+``recipe.parallel.tp_layers``) and the ring's send/recv (the ring kernel's ``RingExchange``), which communicate the
 activations themselves and so run on their device; and DeepSpeed's own. ``tests/test_collectives.py`` walks the
 source tree and fails on a ``torch.distributed`` collective called anywhere else.
 """

@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from kernels.attention_backends import make_causal_attention
 from recipe.model.draft import is_exported
 from recipe.parallel.apply_tp import apply_tensor_parallel, mlp_tiling
 from recipe.parallel.tp_layers import gather_tensor
@@ -37,8 +38,6 @@ def parallelize(model: nn.Module, pstate, memory, device=None, kernel_options=No
     split draft dimension (every one named), the tile size is invalid, or the kernel is unknown or cannot run on
     ``device``.
     """
-    from kernels.attention_backends import make_causal_attention
-
     if device is None:
         device = getattr(pstate, "device", None) or "cpu"
     tp_group = pstate.tp_group if pstate is not None and pstate.tp_size > 1 else None
@@ -60,7 +59,7 @@ def gather_full_tensors(module: nn.Module, tp_group=None, keep=None) -> dict[str
     ``partition_dim``. ``keep(name) -> bool`` selects tensors (default: all); unselected ones are never gathered.
     Collective: every rank of the ZeRO and tp groups calls it with the same module structure.
     """
-    import deepspeed
+    import deepspeed  # import cost: deepspeed
 
     out = {}
     for name, tensor in module.state_dict(keep_vars=True).items():

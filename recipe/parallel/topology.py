@@ -49,7 +49,7 @@ class ParallelState:
     flag/count/sum collectives), and per axis in {tp, cp, dp, dp_cp, cp_tp}: ``<axis>_group``, ``<axis>_ranks``
     (global ranks of this rank's group), ``<axis>_rank`` (index in it), ``<axis>_size``. ``cp_tp`` is every
     model-parallel rank of this rank's dp replica, ordered cp-major (``cp_tp_rank = cp_rank · tp + tp_rank``): the
-    group over which the online target forward is split (``recipe.target.cp``).
+    group over which the online target forward is split (``recipe.target.split``).
     """
 
     def __init__(self, dims: ParallelDims, device: torch.device | str | None = None):

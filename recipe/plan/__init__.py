@@ -12,7 +12,7 @@ Per rank, by component (bytes; GiB in the table):
 ``total = overheads + weights + grads + optimizer + zero_buffers + target_weights + batch + max(draft_activations,
 target_forward)`` (the target's forward ends before the draft's step begins); a layout fits when total ≤ the GPU.
 
-Public API: :func:`predict_step` (one ``recipe.bench.measure.BenchSpec`` row: the step bytes ``time_step`` would
+Public API: :func:`predict_step` (one ``recipe.plan.spec.BenchSpec`` row: the step bytes ``time_step`` would
 measure), :class:`PlanInputs` / :func:`load_inputs` (from a ds_config and a target), :func:`plan_rows` (the table
 of one layout) and :func:`longest_fit`.
 """
@@ -24,16 +24,19 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+
+from recipe.config import load_run_config, read_ds_config
+from recipe.config_keys import ConfigError
+from recipe.parallel.dims import seq_divisor
 from recipe.plan import states
 from recipe.plan.spec import DTYPES, BenchSpec
-from recipe.plan.states import GIB, gpu_bytes
+from recipe.plan.states import gpu_bytes
 from recipe.plan.trace import ActivationFit, fit_activation, is_dense, trace_lengths, trace_step, traced_backend
 
 __all__ = [
-    "GIB",
     "PlanError",
     "PlanInputs",
-    "gpu_bytes",
     "layout_fit",
     "load_inputs",
     "longest_fit",
@@ -115,8 +118,8 @@ class PlanInputs:
     per length), ``dp``, ``zero_stage``, ``reduce_bucket`` (elements), ``params`` (``states.DraftParams``),
     ``target`` (``states.TargetShape``), ``offline``, ``partitioned_target``, ``gpu`` (name), ``gpu_bytes``,
     whether the bf16 run accumulates gradients (``fp32_grad_accum``) and reduces them (``fp32_comm``) in fp32,
-    whether the online target's attention runs through the ring (``ring_target``: its forward is then split over the
-    cp·tp ranks, ``recipe.target.cp``) and the argmax chunk (``argmax_chunk``, positions)."""
+    whether the online target's attention can be routed (``routable_attention``: its forward is then split over
+    the cp·tp ranks, ``recipe.target.split``) and the argmax chunk (``argmax_chunk``, positions)."""
 
     spec: BenchSpec
     dp: int
@@ -130,7 +133,7 @@ class PlanInputs:
     gpu_bytes: int
     fp32_grad_accum: bool = False
     fp32_comm: bool = False
-    ring_target: bool = True
+    routable_attention: bool = True
     argmax_chunk: int = 1024
 
     @property
@@ -140,7 +143,7 @@ class PlanInputs:
 
 def _read_target_config(target: Path):
     """The target's transformers config from a folder holding config.json or a config.json file."""
-    from transformers import AutoConfig
+    from transformers import AutoConfig  # import cost: transformers
 
     path = Path(target)
     file = path / "config.json" if path.is_dir() else path
@@ -161,10 +164,7 @@ def load_inputs(ds_config: Path, target: Path, gpu: str = "h200", world_size: in
     (``recipe.target.registry.draft_config_for``, draft vocab capped at V). ``tp`` / ``cp`` override the JSON's
     parallelism; ``world_size`` defaults to tp·cp (dp = 1). The attention backend is resolved for CUDA ("auto" →
     flex). Raises PlanError naming the input for a missing/bad file, layout or GPU name."""
-    import torch
-
-    from recipe.config import ConfigError, load_run_config, read_ds_config
-    from recipe.target.registry import arch_facts, draft_config_for, splits_target
+    from recipe.target.registry import arch_facts, draft_config_for, splits_target  # import cost: pulls in transformers
 
     try:
         size = gpu_bytes(gpu)
@@ -213,13 +213,11 @@ def load_inputs(ds_config: Path, target: Path, gpu: str = "h200", world_size: in
                       partitioned_target=config.target.partitioned, gpu=str(gpu), gpu_bytes=size,
                       fp32_grad_accum=(config.deepspeed.get("data_types") or {}).get("grad_accum_dtype") == "fp32",
                       fp32_comm=config.deepspeed.get("communication_data_type") == "fp32",
-                      ring_target=arch_facts(hf).ring_attention,
+                      routable_attention=arch_facts(hf).routable_attention,
                       argmax_chunk=mem.argmax_positions(int(hf.vocab_size), torch.bfloat16))
 
 
 def _check_length(inputs: PlanInputs, seq_len: int) -> None:
-    from recipe.parallel.dims import seq_divisor
-
     div = seq_divisor(inputs.spec.cp, inputs.spec.tp)
     if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 1 or seq_len % div:
         raise PlanError(f"--length {seq_len!r}: must be a positive multiple of {div} (2·cp·tp with "
@@ -239,7 +237,7 @@ def plan_length(inputs: PlanInputs, seq_len: int, fit: ActivationFit | None = No
     out.update(states.zero_states(inputs.params, inputs.zero_stage, spec.cp * inputs.dp, spec.dtype == "bf16",
                                   inputs.reduce_bucket, inputs.fp32_grad_accum, inputs.fp32_comm))
     out["batch"] = states.batch_bytes(inputs.target, tokens, w, spec.ttt_steps)
-    split = inputs.ring_target and spec.cp * spec.tp > 1  # recipe.target.registry.splits_target's rule
+    split = inputs.routable_attention and spec.cp * spec.tp > 1  # recipe.target.registry.splits_target's rule
     out.update(states.target_bytes(inputs.target, tokens // spec.tp if split else tokens, inputs.world,
                                    inputs.partitioned_target, inputs.offline, argmax_chunk=inputs.argmax_chunk))
     tensors = (sum(out[k] for k in ("weights", "grads", "optimizer", "zero_buffers", "batch", "target_weights"))
@@ -255,8 +253,6 @@ def longest_fit(inputs: PlanInputs, fit: ActivationFit | None = None, granularit
     """The longest length (a multiple of lcm(``granularity``, 2·cp·tp), at most ``limit``) whose planned total
     fits the GPU, from the layout's fit (``layout_fit``; totals are monotone in S, so a bisection); None when not
     even the shortest fits."""
-    from recipe.parallel.dims import seq_divisor
-
     fit = fit or layout_fit(inputs.spec)
     step = math.lcm(granularity, seq_divisor(inputs.spec.cp, inputs.spec.tp))
     lo, hi = 0, limit // step

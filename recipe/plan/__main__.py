@@ -22,8 +22,10 @@ from rich.console import Console
 from rich.table import Table
 
 from recipe.cli import add_data_arguments, check_data_arguments, length_list
-from recipe.plan import GIB, PlanError, load_inputs, plan_rows, states
+from recipe.plan import PlanError, load_inputs, plan_rows, states
+from recipe.plan.states import GIB
 from recipe.plan.spec import MASKS, check_fraction, fraction_mask, mask_fraction, spec_draft_config
+from recipe.plan.supervision import measure_supervision
 
 SHOWN = (("activations", ("draft_activations",)), ("ZeRO states", ("weights", "grads", "optimizer")),
          ("ZeRO buffers", ("zero_buffers",)), ("batch", ("batch",)), ("target w", ("target_weights",)),
@@ -155,7 +157,6 @@ def supervision(args) -> dict | None:
     if args.data is None:
         return None if args.supervised_fraction is None else {"fraction": args.supervised_fraction,
                                                               "source": "--supervised-fraction"}
-    from recipe.plan.supervision import measure_supervision
 
     try:
         measured = measure_supervision(args.data, args.target, max(args.length), args.limit, args.data_column,

@@ -9,7 +9,6 @@ from fractions import Fraction
 
 import torch
 
-from recipe.cli import length_list, parse_length  # noqa: F401 (the length syntax, shared with recipe.eval)
 from recipe.parallel.dims import check_tp_divides, seq_divisor
 
 LAYOUTS = {"full": (False, False), "chunked": (True, False), "ckpt": (False, True), "chunked+ckpt": (True, True)}
@@ -131,7 +130,7 @@ class BenchSpec:
 
 def spec_draft_config(spec: BenchSpec):
     """The ``Eagle3DraftConfig`` of ``spec``'s draft geometry (aux layers [1, 2, 3], RoPE table covering the length)."""
-    from recipe.model.draft_config import Eagle3DraftConfig
+    from recipe.model.draft_config import Eagle3DraftConfig  # import cost: pulls in transformers
 
     return Eagle3DraftConfig(
         hidden_size=spec.hidden, intermediate_size=spec.intermediate, num_attention_heads=spec.heads,

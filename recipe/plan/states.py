@@ -22,7 +22,7 @@ subtracts them from the trace and counts them here, as ZeRO holds them.
 Online target (``recipe.target.partition.build_target``: bf16 on CUDA): weights replicated, or ZeRO-3
 partitioned over the world (the JSON's ``target.partition: "zero3"``, ``recipe.target.options``) plus the
 largest gathered piece (a decoder layer, the embedding or the lm_head) during its forward. Its no-grad forward at
-the rank's m positions (``recipe.target.cp``: m = B·S/(cp·tp) when split over the cp·tp ranks, the ring-routable
+the rank's m positions (``recipe.target.split``: m = B·S/(cp·tp) when split over the cp·tp ranks, the ring-routable
 architectures; else B·S/cp): one layer's larger live set, attention m·(3H + (Hq + 2Hkv)·D + Hq·D) or MLP
 m·(2H + 3I), in bf16, the argmax chunk [c, V] in bf16 (``memory.argmax_chunk_size``; by default sized from the
 vocabulary, ``MemoryOptions.argmax_positions``), plus the captured aux [n, 3H_t] and last hidden states [n, H_t]
@@ -31,6 +31,10 @@ vocabulary, ``MemoryOptions.argmax_positions``), plus the captured aux [n, 3H_t]
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+import torch
+
+from recipe.parallel.apply_tp import COLUMN, LM_HEAD, ROW
 
 GIB = 1024 ** 3
 MIB = 1024 ** 2
@@ -98,10 +102,9 @@ def count_draft_params(draft_config, tp: int = 1, freeze_lm_head: bool = False) 
     """Count the parameters of the real ``recipe.model.draft.Eagle3Draft`` for ``draft_config`` (built on fake
     tensors: nothing allocated), the tensor-parallel ones (``recipe.parallel.apply_tp``: q/k/v/o, gate/up/down,
     lm_head) divided by ``tp``."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch._subclasses.fake_tensor import FakeTensorMode  # import cost: torch._subclasses.fake_tensor
 
-    from recipe.model.draft import Eagle3Draft
-    from recipe.parallel.apply_tp import COLUMN, LM_HEAD, ROW
+    from recipe.model.draft import Eagle3Draft  # import cost: pulls in transformers
 
     with FakeTensorMode():
         draft = Eagle3Draft(draft_config, seed=0)
@@ -169,8 +172,7 @@ class TargetShape:
 
 def target_shape(hf_config) -> TargetShape:
     """Read ``hf_config`` (a transformers config) and count its parameters on the meta device (no memory)."""
-    import torch
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM  # import cost: transformers
 
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(hf_config)

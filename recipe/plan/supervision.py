@@ -46,8 +46,8 @@ def measure_supervision(data: list[str], target: Path, max_length: int, limit: i
     Raises ValueError (``recipe.plan.PlanError`` in the CLI) naming the input: a target folder without a tokenizer
     or chat template, a missing or unreadable data source, a source with no usable sample.
     """
-    from recipe.data.examples import build_examples, token_counts
-    from recipe.target.capture import load_tokenizer
+    from recipe.data.examples import build_examples, token_counts  # import cost: pulls in datasets
+    from recipe.target.capture import load_tokenizer  # import cost: pulls in transformers
 
     folder = _tokenizer_folder(target)
     try:

@@ -22,29 +22,16 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
+from transformers import AutoModelForCausalLM, AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
 
 from recipe.target.aux_layers import validate_aux_layer_ids
+from recipe.target.files import split_gguf, weight_files
 from recipe.target.head import lm_head_argmax
 from recipe.target.registry import arch_facts
 
 # Config keys that change with how a model was saved/loaded, not with which model it is.
 _VOLATILE_CONFIG_KEYS = {"_name_or_path", "transformers_version", "dtype", "torch_dtype", "architectures",
                          "use_cache", "_attn_implementation_autoset", "attn_implementation"}
-_FINGERPRINT_ROWS = 8
-
-
-def _split_gguf(path: str | Path) -> tuple[str, dict]:
-    """A ``*.gguf`` file path becomes ``(folder, {"gguf_file": name})``; a folder stays as it is."""
-    path = Path(path)
-    if path.suffix == ".gguf":
-        if not path.is_file():
-            raise FileNotFoundError(f"target GGUF file not found: {path}")
-        return str(path.parent), {"gguf_file": path.name}
-    if not path.is_dir():
-        raise FileNotFoundError(f"target folder not found: {path}")
-    return str(path), {}
 
 
 def _canonical_config(config: PretrainedConfig | dict) -> bytes:
@@ -53,48 +40,18 @@ def _canonical_config(config: PretrainedConfig | dict) -> bytes:
                       default=str).encode()
 
 
-def _fingerprint(config: PretrainedConfig, embed_rows: torch.Tensor) -> str:
-    """The legacy (store format before weight fingerprints) 16 hex chars: config + bf16 embedding rows 0..7."""
-    h = hashlib.sha256(_canonical_config(config))
-    h.update(embed_rows.detach().to("cpu", torch.bfloat16).contiguous().view(torch.uint8).numpy().tobytes())
-    return h.hexdigest()[:16]
-
-
-def _embed_rows_from_safetensors(folder: Path) -> torch.Tensor | None:
-    """Rows 0..7 of the ``*embed_tokens.weight`` tensor in a folder's safetensors files, or None if not found."""
-    for file in sorted(folder.glob("*.safetensors")):
-        with safe_open(file, framework="pt") as f:
-            for key in f.keys():
-                if key.endswith("embed_tokens.weight"):
-                    return f.get_slice(key)[:_FINGERPRINT_ROWS]
-    return None
-
-
-def legacy_target_fingerprint(path: str | Path) -> str:
-    """The fingerprint stores written before :func:`target_fingerprint` hashed the weights recorded (16 hex chars:
-    sha256 of the canonical config and the bf16 bytes of input-embedding rows 0..7); kept to check such stores.
-    Reads only config and those rows from a safetensors folder; other formats (GGUF) load the model on CPU."""
-    folder, kwargs = _split_gguf(path)
-    rows = None if kwargs else _embed_rows_from_safetensors(Path(folder))
-    if rows is None:
-        model = TargetModel(path, aux_layer_ids=[0], dtype=torch.float32, device="cpu")
-        return _fingerprint(model.config, model.embed_tokens_weight[:_FINGERPRINT_ROWS])
-    return _fingerprint(AutoConfig.from_pretrained(folder), rows)
-
-
 # The weight fingerprint (target_fingerprint). Per tensor of a safetensors file: its name, dtype and shape (from the
 # file's JSON header) and SAMPLES strided reads of SAMPLE_BYTES of its data, first and last bytes included (a
 # tensor of at most SAMPLES·SAMPLE_BYTES bytes is read whole): a bounded read per tensor, so the cost grows with the
 # tensor count (~300 for 135M parameters, ~720 for 70B), not with the model size. Tensors are hashed in name order
 # and their offsets in the files are left out, so the same weights sharded differently have the same fingerprint.
 # Other weight files (GGUF, .bin) are sampled as raw bytes (RAW_SAMPLES strided reads and the size).
-FINGERPRINT_TAG = "w1:"  # legacy fingerprints (16 hex chars, no tag) hashed the config + 8 embedding rows only
+FINGERPRINT_TAG = "w1:"  # the fingerprint's format: a store holding another was written by an older version
 SAMPLES, SAMPLE_BYTES, RAW_SAMPLES = 16, 256, 1024
-_RAW_WEIGHT_SUFFIXES = (".bin", ".pt", ".pth", ".gguf")
 
 
 def is_weight_fingerprint(fingerprint: str) -> bool:
-    """Whether ``fingerprint`` is a :func:`target_fingerprint` (weights hashed), not a legacy one."""
+    """Whether ``fingerprint`` is in this version's :func:`target_fingerprint` format (``FINGERPRINT_TAG``)."""
     return str(fingerprint).startswith(FINGERPRINT_TAG)
 
 
@@ -141,30 +98,15 @@ def _hash_raw(files: list[Path], h) -> None:
             _strided_reads(f, 0, size, RAW_SAMPLES, h)
 
 
-def _weight_files(path: str | Path) -> tuple[list[Path], list[Path], Path | None]:
-    """(safetensors files, raw weight files, config.json or None) of a target folder or ``.gguf`` file."""
-    folder, kwargs = _split_gguf(path)
-    if kwargs:
-        return [], [Path(folder) / kwargs["gguf_file"]], None
-    folder = Path(folder)
-    safetensors = sorted(folder.glob("*.safetensors"))
-    raw = [] if safetensors else sorted(p for p in folder.iterdir() if p.suffix in _RAW_WEIGHT_SUFFIXES)
-    if not safetensors and not raw:
-        kinds = ", ".join(f"*{suffix}" for suffix in (".safetensors", *_RAW_WEIGHT_SUFFIXES))
-        raise FileNotFoundError(f"target folder {folder} holds no weight files ({kinds})")
-    config = folder / "config.json"
-    return safetensors, raw, config if config.is_file() else None
-
-
 @functools.lru_cache(maxsize=16)
 def _cached_fingerprint(path: str, signature: tuple) -> str:
     del signature  # only the cache key: the files' names, sizes and modification times
-    safetensors, raw, config = _weight_files(path)
+    files = weight_files(path)
     h = hashlib.sha256(FINGERPRINT_TAG.encode())
-    if config is not None:
-        h.update(_canonical_config(json.loads(config.read_text())))
-    _hash_safetensors(safetensors, h)
-    _hash_raw(raw, h)
+    if files.config is not None:
+        h.update(_canonical_config(json.loads(files.config.read_text())))
+    _hash_safetensors(files.safetensors, h)
+    _hash_raw(files.raw, h)
     return FINGERPRINT_TAG + h.hexdigest()[:24]
 
 
@@ -174,8 +116,8 @@ def target_fingerprint(path: str | Path) -> str:
     dtype, shape and a strided sample of its bytes (see ``SAMPLES``; read from the files, no model load). Two targets
     with the same config and other weights differ. Computed once per process for unchanged files. Raises
     FileNotFoundError for a missing target or a folder without weights, ValueError for an unreadable file."""
-    safetensors, raw, config = _weight_files(path)
-    files = [*safetensors, *raw, *([config] if config is not None else [])]
+    found = weight_files(path)
+    files = [*found.safetensors, *found.raw, *([found.config] if found.config is not None else [])]
     signature = tuple((str(p), p.stat().st_size, p.stat().st_mtime_ns) for p in files)
     return _cached_fingerprint(str(Path(path).resolve()), signature)
 
@@ -203,7 +145,7 @@ def check_tokenizer_files(folder: str | Path) -> None:
 def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
     """The target's tokenizer from a HF folder or a ``*.gguf`` file (offline). Raises FileNotFoundError naming the
     folder and the missing files when a folder has no tokenizer (:func:`check_tokenizer_files`)."""
-    folder, kwargs = _split_gguf(path)
+    folder, kwargs = split_gguf(path)
     if not kwargs:
         check_tokenizer_files(folder)
     return AutoTokenizer.from_pretrained(folder, **kwargs)
@@ -271,7 +213,7 @@ class TargetModel:
         self.path = str(path)
         self.device = torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
         self.dtype = dtype if dtype is not None else (torch.bfloat16 if self.device.type == "cuda" else torch.float32)
-        folder, kwargs = _split_gguf(path)
+        folder, kwargs = split_gguf(path)
         self.model = self._load_model(folder, kwargs).eval().requires_grad_(False)
         self.decoder = self.model.get_decoder()
         self.layers = self.decoder.layers

@@ -13,26 +13,13 @@ verifies against, so the draft is trained on it too.
 """
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 from transformers import AutoConfig, AutoModelForCausalLM
 
-
-def _weight_files(folder: Path) -> dict[str, Path]:
-    """Tensor name -> safetensors file, from the sharded index or the single file."""
-    index = folder / "model.safetensors.index.json"
-    if index.is_file():
-        weight_map = json.loads(index.read_text())["weight_map"]
-        return {name: folder / file for name, file in weight_map.items()}
-    single = folder / "model.safetensors"
-    if not single.is_file():
-        raise FileNotFoundError(f"{folder}: no model.safetensors or model.safetensors.index.json (target folders "
-                                "must be in Hugging Face safetensors format)")
-    with safe_open(str(single), framework="pt") as f:
-        return {name: single for name in f.keys()}
+from recipe.target.files import weight_files
 
 
 def _read(files: dict[str, Path], name: str, folder: Path) -> torch.Tensor:
@@ -65,7 +52,7 @@ def load_embedding_and_head(folder: Path, dtype: torch.dtype = torch.float32
     # A tied weight has several names; each module's own attribute path is the one its checkpoint may use.
     embed_name = _param_name(model, model.get_input_embeddings())
     head_name = _param_name(model, model.get_output_embeddings())
-    files = _weight_files(folder)
+    files = weight_files(folder).tensor_files()
     embed = _read(files, embed_name, folder).to(dtype)
     tied = getattr(config, "tie_word_embeddings", False)
     if head_name in files:

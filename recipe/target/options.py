@@ -65,8 +65,8 @@ class TargetOptions:
 
     def validate_zero(self) -> None:
         """ValueError naming ``target.zero_optimization.<key>`` when DeepSpeed's ZeRO config rejects a setting."""
-        from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
-        from pydantic import ValidationError
+        from deepspeed.runtime.zero.config import DeepSpeedZeroConfig  # import cost: deepspeed
+        from pydantic import ValidationError  # import cost: pydantic
 
         try:
             DeepSpeedZeroConfig(**self.zero_config())

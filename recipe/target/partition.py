@@ -50,7 +50,9 @@ class PartitionedTargetModel(TargetModel):
         super().__init__(path, aux_layer_ids=aux_layer_ids, dtype=dtype, device=device)
 
     def _load_model(self, folder: str, kwargs: dict) -> torch.nn.Module:
+        # import cost: DeepSpeed and transformers' integration of it, for a partitioned target only
         import deepspeed
+        from deepspeed.utils import groups
         from transformers.integrations import HfDeepSpeedConfig
         from transformers.integrations.deepspeed import unset_hf_deepspeed_config
 
@@ -76,8 +78,6 @@ class PartitionedTargetModel(TargetModel):
         # An engine without an mpu asks deepspeed.utils.groups for its groups, which answer from the mpu the last
         # engine with one registered there (a draft engine built earlier in this process, of another layout).
         # Cleared for this call, the target's engine spans the world like its partitions; restored after.
-        from deepspeed.utils import groups
-
         registered, groups.mpu = groups.mpu, None
         try:
             self.engine, _, _, _ = deepspeed.initialize(model=model.get_decoder(), config=ds_config)
@@ -109,7 +109,7 @@ class PartitionedTargetModel(TargetModel):
     @contextmanager
     def full_lm_head(self):
         """The whole [V, H_t] lm_head, all-gathered for the block and re-partitioned after (a collective)."""
-        import deepspeed
+        import deepspeed  # import cost: deepspeed
 
         weight = self.model.get_output_embeddings().weight
         with deepspeed.zero.GatheredParameters([weight]):

@@ -4,10 +4,10 @@ Everything else in ``recipe.target`` is architecture-agnostic (transformers' ``A
 ``get_decoder().layers``, the chat template); the facts that differ between architectures live in
 :data:`ARCHITECTURES`, keyed by the Hugging Face ``model_type`` of the target's (text) config:
 
-- ``ring_attention``: the target's attention can be routed through the context-parallel ring
-  (``recipe.target.cp``): it calls transformers' ``AttentionInterface`` with plain causal attention, RoPE from
-  ``position_ids``, no attention-logit soft-cap, no sliding window shorter than the sequence, and a scale the ring
-  handles (``scaling`` is applied to the queries). Established per architecture by
+- ``routable_attention``: the target's attention is plain causal and can be routed through the project's causal
+  block when its forward is split over the cp·tp ranks (``recipe.target.split``: the ring): it calls transformers'
+  ``AttentionInterface`` with plain causal attention, RoPE from ``position_ids``, no attention-logit soft-cap, no
+  sliding window shorter than the sequence, and a scale the ring handles (``scaling`` is applied to the queries). Established per architecture by
   ``tests/test_target_cp.py`` (the CP forward equals the plain model's) and
   ``tests/test_target_archs_training.py`` (online cp = 2 trains the dp = 2 curve).
 - ``logit_softcap_field``: the config field of the final logit soft-cap ``c`` that the target's ``ForCausalLM``
@@ -17,7 +17,7 @@ Everything else in ``recipe.target`` is architecture-agnostic (transformers' ``A
 - ``default_aux_layer_ids``: EAGLE-3's low/mid/high layers for a target of ``L`` decoder layers.
 
 An unknown ``model_type`` gets :data:`GENERIC`: offline training, the head, the capture and the evaluation work for
-any causal LM transformers loads; the online cp > 1 forward refuses it (:func:`check_cp_target`). Adding an
+any causal LM transformers loads; the online cp > 1 forward refuses it (:func:`check_split_target`). Adding an
 architecture is one entry here plus its tiny config in ``tests/helpers/tiny_target.py``.
 """
 from __future__ import annotations
@@ -48,25 +48,25 @@ class TargetArch:
     """The per-architecture facts of one target ``model_type`` (module docstring)."""
 
     model_type: str
-    ring_attention: bool
+    routable_attention: bool
     logit_softcap_field: str | None = None
     rope: Callable[[Callable], tuple[float, dict | None]] = rope_fields
     default_aux_layer_ids: Callable[[int], list[int]] = default_aux_layer_ids
 
 
 ARCHITECTURES: dict[str, TargetArch] = {a.model_type: a for a in (
-    TargetArch("llama", ring_attention=True),
-    TargetArch("mistral", ring_attention=True),
-    TargetArch("qwen2", ring_attention=True),
-    TargetArch("qwen3", ring_attention=True),
-    TargetArch("phi3", ring_attention=True, rope=_full_rotary_rope),
+    TargetArch("llama", routable_attention=True),
+    TargetArch("mistral", routable_attention=True),
+    TargetArch("qwen2", routable_attention=True),
+    TargetArch("qwen3", routable_attention=True),
+    TargetArch("phi3", routable_attention=True, rope=_full_rotary_rope),
     # attention-logit soft-cap and alternating sliding windows: not plain causal, so not through the ring
-    TargetArch("gemma2", ring_attention=False, logit_softcap_field="final_logit_softcapping"),
-    TargetArch("gemma3_text", ring_attention=False, logit_softcap_field="final_logit_softcapping"),
+    TargetArch("gemma2", routable_attention=False, logit_softcap_field="final_logit_softcapping"),
+    TargetArch("gemma3_text", routable_attention=False, logit_softcap_field="final_logit_softcapping"),
 )}
 """Every architecture the recipe has facts for, by ``model_type``."""
 
-GENERIC = TargetArch("generic", ring_attention=False, logit_softcap_field="final_logit_softcapping")
+GENERIC = TargetArch("generic", routable_attention=False, logit_softcap_field="final_logit_softcapping")
 """The facts of an architecture not in :data:`ARCHITECTURES` (the soft-cap read where the field exists)."""
 
 
@@ -91,12 +91,12 @@ def final_logit_softcap(config: Any) -> float | None:
     return float(cap) if cap else None
 
 
-def check_cp_target(config: Any) -> None:
-    """Raise ValueError unless the target's attention can run through the ring (``ring_attention``), naming its
+def check_split_target(config: Any) -> None:
+    """Raise ValueError unless the target's attention can run through the ring (``routable_attention``), naming its
     ``model_type``, the supported ones and the offline alternative."""
     model_type = _getter(config)("model_type", None)
-    if not arch_facts(config).ring_attention:
-        supported = ", ".join(name for name, arch in ARCHITECTURES.items() if arch.ring_attention)
+    if not arch_facts(config).routable_attention:
+        supported = ", ".join(name for name, arch in ARCHITECTURES.items() if arch.routable_attention)
         raise ValueError(f"the context-parallel target forward does not support model_type {model_type!r} (supported: "
                          f"{supported}): its attention cannot be routed through the ring. Train offline instead: "
                          "dump the hidden states with `python -m recipe.dump` and pass `--hidden-states <store>` to "
@@ -105,13 +105,13 @@ def check_cp_target(config: Any) -> None:
 
 def splits_target(config: Any, cp: int, tp: int) -> bool:
     """Whether an online run's target forward is split over the cp·tp ranks of each dp replica
-    (``recipe.target.cp.CPTarget``): always at cp > 1, and at tp > 1 when its attention runs through the ring
-    (``ring_attention``; otherwise every tp rank runs it whole). The rule run.py and the planner share. Raises
-    ValueError (:func:`check_cp_target`) at cp > 1 for a target the ring cannot run."""
+    (``recipe.target.split.SplitTarget``): always at cp > 1, and at tp > 1 when its attention runs through the ring
+    (``routable_attention``; otherwise every tp rank runs it whole). The rule run.py and the planner share. Raises
+    ValueError (:func:`check_split_target`) at cp > 1 for a target the ring cannot run."""
     if cp > 1:
-        check_cp_target(config)
+        check_split_target(config)
         return True
-    return tp > 1 and arch_facts(config).ring_attention
+    return tp > 1 and arch_facts(config).routable_attention
 
 
 def draft_config_for(config: Any, draft_vocab_size: int,

@@ -5,7 +5,7 @@ has the tokens) and only then is the batch zigzag-split across context-parallel 
 so no rank needs its neighbour's tokens. The hidden states are local: offline a cp rank reads only its rows of the
 store (``rows_needed``); online with cp > 1, or tp > 1 for a target whose attention the ring runs
 (``recipe.target.registry.splits_target``), the target itself runs split over the cp·tp ranks
-(``recipe.target.cp.CPTarget``): each rank runs it on 1/(cp·tp) of the sequence, then each cp rank has the aux
+(``recipe.target.split.SplitTarget``): each rank runs it on 1/(cp·tp) of the sequence, then each cp rank has the aux
 states of its zigzag positions and the last hidden states of its label rows, never the full sequence's.
 Tensor-parallel ranks read the same samples.
 """
@@ -18,9 +18,12 @@ from dataclasses import dataclass
 
 import torch
 
+from kernels.host_positions import attach_host_copies
 from recipe.data.store import DTYPES
 from recipe.model.ttt import TTTBatch, make_ttt_batch, target_in_draft_vocab
+from recipe.parallel.cp_shard import label_rows, shard_ttt_batch, zigzag_indices, zigzag_split
 from recipe.target.head import validity_rows
+from recipe.target.split import SplitTarget
 from recipe.train.positions import anchor_offset_positions
 
 
@@ -76,7 +79,7 @@ class BatchBuilder:
         examples: ``datasets.Dataset`` with ``input_ids``/``loss_mask`` columns (online) or None.
         store: ``recipe.data.store.HiddenStateStore`` (offline) or None.
         target: online, a ``recipe.target.capture.TargetModel`` (run whole on this rank; cp = 1) or a
-            ``recipe.target.cp.CPTarget`` (split over this rank's cp·tp group; required at cp > 1); None offline.
+            ``recipe.target.split.SplitTarget`` (split over this rank's cp·tp group; required at cp > 1); None offline.
         t2d: [V] bool draft-vocabulary mask; copied once to the target's device online (where the target's argmax
             is computed), kept on the CPU offline (where the store's ``target_argmax`` is read).
     The in-draft-vocabulary flag of a position is the lookup ``t2d[target argmax]``: the argmax comes from the store
@@ -85,7 +88,7 @@ class BatchBuilder:
         ttt_steps: K.  seq_divisor: pad the sequence to a multiple of this (2·cp·tp).
         cp_size, cp_rank: context-parallel layout (1, 0 for none).
         device, dtype: where and in which float dtype the draft consumes the batch.
-        argmax_chunk_size: positions per argmax matmul of a whole-sequence ``TargetModel`` (a ``CPTarget`` has its
+        argmax_chunk_size: positions per argmax matmul of a whole-sequence ``TargetModel`` (a ``SplitTarget`` has its
             own).
         position_offset_max, seed: ``--position-offset-max``: > 0 replaces the draft's position ids by
             ``recipe.train.positions.anchor_offset_positions`` (sinks kept, the rest shifted per sample); 0 leaves
@@ -105,11 +108,10 @@ class BatchBuilder:
             raise ValueError("BatchBuilder needs exactly one of examples (online) or store (offline)")
         if examples is not None and target is None:
             raise ValueError("online mode needs the target model")
-        from recipe.target.cp import CPTarget
 
-        self.split_target = isinstance(target, CPTarget)
+        self.split_target = isinstance(target, SplitTarget)
         if examples is not None and cp_size > 1 and not self.split_target:
-            raise ValueError(f"online training with cp_size={cp_size} needs a recipe.target.cp.CPTarget, "
+            raise ValueError(f"online training with cp_size={cp_size} needs a recipe.target.split.SplitTarget, "
                              f"got {type(target).__name__}")
         self.examples, self.store, self.target = examples, store, target
         self.argmax_chunk_size = argmax_chunk_size
@@ -144,7 +146,6 @@ class BatchBuilder:
         """
         if self.cp_size == 1:
             return None, None
-        from recipe.parallel.cp_shard import label_rows, zigzag_indices
 
         return zigzag_indices(seq, self.cp_size, self.cp_rank), label_rows(seq, self.cp_size, self.cp_rank,
                                                                            self.ttt_steps)
@@ -180,8 +181,6 @@ class BatchBuilder:
                              target_in_draft_vocab(host.argmax_BS, self.t2d), self.ttt_steps)
         valid = ttt.valid_KBS
         if self.cp_size > 1:
-            from recipe.parallel.cp_shard import zigzag_split
-
             valid = zigzag_split(valid, self.cp_size, self.cp_rank, 2)
         return valid.sum(dim=(1, 2))
 
@@ -193,8 +192,6 @@ class BatchBuilder:
         ttt = make_ttt_batch(host.input_ids_BS, host.loss_mask_BS, host.attention_BS, aux, last,
                              target_in_draft_vocab(host.argmax_BS, self.t2d), self.ttt_steps)
         if self.cp_size > 1:
-            from recipe.parallel.cp_shard import shard_ttt_batch
-
             ttt = shard_ttt_batch(ttt, self.cp_size, self.cp_rank)
         if self.pin_memory:
             ttt = dataclasses.replace(ttt, **{f.name: getattr(ttt, f.name).pin_memory()
@@ -233,8 +230,6 @@ class BatchBuilder:
 
     def _cp_part(self, x_BS: torch.Tensor) -> torch.Tensor:
         """This cp rank's zigzag part of a full [B, S] tensor (the whole of it at cp = 1)."""
-        from recipe.parallel.cp_shard import zigzag_split
-
         return x_BS if self.cp_size == 1 else zigzag_split(x_BS, self.cp_size, self.cp_rank, 1)
 
     def _attach_host_copies(self, ttt: TTTBatch, host: HostTokens, positions_BS: torch.Tensor | None = None,
@@ -244,9 +239,6 @@ class BatchBuilder:
         padding), for the attention's pair decision; and to ``valid_KBS`` this rank's CPU copy ``host_valid`` when
         the batch was built on the CPU (the sparse anchors' sets, ``recipe.model.sparse_anchors``, are then decided
         without a device sync)."""
-        from kernels.host_positions import attach_host_copies
-        from recipe.parallel.cp_shard import zigzag_split
-
         b, s = host.attention_BS.shape
         pos = torch.arange(s, dtype=torch.int64).expand(b, s) if positions_BS is None else positions_BS
         valid = host.attention_BS.bool()
@@ -268,11 +260,9 @@ class BatchBuilder:
         return self._executor.submit(lambda: (host, self.read(host)))
 
     def _cp_online(self, input_ids, loss_mask, attention) -> TTTBatch:
-        """This rank's TTT batch from the split target forward (``CPTarget.capture``): the shifts are
+        """This rank's TTT batch from the split target forward (``SplitTarget.capture``): the shifts are
         made on the full token sequence with empty hidden states, the batch is sharded, then the local aux states
         and label rows are put in (``shard_ttt_batch`` orders the label rows as ``cp_shard.label_rows`` does)."""
-        from recipe.parallel.cp_shard import shard_ttt_batch
-
         dev = self.target.device
         cap = self.target.capture(input_ids, attention, self.ttt_steps, validity_rows(loss_mask))
         b, s = input_ids.shape

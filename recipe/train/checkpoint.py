@@ -32,10 +32,9 @@ writes ``manifest.json`` (:data:`MANIFEST`, ``{"format", "version", "tag", "algo
 "sha256"}}}``) last, before the rename. :func:`resolve` checks it on every rank before anything of the checkpoint is
 read (DeepSpeed unpickles its ``*.pt`` files with ``weights_only=False``, so the check is also what stands between a
 swapped file and ``torch.load``); a damaged checkpoint (a file missing, of another size or hash) is named and the
-newest intact older one is used instead. A folder without a manifest (written before manifests existed) resumes
-unverified, with a line saying so. RNG files are safetensors (byte tensors, numpy's key array) with the rest as JSON
-in its metadata; an old ``rng-rank*.pt`` is read only through ``torch.load(weights_only=True)`` with numpy's array
-reconstruction allowed and nothing else (:func:`load_rng_file`).
+newest intact older one is used instead; so is a folder without a manifest (written by an older version of this
+recipe, or not completely), named as such. RNG files are safetensors (byte tensors, numpy's key array) with the rest
+as JSON in its metadata, never a pickle (``recipe.train.rng_state``).
 """
 from __future__ import annotations
 
@@ -50,13 +49,11 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import save_file
 
-from recipe.export import DRAFT_CONFIG_FILE, DRAFT_FILE, LATEST, read_draft  # noqa: F401 (names used elsewhere)
+from recipe.export import DRAFT_CONFIG_FILE, DRAFT_FILE, LATEST
 from recipe.io_errors import WriteError, writing
 from recipe.train import reshard
-from recipe.train.manifest import (MANIFEST, MANIFEST_FORMAT, manifest_listing, file_sha256,  # noqa: F401
-                                   manifest_dict, verify)
-from recipe.train.rng_state import (RNG_FORMAT, legacy_rng_file, load_rng_file, rng_file,  # noqa: F401
-                                    rng_state, save_rng_file, set_rng_state)
+from recipe.train.manifest import MANIFEST, file_sha256, manifest_dict, manifest_listing, verify
+from recipe.train.rng_state import load_rng_file, rng_file, rng_state, save_rng_file, set_rng_state
 
 PARTIAL = ".partial"
 RUN_STATE = "run_state.json"
@@ -316,8 +313,8 @@ def resolve(resume: str, root: Path) -> Path:
     it is read. Called on every rank; each verifies on its own and all reach the same answer.
 
     A damaged checkpoint (or a ``latest`` naming a missing folder) falls back to the newest intact older one next to
-    it, with the line ``checkpoint step-… is damaged (…); resuming from step-… instead``; a checkpoint without a
-    manifest (written before manifests existed) is used unverified, with a line saying so.
+    it, with the line ``checkpoint step-… is damaged (…); resuming from step-… instead``; so does a checkpoint
+    without a manifest (written by an older version of this recipe: re-create it by training again).
     Raises FileNotFoundError with the path when there is nothing to resume from, when an explicit folder is not a
     checkpoint, and when no candidate is intact (each one's damage named).
     """
@@ -338,13 +335,13 @@ def resolve(resume: str, root: Path) -> Path:
     for candidate in [path] + _older(path):
         try:
             problem = verify(candidate)
-        except FileNotFoundError:  # no manifest: written before manifests, or an incomplete folder
+        except FileNotFoundError:  # no manifest: an older version's checkpoint, or an incomplete folder
             if not (candidate / RUN_STATE).is_file():
                 damaged.append(f"{candidate.name} is not a complete checkpoint (no {MANIFEST}, no {RUN_STATE})")
-                continue
-            problem = None
-            _note(f"checkpoint {candidate.name} has no {MANIFEST} (written before checkpoint manifests): resuming "
-                  "from it without an integrity check")
+            else:
+                damaged.append(f"{candidate.name} has no {candidate / MANIFEST}: written by an older version of this "
+                               "recipe: re-create it by training again")
+            continue
         if problem is None:
             if candidate != path:
                 _note(f"checkpoint {'; '.join(damaged)}; resuming from {candidate.name} instead")
@@ -385,8 +382,6 @@ def load(engine, path: Path, tp_group=None, resharding: bool = False) -> dict:
         if load_path is None:
             raise FileNotFoundError(f"DeepSpeed could not load the checkpoint in {path}")
     file = path / rng_file(rank)
-    if not file.is_file() and (path / legacy_rng_file(rank)).is_file():
-        file = path / legacy_rng_file(rank)
     if not file.is_file():
         raise FileNotFoundError(f"--resume: {path / rng_file(rank)} is missing")
     state = load_rng_file(file)

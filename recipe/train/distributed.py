@@ -35,6 +35,7 @@ import sys
 from collections.abc import Mapping
 
 import torch
+import torch.distributed as dist
 
 DEFAULT_PORT = 29500  # deepspeed.constants.TORCH_DISTRIBUTED_DEFAULT_PORT: the runner's --master_port, mpi_discovery's
 # local rank of a PMI/PMIx world: Hydra (MPICH, Intel MPI), Cray PALS, Cray ALPS, Slurm's pmi2/pmix plugins, Flux
@@ -174,8 +175,6 @@ def init_distributed(timeout=None) -> tuple[torch.device, bool]:
     Raises ValueError from ``launcher_environment``, or when the group DeepSpeed's discovery formed is not the world
     the launcher described, e.g. mpi4py built for another MPI (every process alone); the group is then destroyed.
     """
-    import torch.distributed as dist
-
     created = not dist.is_initialized()
     if created:
         name, found = launcher_environment(os.environ, mpi4py=importlib.util.find_spec("mpi4py") is not None)
@@ -187,7 +186,7 @@ def init_distributed(timeout=None) -> tuple[torch.device, bool]:
     if int(os.environ.get("WORLD_SIZE", "1")) > 1 and "OMP_NUM_THREADS" not in os.environ:
         os.environ["OMP_NUM_THREADS"] = "1"
         torch.set_num_threads(1)
-    import deepspeed
+    import deepspeed  # import cost: deepspeed
 
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if torch.cuda.is_available():
@@ -227,8 +226,6 @@ def rank0_first(fn, comm):
     agreement goes through ``comm`` (the run's ``recipe.parallel.collectives.Collectives``). When ``fn`` raises on
     rank 0, the other ranks raise a ValueError with its message instead of running ``fn`` (rather than waiting for
     rank 0 forever)."""
-    import torch.distributed as dist
-
     if dist.get_rank() == 0:
         try:
             out = fn()

@@ -26,7 +26,7 @@ def ttt_metrics(loss_sum_K: torch.Tensor, correct_K: torch.Tensor, valid_K: torc
     float64: ``loss`` = Σ_k STEP_DECAY^k · loss_k, ``loss_k`` and ``acc`` per valid position (target argmax in the
     draft vocabulary), ``acc_all_supervised`` per supervised position (the EAGLE/SpecForge count: out-of-vocabulary
     targets are misses), and the counts ``valid`` / ``supervised``."""
-    from recipe.model.ttt import step_weights
+    from recipe.model.ttt import step_weights  # import cost: pulls in transformers
 
     n, m = valid_K.clamp(min=1), supervised_K.clamp(min=1)
     return {"loss": float((step_weights(len(loss_sum_K), torch.float64) * loss_sum_K / n).sum()),
@@ -190,5 +190,5 @@ def plan_summary(parts) -> str:
             f"dtype {str(config.dtype).removeprefix('torch.')}; attention {config.kernels.attention} "
             f"(tile {config.memory.attention_tile_size}); batch {asdict(p)}; collectives {dist.get_backend()} on "
             f"{parts.pstate.device}" + (f"; {parts.resharding}" if parts.resharding else "")
-            + (f"; target forward split over {parts.builder.target.ring_size} ranks (cp·tp)"
+            + (f"; target forward split over {parts.builder.target.split_size} ranks (cp·tp)"
                if parts.builder.split_target else ""))

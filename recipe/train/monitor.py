@@ -99,7 +99,7 @@ class StepMonitor:
     """
 
     def __init__(self, sections: dict, output: Path, rank0: bool, resume_step: int = 0):
-        from deepspeed.monitor.config import get_monitor_config
+        from deepspeed.monitor.config import get_monitor_config  # import cost: deepspeed
 
         self.config = get_monitor_config(resolve_paths(sections, Path(output)))
         self.master = None
@@ -121,13 +121,13 @@ class StepMonitor:
             c = self.config.csv_monitor
             folder = Path(c.output_path) / c.job_name
             kept = _cut_csv(folder, resume_step) if folder.is_dir() else []
-        from deepspeed.monitor.monitor import MonitorMaster
+        from deepspeed.monitor.monitor import MonitorMaster  # import cost: deepspeed
 
         self.master = MonitorMaster(self.config)
         if self.master.csv_monitor is not None:
             self.master.csv_monitor.filenames.extend(kept)  # DeepSpeed writes the header of files not listed here
         if resume_step and self.master.tb_monitor is not None:
-            from tensorboard.compat.proto.event_pb2 import Event, SessionLog
+            from tensorboard.compat.proto.event_pb2 import Event, SessionLog  # optional dependency (tensorboard)
 
             # what torch's SummaryWriter(purge_step=resume_step + 1) writes first
             self.master.tb_monitor.summary_writer._get_file_writer().add_event(

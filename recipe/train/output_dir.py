@@ -12,6 +12,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 from recipe.cli import TrainArgs
+from recipe.export import LATEST
 from recipe.train import checkpoint
 
 # What a run writes into --output that a new run (without --resume) would overwrite, and --overwrite deletes; the
@@ -36,8 +37,8 @@ def existing_run(output: Path) -> list[str]:
     steps = sorted(p.name for p in root.glob("step-*") if p.is_dir()) if root.is_dir() else []
     if steps:
         found.append(f"checkpoints/{steps[0]}" + (f" .. {steps[-1]} ({len(steps)} folders)" if len(steps) > 1 else ""))
-    if (root / checkpoint.LATEST).is_file():
-        found.append(f"checkpoints/{checkpoint.LATEST} -> {checkpoint.latest_tag(root)}")
+    if (root / LATEST).is_file():
+        found.append(f"checkpoints/{LATEST} -> {checkpoint.latest_tag(root)}")
     return found
 
 
@@ -49,10 +50,10 @@ def resume_mode(args: TrainArgs) -> tuple[str | None, str | None]:
     but no complete checkpoint is refused as without ``--resume``. Reads only."""
     root = args.output / "checkpoints"
     if args.resume == "auto":
-        if (root / checkpoint.LATEST).is_file():
+        if (root / LATEST).is_file():
             return "latest", None
-    elif args.resume == "latest" and not (root / checkpoint.LATEST).is_file():
-        return None, (f"--resume: no checkpoint to resume from ({root / checkpoint.LATEST} does not exist); "
+    elif args.resume == "latest" and not (root / LATEST).is_file():
+        return None, (f"--resume: no checkpoint to resume from ({root / LATEST} does not exist); "
                       "--resume auto starts afresh in a folder that holds no run")
     if args.resume not in (None, "auto") or args.overwrite:
         return args.resume, None

@@ -46,7 +46,7 @@ def longest_sample(builder) -> int:
     (offline) or the examples' ``input_ids`` lengths (online, computed by Arrow without reading the tokens out)."""
     if builder.store is not None:
         return max(builder.store.lengths, default=0)
-    import pyarrow.compute as pc
+    import pyarrow.compute as pc  # import cost: pyarrow
 
     lengths = pc.list_value_length(builder.examples.with_format("arrow")["input_ids"])
     return int(pc.max(lengths).as_py() or 0)

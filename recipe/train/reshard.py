@@ -42,6 +42,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from safetensors import safe_open
+from safetensors.torch import save_file
 
 from recipe.parallel.tp_layers import gather_tensor, shard_tensor
 
@@ -122,7 +123,7 @@ def _zero3_partition(param, full: torch.Tensor) -> torch.Tensor:
 def _full(engine, param, key: str | None, tp_group) -> torch.Tensor:
     """Collective (ZeRO and tp groups): the full fp32 value of ``param``'s master (``key`` None) or Adam state, on
     the parameter's device."""
-    from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+    from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state  # import cost: deepspeed
 
     value = _own_tensor(engine, param, key)
     if value is None:
@@ -171,8 +172,6 @@ def gather(engine, tp_group) -> tuple[dict[str, torch.Tensor], dict] | None:
 
 def save(path: Path, tensors: dict[str, torch.Tensor], meta: dict) -> None:
     """Write :data:`TRAIN_STATE_FILE` at ``path`` (safetensors; ``meta`` as JSON under the key ``train_state``)."""
-    from safetensors.torch import save_file
-
     save_file({k: v.contiguous() for k, v in tensors.items()}, str(path), metadata={"train_state": json.dumps(meta)})
 
 
@@ -254,8 +253,13 @@ def restore(engine, tp_group, folder: Path) -> None:
     scheduler and counters from the checkpoint ``folder``'s :data:`TRAIN_STATE_FILE`, read one parameter at a time.
     Call it on every rank; each sets its own slices. Raises what :func:`read` raises, and ValueError naming the file
     when a trainable parameter has no entry or the optimizer is not Adam (:func:`unsupported`)."""
-    from deepspeed.utils import (safe_set_full_fp32_param, safe_set_full_optimizer_state, safe_set_local_fp32_param,
-                                 safe_set_local_optimizer_state)
+    # import cost: deepspeed
+    from deepspeed.utils import (
+        safe_set_full_fp32_param,
+        safe_set_full_optimizer_state,
+        safe_set_local_fp32_param,
+        safe_set_local_optimizer_state,
+    )
 
     file = Path(folder) / TRAIN_STATE_FILE
     _, meta = read(folder, select=lambda key: False)

@@ -8,10 +8,11 @@
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
-from recipe.train.checkpoint import DRAFT_CONFIG_FILE
+from recipe.export import DRAFT_CONFIG_FILE
 
 # what a resume must match; the layout (LAYOUT_KEYS) may change, the checkpoint is then resharded
 COMPAT_KEYS = ("global_batch", "data_fingerprint", "ttt_steps", "draft_vocab_size", "aux_layer_ids", "max_length",
@@ -27,9 +28,7 @@ UNRECORDED_KEYS = ("target_fingerprint", "draft_config")
 def _saved_draft_config(path: Path) -> dict | None:
     """The draft geometry (``dataclasses.asdict(Eagle3DraftConfig)``) of a checkpoint without ``draft_config`` in
     its run state, from its ``draft_config.json``; None when that file is missing or unreadable."""
-    import dataclasses
-
-    from recipe.model.draft_config import Eagle3DraftConfig
+    from recipe.model.draft_config import Eagle3DraftConfig  # import cost: pulls in transformers
 
     try:
         config = Eagle3DraftConfig.from_hf_dict(json.loads((Path(path) / DRAFT_CONFIG_FILE).read_text()))

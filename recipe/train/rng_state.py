@@ -1,9 +1,8 @@
 """Every rank's RNG state in a checkpoint, without pickle (``rng-rankNNNNN.safetensors``).
 
 The byte tensors of torch's CPU and CUDA generators and numpy's MT19937 key array are stored as safetensors tensors;
-python's ``random`` state and numpy's scalars as JSON in the file's metadata (:func:`save_rng_file`). Checkpoints
-written before this format hold a pickled ``rng-rankNNNNN.pt``, read only through ``torch.load(weights_only=True)``
-with numpy's array reconstruction allowed and nothing else (:func:`load_rng_file`).
+python's ``random`` state and numpy's scalars as JSON in the file's metadata (:func:`save_rng_file`); nothing is
+ever unpickled (:func:`load_rng_file`).
 """
 from __future__ import annotations
 
@@ -40,10 +39,6 @@ def rng_file(rank: int) -> str:
     return f"rng-rank{rank:05d}.safetensors"
 
 
-def legacy_rng_file(rank: int) -> str:
-    return f"rng-rank{rank:05d}.pt"  # the pickled format of checkpoints written before manifests
-
-
 def save_rng_file(state: dict, path: Path) -> None:
     """Write an :func:`rng_state` dict without pickle: the byte tensors (``torch``, ``cuda.<i>``) and numpy's MT19937
     key array (``numpy.keys``, int64) as safetensors, python's ``random`` state and numpy's scalars as JSON in its
@@ -68,36 +63,10 @@ def _numpy_state(name, keys, pos, has_gauss, cached, file) -> tuple:
 
 
 def load_rng_file(path: Path) -> dict:
-    """The :func:`rng_state` dict of an RNG file; never unpickles arbitrary objects.
-
-    ``*.safetensors`` (:func:`save_rng_file`); an old ``*.pt`` only through ``torch.load(weights_only=True)`` with
-    exactly numpy's array reconstruction allowed (numpy's state holds a uint32 array), its structure then checked.
-    Raises ValueError naming the file when it is unreadable or not an RNG state (e.g. a pickle that would run code).
+    """The :func:`rng_state` dict of an RNG file (:func:`save_rng_file`); never unpickles anything.
+    Raises ValueError naming the file when it is unreadable or not an RNG state.
     """
     path = Path(path)
-    if path.suffix == ".pt":
-        try:
-            from numpy._core.multiarray import _reconstruct  # numpy >= 2
-        except ImportError:
-            from numpy.core.multiarray import _reconstruct
-        uint32 = type(np.dtype(np.uint32))
-        # the names numpy 1 and 2 pickle these under
-        allowed = [_reconstruct, (_reconstruct, "numpy.core.multiarray._reconstruct"), np.ndarray, np.dtype, uint32,
-                   (uint32, "numpy.dtypes.UInt32DType")]
-        try:
-            with torch.serialization.safe_globals(allowed):
-                state = torch.load(path, weights_only=True)
-            state = {"python": (int(state["python"][0]), tuple(int(v) for v in state["python"][1]),
-                                state["python"][2]),
-                     "numpy": _numpy_state(*state["numpy"], file=path), "torch": state["torch"],
-                     **({"cuda": list(state["cuda"])} if "cuda" in state else {})}
-        except Exception as exc:  # noqa: BLE001 - an unpickling refusal, a truncated file, another structure
-            raise ValueError(f"--resume: {path}: refusing this old-format (pickled) RNG file: it is not a plain RNG "
-                             f"state that torch.load(weights_only=True) can read ({cause(exc).splitlines()[0]}); "
-                             "nothing in it was run. Resume from a checkpoint written by this version") from None
-        if not isinstance(state["torch"], torch.Tensor) or state["torch"].dtype != torch.uint8:
-            raise ValueError(f"--resume: {path}: not an RNG state (no torch byte tensor)")
-        return state
     try:
         with safe_open(str(path), framework="pt") as f:
             meta, tensors = f.metadata() or {}, {k: f.get_tensor(k) for k in f.keys()}

@@ -213,10 +213,10 @@ def online_target(args: TrainArgs, config: RunConfig, pstate: ParallelState, dra
                   device: torch.device):
     """``(target, argmax_chunk_size)`` of an online run: the target replicated, or ZeRO-3 partitioned over the world
     (the JSON's ``target`` section), in bfloat16 on CUDA and float32 on the CPU; split over the cp·tp ranks of each
-    dp replica (``recipe.target.cp.CPTarget``) by ``recipe.target.registry.splits_target``'s rule (cp > 1, or
+    dp replica (``recipe.target.split.SplitTarget``) by ``recipe.target.registry.splits_target``'s rule (cp > 1, or
     tp > 1 with an attention the ring runs; otherwise every tp rank runs it whole). Raises ValueError at cp > 1 for
     a target the ring cannot run."""
-    from recipe.target.cp import CPTarget
+    from recipe.target.split import SplitTarget
     from recipe.target.partition import build_target
     from recipe.target.registry import splits_target
 
@@ -226,7 +226,7 @@ def online_target(args: TrainArgs, config: RunConfig, pstate: ParallelState, dra
     target = build_target(args.target, config.target, aux_layer_ids=draft_config.aux_layer_ids, dtype=dtype,
                           device=device)
     if splits_target(hf_config, dims.cp, dims.tp):
-        target = CPTarget.from_state(target, pstate, config.kernels.attention, config.memory.attention_tile_size,
+        target = SplitTarget.from_state(target, pstate, config.kernels.attention, config.memory.attention_tile_size,
                                      argmax_chunk)
     return target, argmax_chunk
 
@@ -235,7 +235,7 @@ def online_target_record(builder: BatchBuilder) -> dict:
     """How an online run's target runs: ``forward_split`` (ranks sharing each forward: cp·tp when split, else 1),
     ``partitioned`` (ZeRO-3 over the world) and ``argmax_chunk_size`` (positions per argmax matmul)."""
     target = builder.target
-    split = getattr(target, "ring_size", 1)
+    split = getattr(target, "split_size", 1)
     whole = getattr(target, "target", target)
     return {"forward_split": split, "partitioned": bool(getattr(whole, "partitioned", False)),
             "argmax_chunk_size": target.argmax_chunk_size if builder.split_target else builder.argmax_chunk_size}

@@ -39,6 +39,8 @@ import threading
 import time
 from pathlib import Path
 
+import psutil
+
 EXIT_INTERRUPTED = 75  # sysexits EX_TEMPFAIL: interrupted, checkpoint saved, resume with --resume
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 GRACE_S = 2.0  # a further signal sooner than this after the first is a relayed copy, ignored
@@ -83,8 +85,6 @@ def _parent_of(pid: int) -> int | None:
     if pid == os.getpid():
         return os.getppid()
     try:
-        import psutil
-
         return psutil.Process(pid).ppid()
     except Exception:  # noqa: BLE001 - psutil.NoSuchProcess, AccessDenied, ...
         return None
@@ -92,8 +92,6 @@ def _parent_of(pid: int) -> int | None:
 
 def _cmdline(pid: int) -> list[str]:
     try:
-        import psutil
-
         return psutil.Process(pid).cmdline()
     except Exception:  # noqa: BLE001
         return []

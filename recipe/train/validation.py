@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
+from recipe.data.store import HiddenStateStore
 from recipe.train.distributed import rank0_first
 from recipe.train.metrics import ttt_metrics
 
@@ -60,16 +61,14 @@ def held_out_data(args, examples, store, console, comm):
     if eval_data is None:
         return examples, store, None, None, ""
     if store is not None:
-        from recipe.data.store import HiddenStateStore
-
         if len(eval_data) != 1:
             raise ValueError(f"offline --eval-data takes one store folder, got {len(eval_data)}: {eval_data}")
         held = HiddenStateStore(eval_data[0])
         held.validate()
         held.check_compatible(args.target, args.aux_layer_ids or list(store.aux_layer_ids))
         return None, store, None, held, f"eval-store:{held.fingerprint()}"
-    from recipe.data.examples import build_examples, examples_fingerprint
-    from recipe.target.capture import load_tokenizer
+    from recipe.data.examples import build_examples, examples_fingerprint  # import cost: pulls in datasets
+    from recipe.target.capture import load_tokenizer  # import cost: pulls in transformers
 
     tokenizer = load_tokenizer(args.target)
     held, _ = rank0_first(lambda: build_examples(eval_data, tokenizer, args.max_length, num_proc=args.num_proc,

@@ -1,12 +1,12 @@
 """The online target forward split over the model-parallel ranks: each of the cp·tp ranks of a dp replica runs the
 frozen target on 1/(cp·tp) of the sequence, then the ranks exchange what the draft layout needs.
 
-The target's attention is routed through transformers' attention-function registry: ``CP_ATTENTION`` is registered
+The target's attention is routed through transformers' attention-function registry: ``SPLIT_ATTENTION`` is registered
 with ``transformers.AttentionInterface`` and selected for the duration of a capture with
 ``model.set_attn_implementation``. The registered function runs the project's causal block
 (``kernels.attention_backends.make_causal_attention`` over the cp·tp group: the ring, plain causal over GLOBAL
 positions, padding keys masked). What the function needs to know about the current call (the block, the query/key
-positions and the key validity) travels as the ``recipe_cp`` keyword argument of the decoder forward, which
+positions and the key validity) travels as the ``recipe_split`` keyword argument of the decoder forward, which
 transformers hands through every decoder layer to the attention function; no state is kept between calls. RoPE comes
 from the explicit global ``position_ids``. A custom attention name has no mask function, so transformers builds no
 mask (the block does the masking).
@@ -25,7 +25,7 @@ exactly that cp rank's draft positions, and every rank's causal work is balanced
    other entry zero, so the sum is exact;
 3. the [B, S] int64 argmax (token-sized, like the input ids every rank has): each rank's rows, summed over cp·tp.
 
-Every byte received is counted in :class:`TargetExchangeCounts` (``CPTarget.counts``). At tp = 1 step 1 is absent and
+Every byte received is counted in :class:`TargetExchangeCounts` (``SplitTarget.counts``). At tp = 1 step 1 is absent and
 this is the plain context-parallel target; at cp = 1, tp > 1 the tp ranks share the forward instead of each running
 it whole.
 """
@@ -39,17 +39,20 @@ from typing import Callable
 import torch
 from transformers import AttentionInterface
 
+from kernels.attention_backends import make_causal_attention
+from kernels.host_positions import attach_host_copies
 from recipe.parallel.cp_shard import label_rows, zigzag_indices
 from recipe.target.capture import TargetModel, capture_layer_outputs
 from recipe.target.head import lm_head_argmax
-from recipe.target.registry import check_cp_target
+from recipe.target.registry import check_split_target
 
-CP_ATTENTION = "recipe_cp_ring"
-"""The name of the ring attention in transformers' ``AttentionInterface`` (registered on import of this module)."""
+SPLIT_ATTENTION = "recipe_split"
+"""The name of the split target's attention in transformers' ``AttentionInterface`` (registered on import of this
+module)."""
 
 @dataclass
-class CPAttentionCall:
-    """What ``cp_attention_forward`` needs for one decoder forward (passed as its ``recipe_cp`` keyword).
+class SplitAttentionCall:
+    """What ``split_attention_forward`` needs for one decoder forward (passed as its ``recipe_split`` keyword).
 
     block: the causal block ``(q_BHSD, k_BHkvSD, v_BHkvSD, q_pos_BS, k_pos_BS, k_valid_BS) -> (out, lse)``.
     position_ids_BS: [B, S/cp] int64 global positions of this rank's tokens (queries and keys alike).
@@ -62,36 +65,36 @@ class CPAttentionCall:
     seq_len: int
 
 
-def cp_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, recipe_cp=None,
+def split_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, recipe_split=None,
                          **kwargs):
     """transformers attention function (signature of ``integrations.sdpa_attention.sdpa_attention_forward``):
     query [B, H, s, D], key/value [B, Hkv, s, D] (RoPE applied) -> (out [B, s, H, D], None).
 
-    Raises RuntimeError when called without ``recipe_cp`` (outside ``CPTarget.capture``) or with a mask, ValueError
-    for a soft-capped attention, dropout, or a sliding window shorter than the sequence (not plain causal).
+    Raises RuntimeError when called without ``recipe_split`` (outside ``SplitTarget.capture``) or with a mask,
+    ValueError for a soft-capped attention, dropout, or a sliding window shorter than the sequence (not plain causal).
     """
-    if recipe_cp is None:
-        raise RuntimeError(f"attention {CP_ATTENTION!r} called without its recipe_cp argument; it runs only inside "
-                           "recipe.target.cp.CPTarget.capture")
+    if recipe_split is None:
+        raise RuntimeError(f"attention {SPLIT_ATTENTION!r} called without its recipe_split argument; it runs only "
+                           "inside recipe.target.split.SplitTarget.capture")
     if attention_mask is not None:
-        raise RuntimeError(f"attention {CP_ATTENTION!r} got a {tuple(attention_mask.shape)} mask; the ring masks "
+        raise RuntimeError(f"attention {SPLIT_ATTENTION!r} got a {tuple(attention_mask.shape)} mask; the ring masks "
                            "by global positions and key validity itself")
     window = kwargs.get("sliding_window")
-    if window is not None and window < recipe_cp.seq_len:
+    if window is not None and window < recipe_split.seq_len:
         raise ValueError(f"{type(module).__name__} uses a sliding window of {window} < sequence length "
-                         f"{recipe_cp.seq_len}; the context-parallel target runs plain causal attention only")
+                         f"{recipe_split.seq_len}; the context-parallel target runs plain causal attention only")
     if kwargs.get("softcap") is not None or dropout:
         raise ValueError(f"{type(module).__name__}: soft-capped attention or dropout is not supported by the "
                          "context-parallel target")
     default = 1.0 / math.sqrt(query.shape[-1])
     if scaling is not None and not math.isclose(scaling, default, rel_tol=1e-12):
         query = query * (scaling / default)
-    pos, valid = recipe_cp.position_ids_BS, recipe_cp.key_valid_BS
-    out_BHSD, _ = recipe_cp.block(query, key, value, pos, pos, valid)
+    pos, valid = recipe_split.position_ids_BS, recipe_split.key_valid_BS
+    out_BHSD, _ = recipe_split.block(query, key, value, pos, pos, valid)
     return out_BHSD.transpose(1, 2).contiguous(), None
 
 
-AttentionInterface.register(CP_ATTENTION, cp_attention_forward)
+AttentionInterface.register(SPLIT_ATTENTION, split_attention_forward)
 
 
 @contextmanager
@@ -107,7 +110,7 @@ def attention_implementation(model, name: str):
 
 @dataclass
 class TargetExchangeCounts:
-    """Cumulative counters of one ``CPTarget`` (this rank): captures, positions its target forward ran on, and the
+    """Cumulative counters of one ``SplitTarget`` (this rank): captures, positions its target forward ran on, and the
     bytes it received in each exchange (module docstring): ``gathered_bytes`` the aux + last hidden rows of its tp
     peers, ``halo_bytes`` the label-row sum over cp (the summed tensor's size), ``argmax_bytes`` the argmax sum."""
 
@@ -119,7 +122,7 @@ class TargetExchangeCounts:
 
 
 @dataclass
-class CPTargetCapture:
+class SplitTargetCapture:
     """One cp rank's part of a target forward (cp rank r of cp, padded sequence S, K TTT steps; target dtype/device).
 
     aux_hidden_BSA: [B, S/cp, 3·H_t] the aux states at ``zigzag_indices(S, cp, r)`` (in that order).
@@ -132,11 +135,11 @@ class CPTargetCapture:
     argmax_BS: torch.Tensor
 
 
-class CPTarget:
+class SplitTarget:
     """A ``TargetModel`` run split over the cp·tp ranks of a dp replica (module docstring).
 
     Args:
-        target: the loaded ``TargetModel`` or ``PartitionedTargetModel`` (its architecture's ``ring_attention``
+        target: the loaded ``TargetModel`` or ``PartitionedTargetModel`` (its architecture's ``routable_attention``
             must be true: ``recipe.target.registry``).
         comm: the run's ``recipe.parallel.collectives.Collectives`` (``ParallelState.comm``).
         cp_group, cp_size, cp_rank: the context-parallel group of this rank, its size and this rank's index in it.
@@ -145,36 +148,35 @@ class CPTarget:
         argmax_chunk_size: positions per lm_head matmul of the argmax (``lm_head_argmax``): at most this many
             [·, V] logits rows exist at once.
         tp_group, tp_size, tp_rank: the tensor-parallel group of this rank (tp_size 1: none).
-        ring_group: the cp·tp group (``ParallelState.cp_tp_group``: ranks ordered cp_rank·tp + tp_rank); needed
+        split_group: the cp·tp group (``ParallelState.cp_tp_group``: ranks ordered cp_rank·tp + tp_rank); needed
             when tp_size > 1 (at tp 1 the ring is the cp group).
-    Raises ValueError for an unsupported model type (``check_cp_target``) or backend, or tp_size > 1 without a
+    Raises ValueError for an unsupported model type (``check_split_target``) or backend, or tp_size > 1 without a
     ring group. Use :meth:`from_state` with a ``ParallelState``.
     """
 
     def __init__(self, target: TargetModel, comm, cp_group, cp_size: int, cp_rank: int,
                  attention_backend: str = "auto", tile_size: int | None = None, argmax_chunk_size: int = 1024, *,
-                 tp_group=None, tp_size: int = 1, tp_rank: int = 0, ring_group=None):
-        from kernels.attention_backends import make_causal_attention
-
-        check_cp_target(target.config)
-        if tp_size > 1 and ring_group is None:
-            raise ValueError(f"CPTarget over tp_size={tp_size} needs the cp·tp ring_group (ParallelState.cp_tp_group)")
+                 tp_group=None, tp_size: int = 1, tp_rank: int = 0, split_group=None):
+        check_split_target(target.config)
+        if tp_size > 1 and split_group is None:
+            raise ValueError(f"SplitTarget over tp_size={tp_size} needs the cp·tp split_group "
+                             "(ParallelState.cp_tp_group)")
         self.target, self.comm, self.cp_group, self.tp_group = target, comm, cp_group, tp_group
         self.cp_size, self.cp_rank, self.tp_size, self.tp_rank = cp_size, cp_rank, tp_size, tp_rank
         self.argmax_chunk_size = argmax_chunk_size
-        self.ring_group = ring_group if tp_size > 1 else cp_group
-        self.ring_size, self.ring_rank = cp_size * tp_size, cp_rank * tp_size + tp_rank
+        self.split_group = split_group if tp_size > 1 else cp_group
+        self.split_size, self.split_rank = cp_size * tp_size, cp_rank * tp_size + tp_rank
         self.block = make_causal_attention(attention_backend, tile_size, target.device,
-                                           self.ring_group if self.ring_size > 1 else None)
+                                           self.split_group if self.split_size > 1 else None)
         self.counts = TargetExchangeCounts()
 
     @classmethod
     def from_state(cls, target: TargetModel, pstate, attention_backend: str = "auto", tile_size: int | None = None,
-                   argmax_chunk_size: int = 1024) -> "CPTarget":
+                   argmax_chunk_size: int = 1024) -> "SplitTarget":
         """The target split over ``pstate``'s (a ``recipe.parallel.topology.ParallelState``) cp·tp group."""
         return cls(target, pstate.comm, pstate.cp_group, pstate.cp_size, pstate.cp_rank, attention_backend,
                    tile_size, argmax_chunk_size, tp_group=pstate.tp_group, tp_size=pstate.tp_size,
-                   tp_rank=pstate.tp_rank, ring_group=pstate.cp_tp_group)
+                   tp_rank=pstate.tp_rank, split_group=pstate.cp_tp_group)
 
     @property
     def device(self) -> torch.device:
@@ -182,30 +184,28 @@ class CPTarget:
 
     @torch.no_grad()
     def capture(self, input_ids_BS: torch.Tensor, attention_mask_BS: torch.Tensor, ttt_steps: int,
-                argmax_rows_BS: torch.Tensor | None = None) -> CPTargetCapture:
-        """This rank's ``CPTargetCapture`` of the FULL padded micro-batch ``input_ids_BS`` [B, S] int64 with
+                argmax_rows_BS: torch.Tensor | None = None) -> SplitTargetCapture:
+        """This rank's ``SplitTargetCapture`` of the FULL padded micro-batch ``input_ids_BS`` [B, S] int64 with
         ``attention_mask_BS`` [B, S] (1 token, 0 padding; right padding), for K = ``ttt_steps``. A collective over
         the cp·tp group (and its tp and cp groups). With the mask on the CPU (the batch builder's), the ring decides
         its tile pairs from host copies of every rank's positions/validity (``kernels.host_positions``), without a
         device sync per hop. ``argmax_rows_BS`` ([B, S] bool, None: all): the argmax only at these rows, 0 elsewhere
         (``recipe.target.head.validity_rows``). Raises ValueError when S is not a multiple of 2·cp·tp.
         """
-        t, n, j = self.target, self.ring_size, self.ring_rank
+        t, n, j = self.target, self.split_size, self.split_rank
         b, s = input_ids_BS.shape
         pos_host = zigzag_indices(s, n, j)
         pos = pos_host.to(t.device)
         ids = input_ids_BS.to(t.device)[:, pos]
-        call = CPAttentionCall(self.block, pos.expand(b, -1).contiguous(),
+        call = SplitAttentionCall(self.block, pos.expand(b, -1).contiguous(),
                                attention_mask_BS.to(t.device)[:, pos].bool(), s)
         if attention_mask_BS.device.type == "cpu":  # every rank's positions/validity on the host: the ring's pairs
-            from kernels.host_positions import attach_host_copies
-
             mine = [zigzag_indices(s, n, r) for r in range(n)]
             attach_host_copies(call.position_ids_BS, [m.expand(b, -1).contiguous() for m in mine], j)
             attach_host_copies(call.key_valid_BS, [attention_mask_BS[:, m].bool() for m in mine], j)
-        with attention_implementation(t.model, CP_ATTENTION), \
+        with attention_implementation(t.model, SPLIT_ATTENTION), \
                 capture_layer_outputs(t.layers, t.aux_layer_ids) as captured:
-            out = t.decoder(input_ids=ids, position_ids=call.position_ids_BS, use_cache=False, recipe_cp=call)
+            out = t.decoder(input_ids=ids, position_ids=call.position_ids_BS, use_cache=False, recipe_split=call)
         aux = torch.cat([captured[i] for i in t.aux_layer_ids], dim=-1)
         del captured
         last = out.last_hidden_state
@@ -216,11 +216,11 @@ class CPTarget:
         self.counts.captures += 1
         self.counts.forward_positions += b * pos.numel()
         if n > 1:
-            argmax = self.comm.sum(argmax, group=self.ring_group)
+            argmax = self.comm.sum(argmax, group=self.split_group)
             self.counts.argmax_bytes += argmax.numel() * argmax.element_size()
         if self.tp_size > 1:
             aux, last = self._gather_tp(aux), self._gather_tp(last)
-        return CPTargetCapture(aux_hidden_BSA=aux, label_hidden_BUH=self._label_hidden(last, s, ttt_steps),
+        return SplitTargetCapture(aux_hidden_BSA=aux, label_hidden_BUH=self._label_hidden(last, s, ttt_steps),
                                argmax_BS=argmax)
 
     def _gather_tp(self, rows_BNX: torch.Tensor) -> torch.Tensor:
