@@ -152,7 +152,7 @@ def test_speedup_counts_only_the_timed_prompts():
 
 
 def test_eval_cli_passes_the_reference_mode(tmp_path, monkeypatch):
-    import recipe.eval.harness as harness
+    from recipe.eval import __main__ as cli
     from recipe.eval.__main__ import main
 
     seen = {}
@@ -161,7 +161,7 @@ def test_eval_cli_passes_the_reference_mode(tmp_path, monkeypatch):
         seen.update(kwargs)
         return {"runs": [{"tau": 1.5, "num_draft_tokens": 5}]}
 
-    monkeypatch.setattr(harness, "evaluate", fake_evaluate)
+    monkeypatch.setattr(cli, "evaluate", fake_evaluate)
     prompts = tmp_path / "p.jsonl"
     prompts.write_text('{"prompt": "hi", "category": "c"}\n')
     base = ["--target", str(tmp_path), "--draft", str(tmp_path), "--prompts", str(prompts), "--tree-depth", "0"]
