@@ -30,12 +30,12 @@ from recipe.plan.spec import MASKS
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from kernels.attention_backends import BACKENDS
+    from kernels.attention_backends import backend_names
 
     def names(text):
         out = [x.strip() for x in text.split(",") if x.strip()]
-        if not out or any(n not in BACKENDS for n in out):
-            raise argparse.ArgumentTypeError(f"unknown backend in {text!r}; choose from {', '.join(BACKENDS)}")
+        if not out or any(n not in backend_names() for n in out):
+            raise argparse.ArgumentTypeError(f"unknown backend in {text!r}; choose from {', '.join(backend_names())}")
         return out
 
     p = argparse.ArgumentParser(prog="python -m recipe.bench step", description=__doc__.split("\n\n")[0])
@@ -95,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     """CLI entry (``python -m recipe.bench step``). Returns 0, or 2 on bad flags."""
     import torch
 
-    from kernels.attention_backends import BACKENDS, backend_runs_on, resolve_attention_backend
+    from kernels.attention_backends import backend_names, backend_runs_on, resolve_attention_backend
 
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -106,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     def runs_here(name):
         return backend_runs_on(name, device)
 
-    backends = args.backends or [b for b in BACKENDS if runs_here(b)]
+    backends = args.backends or [b for b in backend_names() if runs_here(b)]
     backends = ["tiled", *[b for b in backends if b != "tiled"]]
     if not all(runs_here(b) for b in backends):
         parser.error(f"some of {backends} do not run on {device}")
