@@ -1,8 +1,9 @@
 """Fake-tensor trace of one rank's real TTT training step: the draft activations' transient peak, in bytes.
 
 What is traced: ``recipe.model.ttt.TTTModel`` forward + ``ttt_objective(...).backward()`` built exactly as
-``recipe.bench.measure.build_model`` builds it (``Eagle3Draft`` from the seed, the target-head rows, the memory
-switches of the spec, ``recipe.parallel.parallelize.parallelize`` with the rank's ``ParallelState``), on a
+``recipe.bench.measure.build_model`` builds it (``Eagle3Draft`` from the seed, the target-head rows,
+``recipe.parallel.parallelize.build_training_model`` with the spec's memory switches and the rank's
+``ParallelState``), on a
 ``recipe.bench.measure.random_batch``-shaped batch (every position a valid label; zigzag-split under CP), inside
 ``torch._subclasses.fake_tensor.FakeTensorMode`` on the CPU (nothing is allocated: an 8B-shaped step at any length
 traces in seconds) with ``torch.distributed._tools.mem_tracker.MemTracker`` counting every live storage. Under
