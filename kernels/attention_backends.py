@@ -30,12 +30,11 @@ from __future__ import annotations
 
 import torch
 
-# the built-in backends and strategies, one import each; this order is the order of backend_names()
-from kernels.tiled_attention import TiledCausalAttention, check_tile_size  # registers "tiled"
-import kernels.sdpa_attention  # noqa: F401,I001 - registers "sdpa"
-import kernels.flex_attention  # noqa: F401 - registers "flex"
+import kernels.flex_attention  # noqa: F401 - registers "flex" (the built-ins: one import each)
 import kernels.ring_attention  # noqa: F401 - registers the "ring" sequence-split strategy
+import kernels.sdpa_attention  # noqa: F401 - registers "sdpa"
 from kernels.registry import attention_backend, attention_backend_names, sequence_parallel
+from kernels.tiled_attention import TiledCausalAttention, check_tile_size  # registers "tiled"
 
 
 def backend_names() -> tuple[str, ...]:

@@ -366,6 +366,6 @@ def _refusal(device_type: str) -> str | None:
 
 
 register_attention_backend(AttentionBackend("flex", make_flex_kernel, lambda tile_size, device: FlexCausalAttention(),
-                                            refusal=_refusal, auto_on=("cuda",), uses_tiles=False))
+                                            refusal=_refusal, auto_on=("cuda",), uses_tiles=False, order=2))
 """``flex``: compiled flex attention, CUDA only; ``auto`` on CUDA; its own 128-position blocks (no tile size, one
 pair per ring hop); a fresh block-mask cache per causal block built."""

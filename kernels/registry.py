@@ -5,7 +5,7 @@ A backend module registers itself at import (``register_attention_backend``); ``
 imports every built-in backend and strategy module (one import line each) and builds the causal block from these
 declarations, so the run (``recipe.parallel.parallelize``), the online target's split forward, the inference KV
 cache, the benchmarks and the planner (``recipe.plan.trace``) all read the same entries: a new kernel is one module
-that registers itself plus one import line there. Registration order is the order of ``attention_backend_names``.
+that registers itself plus one import line there.
 """
 from __future__ import annotations
 
@@ -53,6 +53,8 @@ class AttentionBackend:
             ring hop, as flex).
         traced_as: the backend the planner's fake-tensor trace builds in its place (a kernel that reads position
             values, which fake tensors lack, is traced as another with the same memory); None: itself.
+        order: its place in ``attention_backend_names`` (error messages, benchmark defaults, ``auto``'s scan), so
+            the listing does not depend on which module was imported first; ties keep registration order.
     """
 
     name: str
@@ -63,6 +65,7 @@ class AttentionBackend:
     fallback: bool = False
     uses_tiles: bool = True
     traced_as: str | None = None
+    order: int = 100
 
 
 @dataclass(frozen=True)
@@ -94,8 +97,8 @@ def unregister_attention_backend(name: str) -> None:
 
 
 def attention_backend_names() -> tuple[str, ...]:
-    """The registered backend names, in registration order (``"auto"`` not included)."""
-    return tuple(_BACKENDS)
+    """The registered backend names by ``AttentionBackend.order``, then registration order ("auto" not included)."""
+    return tuple(sorted(_BACKENDS, key=lambda name: _BACKENDS[name].order))
 
 
 def attention_backend(name: str) -> AttentionBackend:

@@ -123,6 +123,6 @@ def _refusal(device_type: str) -> str | None:
 
 
 register_attention_backend(AttentionBackend("sdpa", lambda: SDPA_KERNEL, refusal=_refusal, auto_on=("cpu",),
-                                            traced_as="tiled"))
+                                            traced_as="tiled", order=1))
 """``sdpa``: the fused CPU kernel in the tile loops; ``auto`` on CPU. Traced by the planner as ``tiled`` (its mask
 layout is chosen from position values, which fake tensors lack; the same tiles, one pair's temporaries at a time)."""

@@ -364,6 +364,7 @@ def _tiled_single_device(tile_size: int | None, device):
     return block_attention if tile_size is None else TiledCausalAttention(tile_size, DENSE_KERNEL)
 
 
-register_attention_backend(AttentionBackend("tiled", lambda: DENSE_KERNEL, _tiled_single_device, fallback=True))
+register_attention_backend(AttentionBackend("tiled", lambda: DENSE_KERNEL, _tiled_single_device, fallback=True,
+                                            order=0))
 """``tiled``: the pure-PyTorch reference (any device and float dtype; ``tile_size`` None on one device: the dense
 ``block_attention``); ``auto``'s choice where no fused kernel runs."""
