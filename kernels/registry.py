@@ -104,7 +104,7 @@ def attention_backend_names() -> tuple[str, ...]:
 def attention_backend(name: str) -> AttentionBackend:
     """The registered backend ``name``. Raises ValueError naming it and the registered names when unknown."""
     if name not in _BACKENDS:
-        allowed = ", ".join(repr(n) for n in ("auto", *_BACKENDS))
+        allowed = ", ".join(repr(n) for n in ("auto", *attention_backend_names()))
         raise ValueError(f"unknown attention backend {name!r}; allowed: {allowed}")
     return _BACKENDS[name]
 
