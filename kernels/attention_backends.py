@@ -1,5 +1,6 @@
-"""Choosing the causal-block attention: one name per backend, ``auto`` per device, one factory for the three callers
-(the single-device training block, each ring hop under context parallelism, the inference KV cache).
+"""Choosing the causal-block attention: one name per registered backend (``kernels.registry``), ``auto`` per
+device, one factory for the three callers (the single-device training block, each hop of the sequence-split
+strategy under context parallelism, the inference KV cache).
 
 Every backend computes the same function ``(q_BHSD, k_BHkvSD, v_BHkvSD, q_pos_BS, k_pos_BS, k_valid_BS) -> (out,
 lse)`` — query i reads key j iff ``k_valid[j]`` and ``k_pos[j] <= q_pos[i]``, GQA, out 0 and lse -inf on rows with no
@@ -16,51 +17,59 @@ readable key, differentiable in q, k, v including through lse — exactly (no ap
          dynamic-shape compile for all lengths, never an uncompiled fallback (``FlexCompileError``), and one block
          mask per micro-batch reused by the TTT steps and the recompute.
 
-``auto``: ``flex`` on CUDA, ``sdpa`` on CPU (measured fastest exact CPU kernel: docs/results/attention_cpu.json,
+``auto`` (:func:`resolve_attention_backend`, the one rule the run, the benchmarks and the planner use): the first
+registered backend that claims the device type (``AttentionBackend.auto_on``) and can run there, else the fallback
+(``tiled``): ``flex`` on CUDA, ``sdpa`` on CPU (measured fastest exact CPU kernel: docs/results/attention_cpu.json,
 step_cpu.json), ``tiled`` elsewhere or when the installed torch lacks the fused op.
+
+Across a split sequence (a context-parallel group of more than one rank) the block is built by the registered
+sequence-split strategy the ``kernels.sequence_parallel`` switch names (``ring``: ``kernels.ring_attention``).
+Every built-in backend and strategy module registers itself when imported; each is imported below, one line each.
 """
 from __future__ import annotations
 
 import torch
 
-from kernels.tiled_attention import check_tile_size
+import kernels.flex_attention  # noqa: F401 - registers "flex" (the built-ins: one import each)
+import kernels.ring_attention  # noqa: F401 - registers the "ring" sequence-split strategy
+import kernels.sdpa_attention  # noqa: F401 - registers "sdpa"
+from kernels.registry import attention_backend, attention_backend_names, sequence_parallel
+from kernels.tiled_attention import TiledCausalAttention, check_tile_size  # registers "tiled"
 
-BACKENDS = ("tiled", "sdpa", "flex")
-"""Backend names accepted by ``make_causal_attention`` besides ``"auto"``."""
 
-
-def _device_type(device) -> str:
-    return torch.device(device).type
+def backend_names() -> tuple[str, ...]:
+    """The registered backend names (``kernels.registry.attention_backend_names``) with every built-in one loaded
+    (this module imports them): ``("tiled", "sdpa", "flex")`` plus any a caller registered; "auto" not included."""
+    return attention_backend_names()
 
 
 def resolve_attention_backend(name: str, device) -> str:
-    """The backend ``name`` ("auto" or one of ``BACKENDS``) stands for on ``device`` (str or torch.device).
+    """The backend ``name`` ("auto" or a registered name, ``attention_backend_names()``) stands for on ``device``
+    (str or torch.device): "auto" by the rule of the module docstring.
 
     Raises ValueError naming the backend and the allowed values when ``name`` is unknown, and naming the device when
     the backend cannot run there (``sdpa`` off CPU or without the fused op, ``flex`` off CUDA).
     """
-    allowed = ", ".join(repr(n) for n in ("auto", *BACKENDS))
-    if not isinstance(name, str) or name not in ("auto", *BACKENDS):
-        raise ValueError(f"unknown attention backend {name!r}; allowed: {allowed}")
-    kind = _device_type(device)
-    from kernels.sdpa_attention import sdpa_available
+    if not isinstance(name, str) or (name != "auto" and name not in attention_backend_names()):
+        attention_backend(str(name))  # raises, naming the allowed values
+    kind = torch.device(device).type
+    backends = [attention_backend(n) for n in attention_backend_names()]
+
+    def refusal(backend):
+        return None if backend.refusal is None else backend.refusal(kind)
 
     if name == "auto":
-        if kind == "cuda":
-            return "flex"
-        return "sdpa" if kind == "cpu" and sdpa_available() else "tiled"
-    if name == "sdpa" and (kind != "cpu" or not sdpa_available()):
-        why = "the installed torch lacks it" if kind == "cpu" else f"got device {kind!r}"
-        here = "'auto', 'tiled', 'flex'" if kind == "cuda" else "'auto', 'tiled'"
-        raise ValueError(f"attention backend 'sdpa' is PyTorch's fused CPU kernel and {why}; allowed here: {here}")
-    if name == "flex" and kind != "cuda":
-        raise ValueError(f"attention backend 'flex' needs a CUDA device, got {kind!r} (flex attention has no "
-                         "backward on CPU in this torch); use 'auto', 'sdpa' or 'tiled'")
+        claimed = [b.name for b in backends if kind in b.auto_on and refusal(b) is None]
+        return claimed[0] if claimed else next(b.name for b in backends if b.fallback)
+    why = refusal(attention_backend(name))
+    if why is not None:
+        here = ", ".join(repr(n) for n in ("auto", *(b.name for b in backends if refusal(b) is None)))
+        raise ValueError(f"attention backend {name!r} {why}; allowed here: {here}")
     return name
 
 
 def backend_runs_on(name: str, device) -> bool:
-    """Whether backend ``name`` (one of ``BACKENDS``) runs on ``device`` as itself (``resolve_attention_backend``
+    """Whether backend ``name`` (a registered name) runs on ``device`` as itself (``resolve_attention_backend``
     neither refuses it nor maps it to another backend)."""
     try:
         return resolve_attention_backend(name, device) == name
@@ -68,46 +77,30 @@ def backend_runs_on(name: str, device) -> bool:
         return False
 
 
-def make_causal_attention(backend: str, tile_size: int | None, device, cp_group=None):
+def make_causal_attention(backend: str, tile_size: int | None, device, cp_group=None,
+                          sequence_parallel_name: str = "ring"):
     """The causal-block callable for ``midlayer.self_attn.causal_attention`` (training or inference).
 
     Args:
-        backend: "auto" or one of ``BACKENDS`` (resolved by ``resolve_attention_backend`` for ``device``).
+        backend: "auto" or a registered backend name (resolved by ``resolve_attention_backend`` for ``device``).
         tile_size: positions per query/key tile (``memory.attention_tile_size``; None: one tile per block / per
-            zigzag chunk; with ``tiled`` on one device, the dense block). Unused by ``flex``.
+            zigzag chunk; with ``tiled`` on one device, the dense block). Unused by a backend with its own blocking
+            (``flex``).
         device: where the attention runs (str or torch.device).
-        cp_group: the context-parallel process group; None or a group of one rank gives the single-device block,
-            a larger group the ring over it (zigzag shards; ``kernels.ring_attention``).
+        cp_group: the context-parallel process group; None or a group of one rank gives the single-device block
+            (``AttentionBackend.single_device``), a larger group the sequence-split strategy over it.
+        sequence_parallel_name: the registered strategy across the split sequence (``kernels.sequence_parallel``;
+            ``ring``: ``kernels.ring_attention``, zigzag shards).
     Returns ``TiledCausalAttention`` / ``block_attention`` / ``FlexCausalAttention`` on one device, a
-    ``RingCausalAttention`` with the backend's per-pair kernel under CP (flex: one pair per hop).
+    ``RingCausalAttention`` with the backend's per-pair kernel under the ring (flex: one pair per hop).
     Raises ValueError for an unknown backend or one that cannot run on ``device`` (naming both and the allowed
-    values), or a ``tile_size`` that is not a positive integer or None.
+    values), an unknown strategy (naming the registered ones), or a ``tile_size`` that is not a positive integer
+    or None.
     """
-    name = resolve_attention_backend(backend, device)
+    chosen = attention_backend(resolve_attention_backend(backend, device))
     check_tile_size(tile_size)
-    ring = cp_group is not None and torch.distributed.get_world_size(cp_group) > 1
-    if name == "tiled":
-        from kernels.tiled_attention import DENSE_KERNEL as kernel
-    elif name == "sdpa":
-        from kernels.sdpa_attention import SDPA_KERNEL as kernel
-    else:
-        from kernels.flex_attention import make_flex_kernel
-
-        kernel = make_flex_kernel()  # its own block-mask cache
-    if ring:
-        from kernels.ring_attention import make_ring_causal_attention
-
-        if name == "flex":
-            return make_ring_causal_attention(cp_group, num_chunks=1, tile_size=None, kernel=kernel)
-        return make_ring_causal_attention(cp_group, tile_size=tile_size, kernel=kernel)
-    if name == "flex":
-        from kernels.flex_attention import FlexCausalAttention
-
-        return FlexCausalAttention()
-    if name == "tiled" and tile_size is None:
-        from kernels.block_attention import block_attention
-
-        return block_attention
-    from kernels.tiled_attention import TiledCausalAttention
-
-    return TiledCausalAttention(tile_size, kernel)
+    if cp_group is not None and torch.distributed.get_world_size(cp_group) > 1:
+        return sequence_parallel(sequence_parallel_name).build(chosen, tile_size, device, cp_group)
+    if chosen.single_device is not None:
+        return chosen.single_device(tile_size, device)
+    return TiledCausalAttention(tile_size, chosen.kernel())

@@ -60,7 +60,9 @@ from collections import OrderedDict
 import torch
 
 from kernels.block_attention import accum_dtype
-from kernels.tiled_attention import BlockKernel, check_block_shapes, keys_valid, recompute_block_backward
+from kernels.registry import AttentionBackend, BlockKernel, register_attention_backend
+from kernels.tiled_attention import check_block_shapes, keys_valid, recompute_block_backward
+from kernels.tracing import flex_stand_in, is_tracing
 
 FLEX_BLOCK = 128
 """flex attention's default sparse block size (positions per query and key block)."""
@@ -281,6 +283,7 @@ def flex_block_attention(q_BHSD, k_BHkvSD, v_BHkvSD, q_pos_BS, k_pos_BS, k_valid
     that do not require grad); a :class:`CompiledFlex` is called as given, on any device (the CPU tests pass one on
     Dynamo's ``aot_eager`` backend). ``masks``: a :class:`BlockMaskCache` to take the block mask from (None: built
     here).
+    In the tracing mode (``kernels.tracing``) the flex call is ``flex_stand_in`` (same memory, no values).
     Raises :class:`FlexCompileError` for ``compiled=False`` on CUDA (and from the compiled call, see
     :class:`CompiledFlex`), NotImplementedError (torch's) for a CPU call that needs gradients.
     """
@@ -296,6 +299,8 @@ def flex_block_attention(q_BHSD, k_BHkvSD, v_BHkvSD, q_pos_BS, k_pos_BS, k_valid
         block_mask = flex_block_mask(q_pos_BS, k_pos_BS, k_valid_BS, block_size)
         has_key = _has_key(q_pos_BS, k_pos_BS, k_valid_BS)
     fn = compiled if isinstance(compiled, CompiledFlex) else _compiled_flex() if compiled else flex_attention
+    if is_tracing():  # the planner's fake-tensor trace (kernels.tracing): a memory-equivalent stand-in
+        fn = flex_stand_in
     out, aux = fn(q_BHSD, k_BHkvSD, v_BHkvSD, block_mask=block_mask, scale=scale, enable_gqa=True,
                   return_aux=AuxRequest(lse=True))
     lse = aux.lse.to(accum_dtype(q_BHSD.dtype))
@@ -354,3 +359,15 @@ class FlexCausalAttention:
 
     def __repr__(self) -> str:
         return "FlexCausalAttention()"
+
+
+def _refusal(device_type: str) -> str | None:
+    if device_type == "cuda":
+        return None
+    return f"needs a CUDA device, got {device_type!r} (flex attention has no backward on CPU in this torch)"
+
+
+register_attention_backend(AttentionBackend("flex", make_flex_kernel, lambda tile_size, device: FlexCausalAttention(),
+                                            refusal=_refusal, auto_on=("cuda",), uses_tiles=False, order=2))
+"""``flex``: compiled flex attention, CUDA only; ``auto`` on CUDA; its own 128-position blocks (no tile size, one
+pair per ring hop); a fresh block-mask cache per causal block built."""

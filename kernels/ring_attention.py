@@ -1,4 +1,5 @@
-"""Ring attention over a context-parallel group: the causal step-0 block of TTT attention under CP.
+"""Ring attention over a context-parallel group: the causal step-0 block of TTT attention under CP (the ``ring``
+sequence-split strategy of ``kernels.sequence_parallel``, registered here).
 
 Every cp rank holds a LOCAL shard of queries and keys (zigzag layout, ``recipe.parallel.cp_shard``) with their
 GLOBAL positions. The result for the local queries equals ``block_attention`` of those queries against the
@@ -36,9 +37,9 @@ import torch
 import torch.distributed as dist
 
 from kernels.host_positions import host_copies, host_copy
-from kernels.tiled_attention import (DENSE_KERNEL, BlockKernel, backward_queries, block_pairs, check_block_shapes,
-                                     check_tile_size, forward_accumulators, forward_tiles, key_block_gradients,
-                                     key_tiles, keys_valid)
+from kernels.registry import AttentionBackend, BlockKernel, SequenceSplit, register_sequence_parallel
+from kernels.tiled_attention import (DENSE_KERNEL, backward_queries, block_pairs, check_block_shapes, check_tile_size,
+                                     forward_accumulators, forward_tiles, key_block_gradients, key_tiles, keys_valid)
 
 
 @dataclass
@@ -271,3 +272,14 @@ def make_ring_causal_attention(group=None, num_chunks: int = 2, tile_size: int |
     ``tile_size`` bounds each score block to tile_size² per head, None = one tile per zigzag chunk; ``kernel``
     computes each pair, default the pure-PyTorch reference)."""
     return RingCausalAttention(group, num_chunks, tile_size, kernel)
+
+
+def _build_ring(backend: AttentionBackend, tile_size: int | None, device, group) -> RingCausalAttention:
+    """The ``ring`` strategy: the backend's pair kernel on every hop; tiled backends cut the two zigzag chunks
+    into tiles of ``tile_size``, one with its own blocking (flex) takes each hop's block as one pair."""
+    if backend.uses_tiles:
+        return make_ring_causal_attention(group, tile_size=tile_size, kernel=backend.kernel())
+    return make_ring_causal_attention(group, num_chunks=1, tile_size=None, kernel=backend.kernel())
+
+
+register_sequence_parallel(SequenceSplit("ring", _build_ring))

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.tiled_attention import BlockKernel
+from kernels.registry import AttentionBackend, BlockKernel, register_attention_backend
 
 _INT64_MAX = torch.iinfo(torch.int64).max
 
@@ -113,3 +113,16 @@ def sdpa_block_backward(dout_BHSD, dlse_BHS, delta_BHS, lse_BHS, q_BHSD, k_BHkvS
 SDPA_KERNEL = BlockKernel("sdpa", sdpa_block_forward, sdpa_block_backward)
 """The fused CPU kernel in the tile loops: CPU tensors only; computes in the accumulation dtype (float32 for
 bfloat16 inputs, float64 stays float64); exact (no approximation beyond float rounding)."""
+
+
+def _refusal(device_type: str) -> str | None:
+    if device_type == "cpu" and sdpa_available():
+        return None
+    why = "the installed torch lacks it" if device_type == "cpu" else f"got device {device_type!r}"
+    return f"is PyTorch's fused CPU kernel and {why}"
+
+
+register_attention_backend(AttentionBackend("sdpa", lambda: SDPA_KERNEL, refusal=_refusal, auto_on=("cpu",),
+                                            traced_as="tiled", order=1))
+"""``sdpa``: the fused CPU kernel in the tile loops; ``auto`` on CPU. Traced by the planner as ``tiled`` (its mask
+layout is chosen from position values, which fake tensors lack; the same tiles, one pair's temporaries at a time)."""

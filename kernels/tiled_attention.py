@@ -11,19 +11,22 @@ from CPU copies of the positions/validity when the batch builder attached them (
 sync), else from the tensors (one sync); the backward reuses the forward's decision.
 
 The same tile loops serve the ring attention (``kernels.ring_attention``), which runs them on every K/V block that
-arrives around the context-parallel ring. What one (query tile, key tile) pair computes is a ``BlockKernel``: the
-pure-PyTorch ``DENSE_KERNEL`` here (the reference), the fused CPU kernel of ``kernels.sdpa_attention``, or flex
-attention (``kernels.flex_attention``); the loops, the pair skipping and the fp32 merges are the same for all.
+arrives around the context-parallel ring. What one (query tile, key tile) pair computes is a ``BlockKernel``
+(``kernels.registry``): the pure-PyTorch ``DENSE_KERNEL`` here (the reference, registered as the ``tiled``
+backend), the fused CPU kernel of ``kernels.sdpa_attention``, or flex attention (``kernels.flex_attention``); the
+loops, the pair skipping and the fp32 merges are the same for all.
 """
 from __future__ import annotations
 
 import math
-from typing import Callable, NamedTuple
+from typing import Callable
 
 import torch
 
 from kernels.block_attention import accum_dtype, block_attention, expand_kv, merge_lse
 from kernels.host_positions import host_block_meta
+from kernels.registry import AttentionBackend, BlockKernel, register_attention_backend
+from kernels.tracing import unreadable
 
 
 def check_tile_size(tile_size, allow_none: bool = True) -> None:
@@ -75,8 +78,11 @@ def readable_pairs(q_pos_tiles, k_pos_tiles, k_valid_tiles) -> list[list[bool]]:
     valid key at or before the tile's latest query position). Decided on the host: no sync for CPU tiles, ONE
     device sync per call for device tiles (the training path hands CPU tiles: ``block_pairs``).
 
-    Tiles are [B, T] int64 positions / bool validity; empty tiles read and are read by nothing.
+    Tiles are [B, T] int64 positions / bool validity; empty tiles read and are read by nothing. In the tracing
+    mode (``kernels.tracing``) fake tiles have no values: every pair is computed.
     """
+    if unreadable(*q_pos_tiles, *k_pos_tiles, *k_valid_tiles):
+        return [[True] * len(k_pos_tiles) for _ in q_pos_tiles]
     big, small = torch.iinfo(torch.int64).max, torch.iinfo(torch.int64).min
 
     def latest(t):
@@ -140,23 +146,6 @@ def attention_block_backward(dout_BHSD, dlse_BHS, delta_BHS, lse_BHS, q_BHSD, k_
     dk = dk.view(b, hkv, h // hkv, sk, d).sum(2)
     dv = dv.view(b, hkv, h // hkv, sk, d).sum(2)
     return dq, dk, dv
-
-
-class BlockKernel(NamedTuple):
-    """What the tile loops run on one readable (query tile, key tile) pair.
-
-    ``forward(q, k, v, q_pos, k_pos, k_valid, scale) -> (out, lse)``: ``block_attention``'s contract (k_valid a bool
-    tensor, out [B, H, Tq, D], lse [B, H, Tq] in the accumulation dtype, -inf / 0 on rows without a readable key);
-    called without autograd. ``backward(dout, dlse, delta, lse, q, k, v, q_pos, k_pos, k_valid, scale) -> (dq, dk,
-    dv)``: ``attention_block_backward``'s contract (lse, delta and dlse are the FINAL ones, over all key blocks).
-    ``compute_dtype(dtype)``: the dtype q/k/v are cast to before reaching the kernel (outputs and merges always
-    accumulate in ``accum_dtype``).
-    """
-
-    name: str
-    forward: Callable
-    backward: Callable
-    compute_dtype: Callable[[torch.dtype], torch.dtype] = accum_dtype
 
 
 def _dense_forward(q_BHSD, k_BHkvSD, v_BHkvSD, q_pos_BS, k_pos_BS, k_valid_BS, scale):
@@ -369,3 +358,13 @@ class TiledCausalAttention:
 
     def __repr__(self) -> str:
         return f"TiledCausalAttention(tile_size={self.tile_size}, kernel={self.kernel.name!r})"
+
+
+def _tiled_single_device(tile_size: int | None, device):
+    return block_attention if tile_size is None else TiledCausalAttention(tile_size, DENSE_KERNEL)
+
+
+register_attention_backend(AttentionBackend("tiled", lambda: DENSE_KERNEL, _tiled_single_device, fallback=True,
+                                            order=0))
+"""``tiled``: the pure-PyTorch reference (any device and float dtype; ``tile_size`` None on one device: the dense
+``block_attention``); ``auto``'s choice where no fused kernel runs."""

@@ -26,6 +26,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from kernels.attention_backends import backend_names
+from kernels.registry import sequence_parallel_names
 from recipe.config_keys import (
     KERNELS_SECTION,
     MEMORY_SECTION,
@@ -146,37 +148,41 @@ class KernelOptions:
     """Our ``"kernels"`` section of the DeepSpeed JSON (removed before DeepSpeed sees the config): which kernel
     computes what, where the choice changes speed and not the numbers (every kernel computes the same function).
 
-    ``attention``: the kernel of the draft's causal block attention, on one rank and in every ring hop, and of the
-    online target's ring under CP (``kernels.attention_backends``): ``"auto"`` (default: flex on CUDA, the fused CPU
-    kernel sdpa on CPU), ``"tiled"`` (pure PyTorch, the reference), ``"sdpa"`` (CPU only) or ``"flex"`` (CUDA only).
-    The run resolves it for its device (:meth:`RunConfig.for_device`) and records the choice in ``run_config.json``
-    (``kernels.attention``). The tile size stays a memory switch (``memory.attention_tile_size``).
+    ``attention``: the kernel of the draft's causal block attention, on one rank and in every hop across a split
+    sequence, and of the online target's split forward (``kernels.attention_backends``): ``"auto"`` (default: flex
+    on CUDA, the fused CPU kernel sdpa on CPU) or a registered backend (``kernels.registry``): ``"tiled"`` (pure
+    PyTorch, the reference), ``"sdpa"`` (CPU only), ``"flex"`` (CUDA only). ``sequence_parallel``: the strategy of
+    that attention across a sequence split over a cp group (the draft's) or a cp·tp group (the target's), a
+    registered name (``kernels.registry.sequence_parallel_names``); ``"ring"`` (default, ``kernels.ring_attention``).
+    The run resolves ``attention`` for its device (:meth:`RunConfig.for_device`) and records both in
+    ``run_config.json`` (``kernels``). The tile size stays a memory switch (``memory.attention_tile_size``).
     """
 
     attention: str = "auto"
+    sequence_parallel: str = "ring"
 
     @classmethod
     def pop_from(cls, cfg: dict, path: Path | str) -> "KernelOptions":
         """Remove and parse the ``kernels`` section of ``cfg``. Raises ConfigError naming the file and field for a
-        section that is not an object, an unknown key (with the nearest valid name) or an unknown kernel name."""
+        section that is not an object, an unknown key (with the nearest valid name) or a name that is not
+        registered (listing the registered ones)."""
         section = cfg.pop(KERNELS_SECTION, None)
         section = {} if section is None else section
         if not isinstance(section, dict):
             raise ConfigError(f"{path}: '{KERNELS_SECTION}' must be an object like {{\"attention\": \"auto\"}}")
-        known = ("attention",)
+        known = ("attention", "sequence_parallel")
         unknown = sorted(k for k in set(section) - set(known) if not k.startswith("_"))
         if unknown:
             hint = did_you_mean(unknown[0], known)
             raise ConfigError(f"{path}: unknown key(s) {unknown} in '{KERNELS_SECTION}'"
                               f"{'; did you mean ' + hint + '?' if hint else ''}; known keys: {list(known)}")
-        from kernels.attention_backends import BACKENDS  # import cost: pulls in torch
-
-        attention = section.get("attention", cls.attention)
-        names = ("auto", *BACKENDS)
-        if attention not in names:
-            raise ConfigError(f"{path}: '{KERNELS_SECTION}.attention' must be one of {list(names)}, "
-                              f"got {attention!r}")
-        return cls(attention=attention)
+        values = {}
+        for key, names in (("attention", ("auto", *backend_names())), ("sequence_parallel", sequence_parallel_names())):
+            values[key] = section.get(key, getattr(cls, key))
+            if values[key] not in names:
+                raise ConfigError(f"{path}: '{KERNELS_SECTION}.{key}' must be one of {list(names)}, "
+                                  f"got {values[key]!r}")
+        return cls(**values)
 
 
 def pop_monitor_sections(cfg: dict, path: Path | str) -> dict:

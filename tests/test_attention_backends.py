@@ -10,12 +10,12 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from kernels.attention_backends import BACKENDS, make_causal_attention, resolve_attention_backend
+from kernels.attention_backends import backend_names, make_causal_attention, resolve_attention_backend
 from kernels.block_attention import block_attention
 from kernels.flex_attention import flex_block_attention, flex_block_mask
 from kernels.sdpa_attention import SDPA_KERNEL, pair_mask
-from kernels.tiled_attention import (DENSE_KERNEL, BlockKernel, TiledCausalAttention, _dense_forward,
-                                     recompute_block_backward)
+from kernels.registry import BlockKernel
+from kernels.tiled_attention import DENSE_KERNEL, TiledCausalAttention, _dense_forward, recompute_block_backward
 from recipe.model.ttt import TTTModel
 from helpers.attention import B, D, attention_case as _case, dense_reference as reference, run_attention
 from helpers.cases import assert_same_run, model_pair, run_model
@@ -152,7 +152,7 @@ def test_flex_module_imports_on_cpu_without_cuda_or_compiling():
 
 
 def test_backend_resolution_and_factory():
-    assert BACKENDS == ("tiled", "sdpa", "flex")
+    assert backend_names() == ("tiled", "sdpa", "flex")
     assert [resolve_attention_backend(n, "cpu") for n in ("auto", "tiled", "sdpa")] == ["sdpa", "tiled", "sdpa"]
     assert resolve_attention_backend("auto", torch.device("cuda", 1)) == "flex"
     assert resolve_attention_backend("auto", "meta") == "tiled" and resolve_attention_backend("tiled", "cuda")

@@ -128,7 +128,7 @@ def test_attention_kernel_is_resolved_for_the_device_and_recorded(tmp_path):
     assert config.kernels.attention == "auto"
     on_cpu = config.for_device("cpu").with_total_steps(1)
     assert on_cpu.kernels.attention == ("sdpa" if sdpa_available() else "tiled")
-    assert on_cpu.record()["kernels"] == {"attention": on_cpu.kernels.attention}
+    assert on_cpu.record()["kernels"] == {"attention": on_cpu.kernels.attention, "sequence_parallel": "ring"}
     assert "attention_backend" not in on_cpu.record()["memory"]
     assert config.for_device("cuda").kernels.attention == "flex"  # a name only: nothing runs on CUDA here
     path.write_text(json.dumps({"train_batch_size": 1, "kernels": {"attention": "flex"}}))

@@ -16,7 +16,8 @@ from kernels.attention_backends import make_causal_attention
 from kernels.flex_attention import FLEX_KERNEL
 from kernels.ring_attention import RingCausalAttention, make_ring_causal_attention
 from kernels.sdpa_attention import SDPA_KERNEL
-from kernels.tiled_attention import BlockKernel, _dense_forward, recompute_block_backward
+from kernels.registry import BlockKernel
+from kernels.tiled_attention import _dense_forward, recompute_block_backward
 from helpers.tp_reference import pad_to_multiple
 from recipe.parallel.cp_shard import zigzag_indices
 from test_attention_backends import reference

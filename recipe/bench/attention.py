@@ -26,7 +26,7 @@ import torch.multiprocessing as mp
 from rich.console import Console
 from rich.table import Table
 
-from kernels.attention_backends import BACKENDS, backend_runs_on, make_causal_attention, resolve_attention_backend
+from kernels.attention_backends import backend_names, backend_runs_on, make_causal_attention, resolve_attention_backend
 from recipe.bench.common import MIB, add_draft_shape_arguments, write_json
 from recipe.bench.measure import MALLOC_ENV, CpuPeak, CudaPeak
 from recipe.cli import length_list
@@ -163,8 +163,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m recipe.bench attention", description=__doc__.split("\n\n")[0])
     p.add_argument("--lengths", type=length_list, default=[512, 1024, 2048, 4096], help="e.g. 512,1k,2k (k = 1024)")
     p.add_argument("--dtypes", type=lambda t: _names(t, DTYPES, "dtype"), default=["fp32", "bf16"])
-    p.add_argument("--backends", type=lambda t: _names(t, BACKENDS, "backend"),
-                   help=f"subset of {','.join(BACKENDS)} (default: those that run on the device)")
+    p.add_argument("--backends", type=lambda t: _names(t, backend_names(), "backend"),
+                   help=f"subset of {','.join(backend_names())} (default: those that run on the device)")
     p.add_argument("--tile", type=int, default=1024, help="attention_tile_size (0: none)")
     add_draft_shape_arguments(p, heads=8, kv_heads=4, head_dim=64)
     p.add_argument("--repeats", type=int, default=2, help="timed runs per measurement (median)")
@@ -188,7 +188,7 @@ def main(argv: list[str] | None = None) -> int:
     def runs_here(name):
         return backend_runs_on(name, device)
 
-    backends = args.backends or [b for b in BACKENDS if runs_here(b)]
+    backends = args.backends or [b for b in backend_names() if runs_here(b)]
     if "tiled" not in backends:
         backends = ["tiled", *backends]  # the reference every speed-up is relative to
     for b in backends:

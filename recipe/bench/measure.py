@@ -21,9 +21,9 @@ from contextlib import contextmanager
 
 import torch
 
-from recipe.config import KernelOptions, MemoryOptions
-from recipe.parallel.parallelize import parallelize
-from recipe.plan.spec import DTYPES, LAYOUTS, BenchSpec, spec_draft_config, supervised_mask
+from recipe.model.draft import Eagle3Draft
+from recipe.parallel.parallelize import build_training_model
+from recipe.plan.spec import DTYPES, BenchSpec, spec_draft_config, spec_kernels, spec_memory, supervised_mask
 from recipe.train.distributed import free_port
 
 MALLOC_ENV = "MALLOC_MMAP_THRESHOLD_"
@@ -77,17 +77,11 @@ class CudaPeak:
 
 # ---- one step ----------------------------------------------------------------------------------------------------
 def build_model(spec: BenchSpec, device: torch.device, pstate=None):
-    """A random-weight TTTModel for ``spec`` (TP/CP applied when ``pstate`` has them)."""
-    from recipe.model.draft import Eagle3Draft
-    from recipe.model.ttt import TTTModel
-
+    """A random-weight TTTModel for ``spec`` (TP/CP applied when ``pstate`` has them), built as a run builds it
+    (``recipe.parallel.parallelize.build_training_model`` with ``spec``'s memory and kernel sections)."""
     draft = Eagle3Draft(spec_draft_config(spec), seed=spec.seed)
     head = torch.randn(spec.draft_vocab, spec.target_hidden, generator=torch.Generator().manual_seed(spec.seed + 1))
-    chunked, ckpt = LAYOUTS[spec.layout]
-    model = TTTModel(draft, head, loss_chunk_size=spec.loss_chunk_size if chunked else None, checkpoint_steps=ckpt,
-                     sparse_anchors=spec.sparse_anchors)
-    parallelize(model, pstate, MemoryOptions(attention_tile_size=spec.attention_tile, mlp_tile_size=spec.mlp_tile),
-                device, KernelOptions(attention=spec.attention_backend))
+    model = build_training_model(draft, head, spec_memory(spec), spec_kernels(spec), pstate, device)
     return model.to(device=device, dtype=DTYPES[spec.dtype])
 
 

@@ -24,7 +24,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from kernels.attention_backends import BACKENDS, backend_runs_on, resolve_attention_backend
+from kernels.attention_backends import backend_names, backend_runs_on, resolve_attention_backend
 from recipe.bench.common import GIB, add_draft_shape_arguments, write_json
 from recipe.bench.measure import run_measurement
 from recipe.cli import length_list
@@ -34,8 +34,8 @@ from recipe.plan.spec import DTYPES, LAYOUTS, MASKS, BenchSpec
 def build_parser() -> argparse.ArgumentParser:
     def names(text):
         out = [x.strip() for x in text.split(",") if x.strip()]
-        if not out or any(n not in BACKENDS for n in out):
-            raise argparse.ArgumentTypeError(f"unknown backend in {text!r}; choose from {', '.join(BACKENDS)}")
+        if not out or any(n not in backend_names() for n in out):
+            raise argparse.ArgumentTypeError(f"unknown backend in {text!r}; choose from {', '.join(backend_names())}")
         return out
 
     p = argparse.ArgumentParser(prog="python -m recipe.bench step", description=__doc__.split("\n\n")[0])
@@ -102,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
     def runs_here(name):
         return backend_runs_on(name, device)
 
-    backends = args.backends or [b for b in BACKENDS if runs_here(b)]
+    backends = args.backends or [b for b in backend_names() if runs_here(b)]
     backends = ["tiled", *[b for b in backends if b != "tiled"]]
     if not all(runs_here(b) for b in backends):
         parser.error(f"some of {backends} do not run on {device}")

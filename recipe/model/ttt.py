@@ -183,6 +183,7 @@ class TTTModel(nn.Module):
             docs/algorithm.md, "Sparse anchors"): step 0's keys/values at every position, everything else (queries,
             attention output, o_proj, MLP, norms, lm_head, teacher logits) only where some step's loss reads it.
             Same loss sums, counts and gradients as False (the dense path, the reference) up to float rounding.
+    ``trace_hints``: the tracing hook, a ``recipe.model.trace_hints.TraceHints`` in the planner's trace, else None.
     Raises ValueError on a loss_chunk_size that is not None or a positive integer.
     """
 
@@ -200,6 +201,7 @@ class TTTModel(nn.Module):
         self.checkpoint_steps = bool(checkpoint_steps)
         self.teacher_logits_once = True
         self.sparse_anchors = bool(sparse_anchors)
+        self.trace_hints = None  # recipe.model.trace_hints.TraceHints during a fake-tensor trace (recipe.plan.trace)
         self.register_buffer("target_head_d", torch.empty(0), persistent=False)
         self.set_target_head(target_lm_head_weight)
 
@@ -245,8 +247,8 @@ class TTTModel(nn.Module):
         kv_cache = None
         teacher = None
         if self.loss_chunk_size is None and self.teacher_logits_once:
-            teacher = teacher_logits(batch.target_hidden_BLH, batch.target_row_KS, self.target_head_d,
-                                     self.target_softcap)
+            teacher = (self.trace_hints.teacher_logits if self.trace_hints else teacher_logits)(
+                batch.target_hidden_BLH, batch.target_row_KS, self.target_head_d, self.target_softcap)
         losses, corrects = [], []
         for k in range(batch.num_steps):
             step = self._checkpointed_step if self.checkpoint_steps and torch.is_grad_enabled() else self.draft.step
@@ -261,7 +263,9 @@ class TTTModel(nn.Module):
     def _forward_sparse(self, batch: TTTBatch) -> TTTOutput:
         """``forward`` on the needed anchors only (``sparse_anchors``): step k's tensors are [B, N_k, ...], the
         compacted rows of ``anchor_sets``; step 0 keeps its keys and values at every position (the causal block)."""
-        sets = anchor_sets(batch.valid_KBS, batch.position_ids_BS, batch.target_row_KS)
+        sets = getattr(self.trace_hints, "anchor_sets", None)
+        if sets is None:
+            sets = anchor_sets(batch.valid_KBS, batch.position_ids_BS, batch.target_row_KS)
         hidden_BNH = self.draft.project_aux(batch.aux_hidden_BSA)
         teacher = None
         if self.loss_chunk_size is None and self.teacher_logits_once:

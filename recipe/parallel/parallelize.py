@@ -5,16 +5,22 @@ same seed) and applies the layout from outside: the tensor-parallel plan (``reci
 causal-block attention (the ring under context parallelism, else the single-device block, each with the kernel
 the ``kernels`` section's ``attention`` names), tiled as the ``memory`` section of the run config says.
 
+The training model itself is built in one place, :func:`build_training_model` (``TTTModel`` with the memory
+switches, then :func:`parallelize`), for the run, the step benchmark and the planner alike.
+
 Out: :func:`gather_full_state` turns whatever the layout holds (ZeRO-3 partitions, TP shards) back into the full
 draft tensors that checkpoints and the export write; :func:`gather_full_tensors` is the same for any module.
 """
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 from torch import nn
 
 from kernels.attention_backends import make_causal_attention
-from recipe.model.draft import is_exported
+from recipe.model.draft import Eagle3Draft, is_exported
+from recipe.model.ttt import TTTModel
 from recipe.parallel.apply_tp import apply_tensor_parallel, mlp_tiling
 from recipe.parallel.tp_layers import gather_tensor
 
@@ -27,13 +33,15 @@ def parallelize(model: nn.Module, pstate, memory, device=None, kernel_options=No
     (``apply_tensor_parallel``). Attention: ``draft.midlayer.self_attn.causal_attention`` (the function the draft's
     attention calls for the causal block, ``(q, k, v, q_pos, k_pos, k_valid) -> (out, lse)``) becomes
     ``kernels.attention_backends.make_causal_attention(kernel_options.attention, memory.attention_tile_size,
-    device, cp_group)``: the ring over the cp group under context parallelism, else the single-device block.
+    device, cp_group, kernel_options.sequence_parallel)``: the sequence-split strategy (the ring) over the cp group
+    under context parallelism, else the single-device block.
     MLP: with ``memory.mlp_tile_size`` set, ``draft.midlayer.mlp_tiling`` becomes ``apply_tp.mlp_tiling(size,
     tp_group)``: ``post_attention_layernorm`` + MLP in sequence tiles of that many positions, recomputed in backward
     (``recipe.model.tiled_mlp``), the TP all-reduce kept out of the tiles; None leaves the layer untiled.
     ``memory``: the run's ``recipe.config.MemoryOptions`` (read: ``attention_tile_size`` and
     ``mlp_tile_size``, None when the object lacks it); ``kernel_options``: its
-    ``recipe.config.KernelOptions`` (read: ``attention``; None: "auto", resolved for ``device``); ``device`` (where
+    ``recipe.config.KernelOptions`` (read: ``attention``, ``sequence_parallel``; None: "auto", resolved for
+    ``device``, and "ring"); ``device`` (where
     the model will run) defaults to ``pstate.device``, else the CPU. Raises ValueError when tp does not divide a
     split draft dimension (every one named), the tile size is invalid, or the kernel is unknown or cannot run on
     ``device``.
@@ -47,8 +55,37 @@ def parallelize(model: nn.Module, pstate, memory, device=None, kernel_options=No
     model.draft.get_submodule("midlayer").mlp_tiling = None if tile is None else mlp_tiling(tile, tp_group)
     cp_group = pstate.cp_group if pstate is not None and pstate.cp_size > 1 else None
     model.draft.get_submodule("midlayer.self_attn").causal_attention = make_causal_attention(
-        "auto" if kernel_options is None else kernel_options.attention, memory.attention_tile_size, device, cp_group)
+        getattr(kernel_options, "attention", "auto"), memory.attention_tile_size, device, cp_group,
+        getattr(kernel_options, "sequence_parallel", "ring"))
     return model
+
+
+def build_training_model(draft: Eagle3Draft, target_head: torch.Tensor, memory, kernel_options, pstate=None,
+                         device=None, *, target_softcap: float | None = None,
+                         before_split: Callable[[TTTModel], None] | None = None) -> TTTModel:
+    """The training model of a run: ``TTTModel`` around ``draft`` with every memory switch of ``memory``, then
+    :func:`parallelize` over ``pstate``. The one place the run set-up (``recipe.train.setup``), the step benchmark
+    (``recipe.bench.measure``) and the planner's trace (``recipe.plan.trace``) build it, so a new memory switch is
+    read here (and in ``parallelize``) only.
+
+    Args:
+        draft: the single-device ``Eagle3Draft`` with its full weights (seeded, embeddings and vocabulary map set).
+        target_head: the target lm_head [V, H_t] or its draft rows [Vd, H_t] (``TTTModel.set_target_head``).
+        memory: ``recipe.config.MemoryOptions`` (read: ``loss_chunk_size``, ``checkpoint_ttt_steps``,
+            ``sparse_anchors``, and what ``parallelize`` reads); kernel_options: ``recipe.config.KernelOptions``
+            (None: "auto" and the ring).
+        pstate, device: as :func:`parallelize`.
+        target_softcap: the target's final logit soft-cap (``recipe.target.registry.final_logit_softcap``).
+        before_split: called with the single-device model before the layout is applied (weights loaded into it
+            are cut by TP and ZeRO as a fresh run's initial weights are: ``--init-draft``, a resharded resume).
+    Raises ValueError as ``TTTModel`` (a bad loss chunk) and :func:`parallelize` do.
+    """
+    model = TTTModel(draft, target_head, loss_chunk_size=memory.loss_chunk_size,
+                     checkpoint_steps=memory.checkpoint_ttt_steps, target_softcap=target_softcap,
+                     sparse_anchors=memory.sparse_anchors)
+    if before_split is not None:
+        before_split(model)
+    return parallelize(model, pstate, memory, device, kernel_options)
 
 
 def gather_full_tensors(module: nn.Module, tp_group=None, keep=None) -> dict[str, torch.Tensor]:

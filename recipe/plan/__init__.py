@@ -32,7 +32,7 @@ from recipe.parallel.dims import seq_divisor
 from recipe.plan import states
 from recipe.plan.spec import DTYPES, BenchSpec
 from recipe.plan.states import gpu_bytes
-from recipe.plan.trace import ActivationFit, fit_activation, is_dense, trace_lengths, trace_step, traced_backend
+from recipe.plan.trace import ActivationFit, fit_activation, is_dense, trace_lengths, trace_step, uses_tiles
 
 __all__ = [
     "PlanError",
@@ -55,10 +55,11 @@ class PlanError(ValueError):
 
 
 def trace_limit(spec: BenchSpec) -> int:
-    """The longest whole-sequence length traced directly (tokens): 32768·cp for flex (the trace costs O(S)), 8
+    """The longest whole-sequence length traced directly (tokens): 32768·cp for flex or any backend with its own
+    blocking (the trace costs O(S)), 8
     attention tiles per cp chunk for the tile loops (O((S/T)²) pairs), 16384 for dense attention; with the chunked
     loss at most 16 loss chunks per rank (each a checkpointed region the trace walks twice)."""
-    if traced_backend(spec) == "flex":
+    if not uses_tiles(spec):
         limit = 32768 * spec.cp
     elif is_dense(spec):
         limit = 16384

@@ -9,6 +9,7 @@ from fractions import Fraction
 
 import torch
 
+from recipe.config import KernelOptions, MemoryOptions
 from recipe.parallel.dims import check_tp_divides, seq_divisor
 
 LAYOUTS = {"full": (False, False), "chunked": (True, False), "ckpt": (False, True), "chunked+ckpt": (True, True)}
@@ -137,3 +138,17 @@ def spec_draft_config(spec: BenchSpec):
         num_key_value_heads=spec.kv_heads, head_dim=spec.head_dim, vocab_size=spec.vocab,
         draft_vocab_size=spec.draft_vocab, target_hidden_size=spec.target_hidden, aux_layer_ids=[1, 2, 3],
         max_position_embeddings=max(2048, spec.seq_len + spec.ttt_steps))
+
+
+def spec_memory(spec: BenchSpec) -> MemoryOptions:
+    """The run config's ``memory`` section ``spec`` stands for: the loss chunk and checkpointed steps of its layout
+    (``LAYOUTS``), its attention and MLP tiles and ``sparse_anchors``."""
+    chunked, ckpt = LAYOUTS[spec.layout]
+    return MemoryOptions(loss_chunk_size=spec.loss_chunk_size if chunked else None, checkpoint_ttt_steps=ckpt,
+                         attention_tile_size=spec.attention_tile, mlp_tile_size=spec.mlp_tile,
+                         sparse_anchors=spec.sparse_anchors)
+
+
+def spec_kernels(spec: BenchSpec, attention: str | None = None) -> KernelOptions:
+    """The run config's ``kernels`` section ``spec`` stands for (``attention``: another backend in its place)."""
+    return KernelOptions(attention=spec.attention_backend if attention is None else attention)

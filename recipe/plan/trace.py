@@ -1,8 +1,9 @@
 """Fake-tensor trace of one rank's real TTT training step: the draft activations' transient peak, in bytes.
 
 What is traced: ``recipe.model.ttt.TTTModel`` forward + ``ttt_objective(...).backward()`` built exactly as
-``recipe.bench.measure.build_model`` builds it (``Eagle3Draft`` from the seed, the target-head rows, the memory
-switches of the spec, ``recipe.parallel.parallelize.parallelize`` with the rank's ``ParallelState``), on a
+``recipe.bench.measure.build_model`` builds it (``Eagle3Draft`` from the seed, the target-head rows,
+``recipe.parallel.parallelize.build_training_model`` with the spec's memory switches and the rank's
+``ParallelState``), on a
 ``recipe.bench.measure.random_batch``-shaped batch (every position a valid label; zigzag-split under CP), inside
 ``torch._subclasses.fake_tensor.FakeTensorMode`` on the CPU (nothing is allocated: an 8B-shaped step at any length
 traces in seconds) with ``torch.distributed._tools.mem_tracker.MemTracker`` counting every live storage. Under
@@ -10,19 +11,20 @@ tp·cp > 1 the trace runs in this one process on PyTorch's fake process group (`
 data), so the shapes are exactly rank 0's. ``step_bytes`` = tracker peak − what was live when the step began (the
 model and the batch): the gradients plus the activations, what ``measure.time_step`` reports as ``step_bytes``.
 
-Where the real code cannot run on fake tensors, the trace substitutes (inside :func:`trace_step` only):
-- ``readable_pairs`` (kernels.tiled_attention, and any kernels module that defines one) reads positions on the host;
-  fake tensors have no values, so the wrapper computes EVERY (query tile, key tile) pair when the original cannot
-  run. Tiles have equal sizes and one pair's temporaries live at a time, so the peak is the same as with the real
-  skipping (the trace only does up to 2× the pairs). Host CPU position tensors the original can read are used as is.
-- ``recipe.model.ttt.teacher_logits`` (full-logits layout) calls ``torch.unique`` (a data-dependent shape): the
-  wrapper takes U, the number of distinct label rows, from the real index tensor the trace built on the host.
-- ``recipe.model.ttt.anchor_sets`` (``memory.sparse_anchors``) reads the validity's values: the sets are computed
-  from the real host batch (the spec's supervision ``mask``) before the trace and handed to the traced model.
-- flex attention (CUDA only): the project's own flex code path is built (``make_causal_attention("flex", ...)``, the
-  ring's ``FLEX_KERNEL`` under CP) and only the ``flex_attention`` call is replaced by a memory-equivalent stand-in
-  (:class:`FlexStandIn`): forward saves q, k, v, out, lse and returns out [B, H, S, D] (q dtype) and lse [B, H, S]
-  fp32; backward allocates dq, dk, dv and delta [B, H, S] fp32. The block mask is built for real (O((S/128)²)).
+Where the real code cannot run on fake tensors, the trace uses the hooks the code declares for it (inside
+:func:`trace_step` only; nothing is patched):
+- the kernels' tracing mode (``kernels.tracing.tracing``): the tile loops compute EVERY (query tile, key tile) pair
+  when the positions are fake (no values to read; one pair's temporaries live at a time, so the peak is the same as
+  with the real skipping, at up to 2× the pairs); flex attention calls a memory-equivalent stand-in
+  (``kernels.tracing.FusedStandIn``: forward saves q, k, v, out, lse and returns out [B, H, S, D] (q dtype) and lse
+  [B, H, S] fp32; backward allocates dq, dk, dv and delta [B, H, S] fp32), its block mask built for real
+  (O((S/128)²)); the project's own flex code path is built (the registered ``flex`` backend's single-device block,
+  the ring's flex pair kernel under CP).
+- the TTT model's ``trace_hints`` (``recipe.model.trace_hints.TraceHints``): U, the number of distinct label rows
+  the teacher logits hold (``torch.unique`` has a data-dependent shape), and, with ``memory.sparse_anchors``, the
+  anchor sets, both computed from the real host batch (the spec's supervision ``mask``) before the trace.
+- a backend whose kernel reads position values (``sdpa``) is traced as the backend it declares
+  (``AttentionBackend.traced_as``: ``tiled``, the same tiles).
 Fit (:func:`fit_activation`): the step peak is affine in the rank's tokens, ``a + b·S``, once S is past the loss
 chunk and the attention tile (every per-position tensor then grows linearly; chunk and tile temporaries are
 constant), so two traced lengths determine it (linear). Dense attention (``attention_tile_size`` null, tiled
@@ -33,15 +35,23 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
-import sys
 import warnings
 from dataclasses import dataclass
 
 import torch
 from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
 
+from kernels.attention_backends import backend_runs_on, resolve_attention_backend
+from kernels.registry import attention_backend
+from kernels.tracing import tracing
+from recipe.model.draft import Eagle3Draft
+from recipe.model.sparse_anchors import anchor_sets
+from recipe.model.trace_hints import TraceHints
 from recipe.parallel.dims import seq_divisor
-from recipe.plan.spec import DTYPES, LAYOUTS, BenchSpec, supervised_mask
+from recipe.parallel.parallelize import build_training_model
+from recipe.plan.spec import (DTYPES, LAYOUTS, BenchSpec, spec_draft_config, spec_kernels, spec_memory,
+                              supervised_mask)
 
 CATEGORIES = ("Parameter", "Buffer", "Gradient", "Activation", "Temp", "Optstate", "Other")
 
@@ -59,105 +69,6 @@ class TraceResult:
     base_bytes: int
     peak_by_kind: dict
     params: dict
-
-
-class FlexStandIn(torch.autograd.Function):
-    """Memory-equivalent stand-in of one flex attention call: ``apply(q, k, v) -> (out, lse)``; q [B, H, S, D],
-    k/v [B, Hkv, Sk, D]; out like q, lse [B, H, S] float32. Values are unspecified (``empty``)."""
-
-    @staticmethod
-    def forward(ctx, q, k, v):
-        out = torch.empty_like(q)
-        lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)
-        ctx.save_for_backward(q, k, v, out, lse)
-        return out, lse
-
-    @staticmethod
-    def backward(ctx, dout, dlse):
-        q, k, v, _, lse = ctx.saved_tensors
-        delta = torch.empty_like(lse)  # rowsum(dout · out), fp32, alive while dq, dk, dv are written
-        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-        del delta
-        return dq, dk, dv
-
-
-class _Aux:
-    def __init__(self, lse):
-        self.lse = lse
-
-
-def _flex_standin(q, k, v, block_mask=None, scale=None, enable_gqa=False, return_aux=None, **_):
-    out, lse = FlexStandIn.apply(q, k, v)
-    return out, _Aux(lse)
-
-
-@contextlib.contextmanager
-def _patched(attr_owner, name, value):
-    had = hasattr(attr_owner, name)
-    old = getattr(attr_owner, name, None)
-    setattr(attr_owner, name, value)
-    try:
-        yield
-    finally:
-        if had:
-            setattr(attr_owner, name, old)
-        else:
-            delattr(attr_owner, name)
-
-
-def _all_pairs_fallback(original):
-    def readable_pairs(q_tiles, k_tiles, *args, **kwargs):
-        try:
-            return original(q_tiles, k_tiles, *args, **kwargs)
-        except Exception:  # noqa: BLE001 - fake tensors have no values: every pair (module docstring)
-            return [[True] * len(k_tiles) for _ in q_tiles]
-    readable_pairs.planner_fallback = True
-    return readable_pairs
-
-
-@contextlib.contextmanager
-def trace_patches(unique_rows: dict, host=None):
-    """The substitutions of the module docstring, undone on exit. ``unique_rows`` maps ``id(target_row_KS)`` of the
-    batch's (fake) index tensor to its real host copy; ``host``: the real host batch whose sparse anchors' sets the
-    traced model uses (``recipe.model.sparse_anchors.anchor_sets`` reads index values, which fake tensors lack)."""
-    import kernels.tiled_attention  # noqa: F401 - make sure it is loaded before its modules are scanned
-    from recipe.model import ttt
-
-    with contextlib.ExitStack() as stack:
-        for mod_name, mod in list(sys.modules.items()):
-            fn = getattr(mod, "readable_pairs", None) if mod_name.startswith("kernels") else None
-            if callable(fn) and not getattr(fn, "planner_fallback", False):
-                stack.enter_context(_patched(mod, "readable_pairs", _all_pairs_fallback(fn)))
-        original_teacher = ttt.teacher_logits
-
-        def teacher_logits(target_hidden_BLH, target_row_KS, target_head_VdH, target_softcap=None):
-            real = unique_rows.get(id(target_row_KS))
-            if real is None:
-                return original_teacher(target_hidden_BLH, target_row_KS, target_head_VdH, target_softcap)
-            from torch._subclasses.fake_tensor import unset_fake_temporarily
-
-            from recipe.model.loss import target_logits
-
-            with unset_fake_temporarily():
-                u = int(torch.unique(real).numel())
-            rows_U = torch.zeros(u, dtype=torch.int64, device=target_row_KS.device)
-            with torch.no_grad():
-                logits = target_logits(target_hidden_BLH[:, rows_U], target_head_VdH, target_softcap)
-            return logits, torch.zeros_like(target_row_KS)
-        stack.enter_context(_patched(ttt, "teacher_logits", teacher_logits))
-        if host is not None:
-            from torch._subclasses.fake_tensor import unset_fake_temporarily
-
-            with unset_fake_temporarily():
-                sets = ttt.anchor_sets(host.valid_KBS, host.position_ids_BS, host.target_row_KS)
-            stack.enter_context(_patched(ttt, "anchor_sets", lambda *args: sets))
-        import torch.nn.attention.flex_attention as flex_mod
-
-        stack.enter_context(_patched(flex_mod, "flex_attention", _flex_standin))
-        import kernels.flex_attention as kflex
-
-        stack.enter_context(_patched(kflex, "_COMPILED", {"flex": _flex_standin}))
-        yield
 
 
 def cast_module(module: nn.Module, dtype: torch.dtype) -> nn.Module:
@@ -178,21 +89,13 @@ def cast_module(module: nn.Module, dtype: torch.dtype) -> nn.Module:
 
 
 def build_traced_model(spec: BenchSpec, pstate, backend: str):
-    """``recipe.bench.measure.build_model`` under the active fake mode (same construction; ``cast_module`` instead
-    of ``.to``); ``backend`` "flex" builds the CUDA flex path (device "cuda" is only named, never touched)."""
-    from recipe.config import KernelOptions, MemoryOptions
-    from recipe.model.draft import Eagle3Draft
-    from recipe.model.ttt import TTTModel
-    from recipe.parallel.parallelize import parallelize
-    from recipe.plan.spec import spec_draft_config
-
+    """``recipe.bench.measure.build_model`` under the active fake mode: the same
+    ``recipe.parallel.parallelize.build_training_model`` (``cast_module`` instead of ``.to``); the model is built
+    for the device ``backend`` runs on (CUDA for flex: only named, never touched)."""
     draft = Eagle3Draft(spec_draft_config(spec), seed=spec.seed)
     head = torch.empty(spec.draft_vocab, spec.target_hidden)
-    chunked, ckpt = LAYOUTS[spec.layout]
-    model = TTTModel(draft, head, loss_chunk_size=spec.loss_chunk_size if chunked else None, checkpoint_steps=ckpt,
-                     sparse_anchors=spec.sparse_anchors)
-    parallelize(model, pstate, MemoryOptions(attention_tile_size=spec.attention_tile, mlp_tile_size=spec.mlp_tile),
-                "cuda" if backend == "flex" else "cpu", KernelOptions(attention=backend))
+    device = "cpu" if backend_runs_on(backend, "cpu") else "cuda"
+    model = build_training_model(draft, head, spec_memory(spec), spec_kernels(spec, backend), pstate, device)
     return cast_module(model, DTYPES[spec.dtype])
 
 
@@ -238,34 +141,40 @@ def fake_world(tp: int, cp: int):
 
 
 def traced_backend(spec: BenchSpec) -> str:
-    """The backend the trace builds for ``spec.attention_backend``: "auto" is flex for a CUDA spec, else tiled;
-    "sdpa" (whose kernel picks its mask layout from position values, which fake tensors lack) is traced as its
-    tile loops with the tiled reference pair kernel: the same tiles, one pair's temporaries at a time."""
+    """The backend the trace builds for ``spec.attention_backend``: "auto" resolved for ``spec.device`` by the run's
+    rule (``kernels.attention_backends.resolve_attention_backend``), then the backend's ``traced_as`` (``sdpa``,
+    whose kernel picks its mask layout from position values, is traced as ``tiled``). Raises ValueError for a name
+    that is not registered."""
     name = spec.attention_backend
     if name == "auto":
-        return "flex" if str(spec.device).startswith("cuda") else "tiled"
-    return "tiled" if name == "sdpa" else name
+        name = resolve_attention_backend(name, spec.device)
+    return attention_backend(name).traced_as or name
+
+
+def uses_tiles(spec: BenchSpec) -> bool:
+    """Whether the traced backend cuts its blocks into ``attention_tile`` tiles (False: its own blocking, flex)."""
+    return attention_backend(traced_backend(spec)).uses_tiles
 
 
 def trace_step(spec: BenchSpec) -> TraceResult:
     """Trace one forward + backward of ``spec`` on rank 0 (module docstring). ``spec.attention_backend``: any of
-    "auto", "tiled", "sdpa", "flex" (:func:`traced_backend`). Raises ValueError for a spec BenchSpec rejects."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
+    "auto" or a registered backend (:func:`traced_backend`). Raises ValueError for a spec BenchSpec rejects."""
     from recipe.model.ttt import ttt_objective
 
     batch, rows = host_batch(spec)
-    unique_rows = {}
     dt = DTYPES[spec.dtype]
-    with fake_world(spec.tp, spec.cp) as pstate, trace_patches(unique_rows, batch), warnings.catch_warnings(), \
+    hints = TraceHints(int(torch.unique(batch.target_row_KS).numel()),
+                       anchor_sets(batch.valid_KBS, batch.position_ids_BS, batch.target_row_KS)
+                       if spec.sparse_anchors else None)
+    with fake_world(spec.tp, spec.cp) as pstate, tracing(), warnings.catch_warnings(), \
             FakeTensorMode(allow_non_fake_inputs=True) as mode:
         warnings.filterwarnings("ignore", message=".*data pointer of FakeTensor")  # host-copy lookups: none here
         model = build_traced_model(spec, pstate, traced_backend(spec))
+        model.trace_hints = hints
         fields = {f.name: mode.from_tensor(getattr(batch, f.name)) for f in dataclasses.fields(batch)}
         n_local = fields["input_ids_KBS"].shape[2]
         fields["aux_hidden_BSA"] = torch.empty(spec.batch, n_local, 3 * spec.target_hidden, dtype=dt)
         fields["target_hidden_BLH"] = torch.empty(spec.batch, rows, spec.target_hidden, dtype=dt)
-        unique_rows[id(fields["target_row_KS"])] = batch.target_row_KS
         fake_batch = dataclasses.replace(batch, **fields)
         params = {"trainable": sum(p.numel() for p in model.parameters() if p.requires_grad),
                   "frozen": sum(p.numel() for p in model.parameters() if not p.requires_grad)}
@@ -303,7 +212,7 @@ def _total(snapshot: dict) -> int:
 
 def is_dense(spec: BenchSpec) -> bool:
     """Whether the causal block keeps [S, S] scores: untiled tiled/sdpa attention on one cp rank."""
-    return spec.attention_tile is None and spec.cp == 1 and traced_backend(spec) != "flex"
+    return spec.attention_tile is None and spec.cp == 1 and uses_tiles(spec)
 
 
 def trace_lengths(spec: BenchSpec) -> list[int]:
@@ -314,7 +223,7 @@ def trace_lengths(spec: BenchSpec) -> list[int]:
     unit = seq_divisor(spec.cp, spec.tp)
     if chunked:
         unit = math.lcm(unit, spec.loss_chunk_size * spec.cp)
-    if spec.attention_tile is not None and traced_backend(spec) != "flex":
+    if spec.attention_tile is not None and uses_tiles(spec):
         unit = math.lcm(unit, spec.attention_tile * 2 * spec.cp)
     if spec.mlp_tile is not None:
         unit = math.lcm(unit, spec.mlp_tile * spec.cp)  # whole MLP tiles on the rank's S/cp positions

@@ -150,13 +150,15 @@ class SplitTarget:
         tp_group, tp_size, tp_rank: the tensor-parallel group of this rank (tp_size 1: none).
         split_group: the cp·tp group (``ParallelState.cp_tp_group``: ranks ordered cp_rank·tp + tp_rank); needed
             when tp_size > 1 (at tp 1 the ring is the cp group).
+        sequence_parallel: the strategy across the split sequence (the run's ``kernels.sequence_parallel``).
     Raises ValueError for an unsupported model type (``check_split_target``) or backend, or tp_size > 1 without a
     ring group. Use :meth:`from_state` with a ``ParallelState``.
     """
 
     def __init__(self, target: TargetModel, comm, cp_group, cp_size: int, cp_rank: int,
                  attention_backend: str = "auto", tile_size: int | None = None, argmax_chunk_size: int = 1024, *,
-                 tp_group=None, tp_size: int = 1, tp_rank: int = 0, split_group=None):
+                 tp_group=None, tp_size: int = 1, tp_rank: int = 0, split_group=None,
+                 sequence_parallel: str = "ring"):
         check_split_target(target.config)
         if tp_size > 1 and split_group is None:
             raise ValueError(f"SplitTarget over tp_size={tp_size} needs the cp·tp split_group "
@@ -167,16 +169,16 @@ class SplitTarget:
         self.split_group = split_group if tp_size > 1 else cp_group
         self.split_size, self.split_rank = cp_size * tp_size, cp_rank * tp_size + tp_rank
         self.block = make_causal_attention(attention_backend, tile_size, target.device,
-                                           self.split_group if self.split_size > 1 else None)
+                                           self.split_group if self.split_size > 1 else None, sequence_parallel)
         self.counts = TargetExchangeCounts()
 
     @classmethod
     def from_state(cls, target: TargetModel, pstate, attention_backend: str = "auto", tile_size: int | None = None,
-                   argmax_chunk_size: int = 1024) -> "SplitTarget":
+                   argmax_chunk_size: int = 1024, sequence_parallel: str = "ring") -> "SplitTarget":
         """The target split over ``pstate``'s (a ``recipe.parallel.topology.ParallelState``) cp·tp group."""
         return cls(target, pstate.comm, pstate.cp_group, pstate.cp_size, pstate.cp_rank, attention_backend,
                    tile_size, argmax_chunk_size, tp_group=pstate.tp_group, tp_size=pstate.tp_size,
-                   tp_rank=pstate.tp_rank, split_group=pstate.cp_tp_group)
+                   tp_rank=pstate.tp_rank, split_group=pstate.cp_tp_group, sequence_parallel=sequence_parallel)
 
     @property
     def device(self) -> torch.device:

@@ -188,7 +188,9 @@ def plan_summary(parts) -> str:
             f"{parts.engine.zero_optimization_stage()}; global batch {p.global_batch} = micro {p.micro_batch} × "
             f"accum {p.grad_accum} × dp {p.dp}; {config.total_steps} steps over {len(parts.builder)} samples; "
             f"dtype {str(config.dtype).removeprefix('torch.')}; attention {config.kernels.attention} "
-            f"(tile {config.memory.attention_tile_size}); batch {asdict(p)}; collectives {dist.get_backend()} on "
+            f"(tile {config.memory.attention_tile_size}"
+            f"{f', {config.kernels.sequence_parallel} over cp' if d.cp > 1 else ''}); batch {asdict(p)}; "
+            f"collectives {dist.get_backend()} on "
             f"{parts.pstate.device}" + (f"; {parts.resharding}" if parts.resharding else "")
             + (f"; target forward split over {parts.builder.target.split_size} ranks (cp·tp)"
                if parts.builder.split_target else ""))

@@ -21,7 +21,7 @@ from recipe.data.vocab import VocabMap, build_vocab_map, vocab_coverage_report
 from recipe.model.draft import Eagle3Draft
 from recipe.model.draft_config import Eagle3DraftConfig, load_draft_config_overrides
 from recipe.model.ttt import TTTModel
-from recipe.parallel.parallelize import parallelize
+from recipe.parallel.parallelize import build_training_model
 from recipe.parallel.topology import ParallelState
 from recipe.target.capture import target_fingerprint
 from recipe.target.head import load_embedding_and_head
@@ -172,14 +172,15 @@ def build_run(args: TrainArgs, device: torch.device, console: Console) -> RunPar
     draft.set_vocab_map(vocab.d2t, vocab.t2d)
     if args.lm_head_init == "target" and init is None:
         draft.init_lm_head_from_target(lm_head_VH, vocab.draft_ids)
-    model = TTTModel(draft, lm_head_VH[vocab.draft_ids].clone(), loss_chunk_size=memory.loss_chunk_size,
-                     checkpoint_steps=memory.checkpoint_ttt_steps, target_softcap=final_logit_softcap(hf_config),
-                     sparse_anchors=memory.sparse_anchors)
-    if init is not None and resume_from is None:  # into the single-device model: every layout is cut from it
-        init_draft.load_into(model, init)
-    if resharding is not None:  # the layout is cut from the saved masters, as a fresh run's from its initial weights
-        reshard.load_master_weights(model, resume_from)
-    parallelize(model, pstate, memory, device, config.kernels)
+
+    def before_split(model: TTTModel) -> None:
+        if init is not None and resume_from is None:  # into the single-device model: every layout is cut from it
+            init_draft.load_into(model, init)
+        if resharding is not None:  # the layout is cut from the saved masters, as a fresh run's initial weights
+            reshard.load_master_weights(model, resume_from)
+
+    model = build_training_model(draft, lm_head_VH[vocab.draft_ids].clone(), memory, config.kernels, pstate, device,
+                                 target_softcap=final_logit_softcap(hf_config), before_split=before_split)
     if args.freeze_lm_head:  # whichever module holds lm_head now (vocab-parallel under tp)
         model.draft.lm_head.weight.requires_grad_(False)
 
@@ -227,7 +228,7 @@ def online_target(args: TrainArgs, config: RunConfig, pstate: ParallelState, dra
                           device=device)
     if splits_target(hf_config, dims.cp, dims.tp):
         target = SplitTarget.from_state(target, pstate, config.kernels.attention, config.memory.attention_tile_size,
-                                     argmax_chunk)
+                                        argmax_chunk, config.kernels.sequence_parallel)
     return target, argmax_chunk
 
 
