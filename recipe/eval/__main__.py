@@ -153,6 +153,7 @@ def _context_run(args, console, tree) -> dict:
                                 draft_dtype=DRAFT_DTYPES[args.draft_dtype] if args.draft_dtype else None, tree=tree,
                                 target_dtype=DRAFT_DTYPES[args.dtype] if args.dtype else None,
                                 window=windows, eos_token_id=tokenizer.eos_token_id)
+    result["draft_window_size"] = args.draft_window_size  # the flag; each draft's own: draft_window_sizes
     return {"context_lengths": args.context_lengths, "context_request": args.context_request, "seed": args.seed,
             "prompts": str(args.prompts), "bucketed_by_prompt_length": bucketed,
             "context_data": None if bucketed else [str(f) for f in args.context_data],

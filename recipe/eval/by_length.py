@@ -78,7 +78,8 @@ def evaluate_by_length(target_dir: str | Path, drafts: dict[str, Path], buckets:
     ``recipe.eval.harness.evaluate``; ``window``: the drafts' sliding window in positions (``DraftKVCache``; None: full attention), or a
     ``{label: window}`` dict giving each draft its own;
     ``eos_token_id``: the tokenizer's EOS (decoding stops after it; None: only ``max_new_tokens`` stops).
-    Returns ``{"target", "target_dtype", "max_new_tokens", "draft_window_size", "draft_dtypes", "tree",
+    Returns ``{"target", "target_dtype", "max_new_tokens", "draft_window_size" (``window`` when one for all, else
+    None), "draft_dtypes", "draft_window_sizes" ({label: window}), "tree",
     "lengths": [length_entry(...), ...]}``, one entry per length in increasing order (``length_report``).
     Raises ``MismatchError`` naming the prompt when a speculative output differs from greedy decoding, ValueError
     for an unloadable export or a prompt that with ``max_new_tokens`` and the drafted tokens would pass the target's
@@ -139,6 +140,7 @@ def evaluate_by_length(target_dir: str | Path, drafts: dict[str, Path], buckets:
                       f"context {length}: no prompts")
     console.print(length_table(entries))
     return {"target": str(target_dir), "target_dtype": str(dtype).removeprefix("torch."),
-            "max_new_tokens": max_new_tokens, "draft_window_size": window, "draft_dtypes": dtypes,
+            "max_new_tokens": max_new_tokens, "draft_window_size": None if isinstance(window, dict) else window,
+            "draft_dtypes": dtypes,
             "draft_window_sizes": {label: draft_window(window, label) for label in drafts},
             "tree": tree.as_dict() if tree is not None else None, "lengths": entries}
