@@ -153,7 +153,8 @@ class KernelOptions:
     on CUDA, the fused CPU kernel sdpa on CPU) or a registered backend (``kernels.registry``): ``"tiled"`` (pure
     PyTorch, the reference), ``"sdpa"`` (CPU only), ``"flex"`` (CUDA only). ``sequence_parallel``: the strategy of
     that attention across a sequence split over a cp group (the draft's) or a cp·tp group (the target's), a
-    registered name (``kernels.registry.sequence_parallel_names``); ``"ring"`` (default: ring attention over the zigzag shards).
+    registered name (``kernels.registry.sequence_parallel_names``); ``"ring"`` (default: ring attention over the
+    zigzag shards).
     The run resolves ``attention`` for its device (:meth:`RunConfig.for_device`) and records both in
     ``run_config.json`` (``kernels``). The tile size stays a memory switch (``memory.attention_tile_size``).
     """
