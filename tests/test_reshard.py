@@ -17,8 +17,8 @@ step 4 on (Adam's first updates are nearly lr·sign(g), so summation-order noise
 whole updates), in loss by ≤ 6.7e-7, and the chains measure the same: ≤ 1.0e-6 in loss, ≤ 1.8e-5 in grad norm,
 exports within 6.1e-6 (torch 2.13 CPU). A wrong Adam step, moment, master or learning rate after a switch moves
 the next loss by orders of magnitude more. Each switch is announced in the run plan, and a checkpoint without the
-layout-free state (written by an earlier version) is refused on another layout with a message naming its own
-layout. Runs of one world size share one process launch; the chains advance together (4 + 2 + 1 ranks, then
+layout-free state (a run whose optimizer is not Adam writes none) is refused on another layout with a message
+naming its own layout. Runs of one world size share one process launch; the chains advance together (4 + 2 + 1 ranks, then
 2 + 4, then 1).
 """
 from __future__ import annotations
@@ -31,6 +31,7 @@ import pytest
 from helpers.faults import Job, run_jobs
 from helpers.ranks import run_ranks
 from helpers.training import ROOT, assert_curves_close
+from recipe.train.manifest import MANIFEST, manifest_dict
 from recipe.train.reshard import TRAIN_STATE_FILE
 
 pytestmark = pytest.mark.slow  # DeepSpeed training on 1, 2 and 4 ranks with the real target's hidden states
@@ -78,11 +79,12 @@ def chains(real_store, tmp_path_factory):
         for name, index in phase.items():
             world, j = job(name, index)
             by_world.setdefault(world, []).append((name, j))
-        if number == 2:  # the cp2 checkpoint of step 3 as an earlier version wrote it: no layout-free state
-            old = tmp / "old" / "checkpoints"
+        if number == 2:  # the cp2 checkpoint of step 3 without layout-free state (a run whose optimizer is not
+            old = tmp / "old" / "checkpoints"  # Adam writes none), its manifest listing what is there
             shutil.copytree(tmp / "cp2-cp1" / "checkpoints", old)
-            for name in (TRAIN_STATE_FILE, "manifest.json"):
-                (old / "step-00000003" / name).unlink()
+            step3 = old / "step-00000003"
+            (step3 / TRAIN_STATE_FILE).unlink()
+            (step3 / MANIFEST).write_text(json.dumps(manifest_dict(step3.name, folder=step3), indent=2))
             _, j = job("cp2-cp1", 1)
             argv = list(j.argv)
             argv[argv.index("--output") + 1] = str(tmp / "old")
