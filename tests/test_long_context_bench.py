@@ -140,8 +140,9 @@ def test_one_eval_run_for_every_arm_and_its_skip_stamp(tmp_path, monkeypatch):
     merged = lc._eval(_Assets(tmp_path), args, tmp_path, drafts, args.context_lengths, "about-context", out,
                       console=lc.Console(quiet=True))
     assert merged == {"context_lengths": [256, 4096], "lengths": []}
-    assert [Path(c[c.index("--output") + 1]).name for c, _ in seen] == ["about-L256.json", "about-L4096.json"]
-    cmd, cwd = seen[1]
+    # longest first (the long pole starts first when --eval-jobs runs lengths side by side), merged in given order
+    assert [Path(c[c.index("--output") + 1]).name for c, _ in seen] == ["about-L4096.json", "about-L256.json"]
+    cmd, cwd = seen[0]
     assert cwd == tmp_path and cmd[1:3] == ["-m", "recipe.eval"]
     assert cmd[cmd.index("--context-lengths") + 1] == "4096" and cmd[cmd.index("--limit") + 1] == "8"
     assert cmd[cmd.index("--context-request") + 1] == "about-context"
@@ -156,3 +157,28 @@ def test_one_eval_run_for_every_arm_and_its_skip_stamp(tmp_path, monkeypatch):
     with pytest.raises(RuntimeError, match="evaluation failed"):
         lc._eval(_Assets(tmp_path), args, tmp_path, ["x"], [0], "unrelated", tmp_path / "u",
                  console=lc.Console(quiet=True))
+
+
+def test_fewer_prompts_at_the_longest_length_and_threads_shared_by_jobs(tmp_path, monkeypatch):
+    seen = {}
+
+    def fake_call(cmd, env, cwd):
+        seen[cmd[cmd.index("--context-lengths") + 1]] = (cmd[cmd.index("--limit") + 1], env["OMP_NUM_THREADS"])
+        Path(cmd[cmd.index("--output") + 1]).write_text(json.dumps({"context_lengths": [0], "lengths": []}))
+        return 0
+    monkeypatch.setattr(lc.subprocess, "call", fake_call)
+    monkeypatch.setattr(lc.os, "cpu_count", lambda: 4)
+    args = lc.build_parser().parse_args(["--prompts", "32", "--prompts-longest", "16", "--eval-jobs", "2",
+                                         "--context-lengths", "256,7k,2k"])
+    lc._eval(_Assets(tmp_path), args, tmp_path, ["short"], args.context_lengths, "about-context", tmp_path / "a",
+             console=lc.Console(quiet=True))
+    assert seen == {"7168": ("16", "2"), "2048": ("32", "2"), "256": ("32", "2")}
+    seen.clear()  # the unrelated contrast: --prompts at every length, or --contrast-prompts
+    lc._eval(_Assets(tmp_path), args, tmp_path, ["short"], [0, 4096], "unrelated", tmp_path / "u",
+             console=lc.Console(quiet=True))
+    assert seen == {"0": ("32", "2"), "4096": ("32", "2")}
+    seen.clear()
+    args.contrast_prompts = 16
+    lc._eval(_Assets(tmp_path), args, tmp_path, ["short"], [0, 4096], "unrelated", tmp_path / "u2",
+             console=lc.Console(quiet=True))
+    assert seen == {"0": ("16", "2"), "4096": ("16", "2")}

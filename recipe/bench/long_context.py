@@ -3,6 +3,7 @@
     python -m recipe.bench long-context [--output runs/long_context] [--target DIR] [--data FILE]
         [--short-run DIR] [--long-length 4k] [--long-conversations 180] [--cp-size 2] [--warm-fraction 0.33]
         [--position-offset-max N] [--windows 256,1024] [--context-lengths 256,1k,2k,4k,7k] [--prompts 16]
+        [--prompts-longest N] [--contrast-prompts N] [--eval-jobs J]
         [--max-new-tokens 32] [--num-draft-tokens 3] [--json FILE] [-- DEMO FLAGS ...]
 
 Arms (each a run folder under ``OUTPUT``, resumed or skipped like ``recipe.demo``'s stages):
@@ -39,6 +40,7 @@ import json
 import os
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from rich.console import Console
@@ -77,6 +79,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="lengths of the short arm's unrelated-request contrast")
     p.add_argument("--no-contrast", action="store_true", help="skip the unrelated-request contrast")
     p.add_argument("--prompts", type=int, default=16, help="MT-Bench prompts per context length")
+    p.add_argument("--prompts-longest", type=int,
+                   help="prompts at the longest about-context length (default: --prompts; its prefill dominates)")
+    p.add_argument("--contrast-prompts", type=int, help="prompts per length of the unrelated contrast (default: "
+                   "--prompts)")
+    p.add_argument("--eval-jobs", type=int, default=1,
+                   help="context lengths evaluated at once, each with its share of the CPU threads (on 2 cores, 2 "
+                        "jobs of 1 thread decode faster than 1 job of 2)")
     p.add_argument("--max-new-tokens", type=int, default=32)
     p.add_argument("--num-draft-tokens", type=positive_int_list, default=[3])
     p.add_argument("--train-only", action="store_true", help="train (or find) the arms, evaluate nothing")
@@ -140,13 +149,13 @@ def train_arms(args, demo_flags: list[str], assets, console: Console) -> dict[st
 
 
 def _eval_one(assets, args, drafts_dir: Path, drafts: list[str], length: int, request: str, out: Path,
-              console: Console) -> dict:
-    """One ``python -m recipe.eval --context-lengths LENGTH`` run in ``drafts_dir`` with every draft of ``drafts``;
-    skipped when ``out`` holds the result of the same command. Returns the JSON. Raises RuntimeError when it
-    fails."""
+              console: Console, prompts: int, threads: int) -> dict:
+    """One ``python -m recipe.eval --context-lengths LENGTH --limit PROMPTS`` run in ``drafts_dir`` with every draft
+    of ``drafts`` and ``threads`` OpenMP threads; skipped when ``out`` holds the result of the same command. Returns
+    the JSON. Raises RuntimeError when it fails."""
     cmd = [sys.executable, "-m", "recipe.eval", "--target", str(assets.target), "--prompts", str(assets.prompts),
            "--context-data", str(assets.conversations), "--context-lengths", str(length),
-           "--context-request", request, "--limit", str(args.prompts), "--num-draft-tokens",
+           "--context-request", request, "--limit", str(prompts), "--num-draft-tokens",
            ",".join(map(str, args.num_draft_tokens)), "--max-new-tokens", str(args.max_new_tokens), "--output",
            str(out)] + [x for d in drafts for x in ("--draft", d)]
     stamp = out.with_suffix(".command.json")
@@ -154,7 +163,7 @@ def _eval_one(assets, args, drafts_dir: Path, drafts: list[str], length: int, re
         console.print(f"eval: {out} is up to date, skipped")
         return json.loads(out.read_text())
     console.print(f"[bold]$ (cd {drafts_dir}) {' '.join(cmd)}[/bold]")
-    env = subprocess_env(max(1, os.cpu_count() or 1))
+    env = subprocess_env(threads)
     env["PYTHONPATH"] = os.pathsep.join([str(demo.REPO), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     if subprocess.call(cmd, env=env, cwd=drafts_dir) != 0:
         raise RuntimeError(f"evaluation failed: {' '.join(cmd)}")
@@ -166,9 +175,23 @@ def _eval(assets, args, drafts_dir: Path, drafts: list[str], lengths: list[int],
           console: Console) -> dict:
     """``recipe.eval`` per context length (``PREFIX-L{length}.json``: a prompt's prefill and greedy reference serve
     every draft of its length, so nothing is shared across lengths, and an interrupted experiment keeps the lengths
-    it finished), merged into one ``recipe.eval --context-lengths`` JSON with every length's entry."""
-    parts = [_eval_one(assets, args, drafts_dir, drafts, n, request, prefix.with_name(f"{prefix.name}-L{n}.json"),
-                       console) for n in lengths]
+    it finished), merged into one ``recipe.eval --context-lengths`` JSON with every length's entry. With
+    ``--eval-jobs J`` up to J lengths run at once (longest first), each with 1/J of the CPU threads."""
+    jobs = max(1, min(args.eval_jobs, len(lengths)))
+    threads = max(1, (os.cpu_count() or 1) // jobs)
+    longest = max(lengths)
+
+    def one(n: int) -> dict:
+        if request != "about-context":
+            prompts = args.contrast_prompts or args.prompts
+        else:
+            prompts = args.prompts_longest if n == longest and args.prompts_longest else args.prompts
+        return _eval_one(assets, args, drafts_dir, drafts, n, request, prefix.with_name(f"{prefix.name}-L{n}.json"),
+                         console, prompts, threads)
+
+    with ThreadPoolExecutor(max_workers=jobs) as pool:
+        done = dict(zip(sorted(lengths, reverse=True), pool.map(one, sorted(lengths, reverse=True))))
+    parts = [done[n] for n in lengths]
     return {**parts[0], "context_lengths": list(lengths), "lengths": [e for p in parts for e in p["lengths"]]}
 
 
