@@ -93,7 +93,10 @@ class MemoryOptions:
     positions whose [chunk, V] logits fit :data:`ARGMAX_LOGITS_BYTES` (:meth:`argmax_positions`).
     ``sparse_anchors``: compute each TTT step only at the anchors some step's loss reads (``recipe.model.sparse_anchors``;
     step 0's keys/values still at every position): the same numbers as false (the dense path) up to float rounding,
-    and work proportional to the supervised positions.
+    and work proportional to the supervised positions. ``"auto"`` (absent): per micro-batch and rank, sparse where
+    step 0's needed anchors are under 85 % of the positions (chat turns, long documents with short answers), dense
+    on fully supervised batches, where the compacted copies would raise the peak (``sparse_pays``); true/false
+    force one path.
     Which kernel computes the causal block is not a memory trade-off: it is the ``kernels`` section
     (:class:`KernelOptions`). DeepSpeed's own ``activation_checkpointing`` section configures
     ``deepspeed.checkpointing`` only, which this recipe does not use, so it is not read.
@@ -104,7 +107,7 @@ class MemoryOptions:
     attention_tile_size: int | None = 1024
     mlp_tile_size: int | None = None
     argmax_chunk_size: int | None = None
-    sparse_anchors: bool = False
+    sparse_anchors: bool | str = "auto"
 
     def argmax_positions(self, vocab_size: int, dtype: torch.dtype) -> int:
         """Positions per argmax matmul for a target of ``vocab_size`` logits of ``dtype``: ``argmax_chunk_size`` if
@@ -138,8 +141,11 @@ class MemoryOptions:
         flags = {}
         for key in ("checkpoint_ttt_steps", "sparse_anchors"):
             flags[key] = section.get(key, getattr(cls, key))
+            if key == "sparse_anchors" and flags[key] == "auto":
+                continue
             if not isinstance(flags[key], bool):
-                raise ConfigError(f"{path}: '{MEMORY_SECTION}.{key}' must be true or false, got {flags[key]!r}")
+                also = ' or "auto"' if key == "sparse_anchors" else ""
+                raise ConfigError(f"{path}: '{MEMORY_SECTION}.{key}' must be true or false{also}, got {flags[key]!r}")
         return cls(**flags, **sizes)
 
 

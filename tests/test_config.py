@@ -18,6 +18,9 @@ def test_memory_section_parsed_and_removed():
     dense = MemoryOptions.pop_from({"memory": {"attention_tile_size": None}}, "x.json")
     assert dense.attention_tile_size is None
     assert MemoryOptions.pop_from({"memory": {"attention_tile_size": 256}}, "x.json").attention_tile_size == 256
+    assert MemoryOptions.pop_from({}, "x.json").sparse_anchors == "auto"  # sparse where it pays
+    for mode in (True, False, "auto"):
+        assert MemoryOptions.pop_from({"memory": {"sparse_anchors": mode}}, "x.json").sparse_anchors == mode
 
 
 def test_kernels_section_parsed_and_removed():
@@ -45,6 +48,8 @@ def test_kernels_section_errors_name_file_and_field(section, message):
     ({"loss_chunk_size": 0}, "memory.loss_chunk_size' must be a positive integer"),
     ({"loss_chunk_size": True}, "memory.loss_chunk_size' must be a positive integer"),
     ({"checkpoint_ttt_steps": "yes"}, "memory.checkpoint_ttt_steps' must be true or false"),
+    ({"sparse_anchors": "on"}, "memory.sparse_anchors' must be true or false or \"auto\", got 'on'"),
+    ({"sparse_anchors": 1}, "memory.sparse_anchors' must be true or false or \"auto\", got 1"),
     ({"attention_tile_size": 0}, "memory.attention_tile_size' must be a positive integer or null"),
     ({"attention_tile_size": 1.5}, "memory.attention_tile_size' must be a positive integer or null"),
     ({"attention_backend": "flash"}, "unknown key(s) ['attention_backend'] in 'memory'"),

@@ -18,7 +18,7 @@ from helpers.parity import assert_parity, run_layout
 from helpers.ranks import run_ranks
 
 from recipe.config import KernelOptions, MemoryOptions
-from recipe.model.sparse_anchors import anchor_sets, needed_steps
+from recipe.model.sparse_anchors import AUTO_SPARSE_SHARE, anchor_sets, needed_share, needed_steps, sparse_pays
 from recipe.model.ttt import TTTBatch, TTTModel
 from recipe.parallel.parallelize import parallelize
 
@@ -186,6 +186,21 @@ def test_sparse_tp2_and_cp2_match_single_process_dense():
     _check_layouts(run_ranks(2, _layouts, WORLD2), WORLD2)
 
 
+def _mixed(rank, world):
+    """cp2, the cp ranks on different paths (rank 0 sparse, rank 1 dense, and the other way round), every switch."""
+    return {order: run_layout(rank, world, tp=1, cp=2, K=3, seed=10, seq_len=SEQ_PAR, dtype=torch.float32,
+                              attention_backend="tiled", sparse=order, answers=(6, 2), tile_size=4, switches=ALL)
+            for order in ((True, False), (False, True))}
+
+
+@pytest.mark.slow
+def test_cp_ranks_on_different_paths_match_single_process_dense():
+    """What ``"auto"`` may decide under cp (each rank its own shard's share): one ring, one rank compacted."""
+    for rank, result in enumerate(run_ranks(2, _mixed)):
+        for order, r in result.items():
+            assert assert_parity(r, 1e-6, f"cp2 {order} rank {rank}") == 13
+
+
 @pytest.mark.slow
 def test_sparse_tp2_cp2_matches_single_process_dense():
     _check_layouts(run_ranks(4, _layouts, WORLD4), WORLD4)
@@ -222,11 +237,13 @@ def _zero_worker(rank, world):
     from helpers.cases import zero3_two_steps
 
     results = {}
-    for stage in (1, 2, 3):
-        for sparse in (False, True):
+    for stage in (0, 1, 2, 3):
+        # "mixed": rank 0 on the sparse path, rank 1 on the dense one (what "auto" may decide per rank)
+        for sparse in (False, True, "mixed"):
             draft, head_VH, batch = build_case(seed=8, K=K, seq_len=SEQ)
             batch = answer_only(batch, (6, 3) if rank == 0 else (0, 0))
-            model = TTTModel(draft, head_VH, loss_chunk_size=5, checkpoint_steps=True, sparse_anchors=sparse)
+            mode = (rank == 0) if sparse == "mixed" else sparse
+            model = TTTModel(draft, head_VH, loss_chunk_size=5, checkpoint_steps=True, sparse_anchors=mode)
             parallelize(model, None, MemoryOptions(attention_tile_size=4), kernel_options=KernelOptions("sdpa"))
             results[(stage, sparse)] = zero3_two_steps(model, batch, K, world, stage)
     return results
@@ -237,16 +254,17 @@ def test_sparse_under_zero_stages_matches_dense():
     from helpers.parity import max_rel
 
     for rank, result in enumerate(run_ranks(2, _zero_worker)):
-        for stage in (1, 2, 3):
-            (dense_loss, dense_params), (loss, params) = result[(stage, False)], result[(stage, True)]
-            # rank 0: the first step changed the weights; rank 1 (nothing supervised): its local loss is 0
-            assert not torch.equal(dense_loss[0], dense_loss[1]) if rank == 0 else not dense_loss.any()
-            torch.testing.assert_close(loss, dense_loss, rtol=1e-6, atol=0)
-            assert params.keys() == dense_params.keys()
-            for name, value in dense_params.items():
-                # Adam's g/sqrt(v) turns the ~1e-7 relative gradient differences (summation order) into up to ~1e-5
-                # of the step size on entries whose gradient is near zero; a missing gradient would be ~1e-2
-                assert max_rel(params[name], value) <= 1e-4, (stage, name)
+        for stage in (0, 1, 2, 3):
+            for other in (True, "mixed"):
+                (dense_loss, dense_params), (loss, params) = result[(stage, False)], result[(stage, other)]
+                # rank 0: the first step changed the weights; rank 1 (nothing supervised): its local loss is 0
+                assert not torch.equal(dense_loss[0], dense_loss[1]) if rank == 0 else not dense_loss.any()
+                torch.testing.assert_close(loss, dense_loss, rtol=1e-6, atol=0)
+                assert params.keys() == dense_params.keys()
+                for name, value in dense_params.items():
+                    # Adam's g/sqrt(v) turns the ~1e-7 relative gradient differences (summation order) into up to
+                    # ~1e-5 of the step size on entries whose gradient is near zero; a missing one would be ~1e-2
+                    assert max_rel(params[name], value) <= 1e-4, (stage, other, name)
 
 
 @pytest.mark.slow
@@ -317,3 +335,34 @@ def test_bench_step_summary_pairs_sparse_with_dense():
     assert by[("sdpa", True)]["x_vs_tiled"] == 3.0
     assert supervised_mask("full", 1, 100).all() and supervised_mask("long10", 2, 100).sum() == 20
     assert abs(supervised_mask("sharegpt", 1, 1950).float().mean().item() - 135 / 195) < 1e-6
+
+
+def test_auto_takes_the_sparse_path_only_where_it_pays(monkeypatch):
+    """``sparse_anchors="auto"``: the share is step 0's compacted rows over the positions (the longest row's needed
+    count / S); a long-prompt/short-answer batch runs sparse, a fully supervised one dense, and both give the dense
+    numbers. A bad mode is a ValueError naming it."""
+    valid = torch.zeros(2, 2, 10, dtype=torch.bool)
+    valid[0, 0, :3] = True
+    valid[1, 0, 5] = True  # row 0 needs 4 anchors (0, 1, 2, 5), row 1 none
+    assert needed_share(valid) == 0.4 and sparse_pays("auto", valid) and not sparse_pays(False, valid)
+    valid[0, 1, :9] = True
+    assert needed_share(valid) == 0.9 > AUTO_SPARSE_SHARE
+    assert not sparse_pays("auto", valid) and sparse_pays(True, valid)
+    with pytest.raises(ValueError, match="'sometimes'"):
+        sparse_pays("sometimes", valid)
+    with pytest.raises(ValueError, match="sparse_anchors='yes'"):
+        TTTModel(*build_case(seed=3, K=K, seq_len=SEQ)[:2], sparse_anchors="yes")
+
+    draft, head_VH, batch = build_case(seed=3, K=K, seq_len=SEQ)
+    long = answer_only(batch, (6, 3))
+    share = needed_share(batch.valid_KBS)  # the template-like mask; at this threshold it is not "under" it
+    assert needed_share(long.valid_KBS) < min(share, AUTO_SPARSE_SHARE)
+    for case, threshold, sparse in ((long, AUTO_SPARSE_SHARE, True), (batch, share, False)):
+        monkeypatch.setattr("recipe.model.sparse_anchors.AUTO_SPARSE_SHARE", threshold)
+        calls = []
+        model = TTTModel(copy.deepcopy(draft), head_VH, sparse_anchors="auto")
+        original = model._forward_sparse
+        monkeypatch.setattr(model, "_forward_sparse", lambda b, original=original: calls.append(1) or original(b))
+        got = run_model(model, case)
+        assert calls == ([1] if sparse else [])
+        assert_same_run(got, run_model(TTTModel(copy.deepcopy(draft), head_VH), case), tol=1e-6)

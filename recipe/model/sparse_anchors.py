@@ -15,6 +15,15 @@ positions, with their host copy attached for the attention's tile decision: ``ke
 position 0 when the row has none): padded rows have ``valid`` False, so they add exactly zero to every loss, count and
 gradient, and ``N_k ≥ 1`` keeps every module called (ZeRO-3's hooks fire for every parameter on every rank even when a
 rank has no needed anchor). Positions stay non-decreasing along each row.
+
+``"auto"`` (the switch's default) takes the sparse path for a micro-batch only when it pays: :func:`sparse_pays`, step
+0's compacted rows (B·N_0, N_0 = the longest row's needed count) under :data:`AUTO_SPARSE_SHARE` of the dense rows
+(B·S). Measured (docs/benchmarks.md, tiled kernel, fp32, K = 7): at 8k positions on an H200 the sparse step's peak is
+1.07× dense fully supervised, 0.77× at ShareGPT's 69 % and 0.17× at 10 %; the time 0.99×, 0.72× and 0.36×. A line
+through the memory points crosses 1.0 near a share of 0.9, so below 0.85 sparse wins memory and time with a margin,
+and a fully supervised batch (packed pretraining-style text) keeps the dense path's smaller peak. Each rank decides
+on its own rows: the two paths call every module equally often (ZeRO-3 gathers per call) and exchange the same K/V
+blocks in the ring, so ranks of one step may differ (tests/test_sparse_anchors.py runs such mixes).
 """
 from __future__ import annotations
 
@@ -24,6 +33,31 @@ from typing import NamedTuple
 import torch
 
 from kernels.host_positions import attach_host_copies, host_copy
+
+
+AUTO_SPARSE_SHARE = 0.85
+SPARSE_ANCHORS_MODES = (False, True, "auto")
+
+
+def needed_share(valid_KBS: torch.Tensor) -> float:
+    """B·N_0 / (B·S): step 0's compacted rows over the dense path's rows for one micro-batch's ``valid_KBS``
+    [K, B, S] (host copy used when attached, else one device→host copy); N_0 = max over rows of the needed anchors
+    (``needed_steps(valid)[0]``), at least 1. A float in (0, 1]."""
+    host = host_copy(valid_KBS)
+    valid = (host if host is not None else valid_KBS.cpu()).bool()
+    width = max(1, int(valid.any(dim=0).sum(dim=1).max())) if valid.numel() else 1
+    return width / max(1, valid.shape[2])
+
+
+def sparse_pays(mode, valid_KBS: torch.Tensor) -> bool:
+    """Whether ``memory.sparse_anchors`` = ``mode`` (False, True or "auto") runs this micro-batch on the needed
+    anchors: ``mode`` itself when a bool; for "auto", :func:`needed_share` below :data:`AUTO_SPARSE_SHARE`.
+    Raises ValueError for another mode."""
+    if mode is True or mode is False:
+        return mode
+    if mode != "auto":
+        raise ValueError(f"sparse_anchors={mode!r}: choose from {list(SPARSE_ANCHORS_MODES)}")
+    return needed_share(valid_KBS) < AUTO_SPARSE_SHARE
 
 
 class QueryRows(NamedTuple):

@@ -20,7 +20,7 @@ from kernels.ttt_attention import TTTKVCache
 from recipe.model.chunked_loss import chunked_soft_ce
 from recipe.model.draft import Eagle3Draft
 from recipe.model.loss import soft_ce, target_logits
-from recipe.model.sparse_anchors import AnchorSets, QueryRows, anchor_sets, gather_rows
+from recipe.model.sparse_anchors import AnchorSets, QueryRows, anchor_sets, gather_rows, sparse_pays
 
 
 @dataclass
@@ -183,13 +183,16 @@ class TTTModel(nn.Module):
             docs/algorithm.md, "Sparse anchors"): step 0's keys/values at every position, everything else (queries,
             attention output, o_proj, MLP, norms, lm_head, teacher logits) only where some step's loss reads it.
             Same loss sums, counts and gradients as False (the dense path, the reference) up to float rounding.
+            "auto": per micro-batch, the sparse path where it pays (``recipe.model.sparse_anchors.sparse_pays``:
+            step 0's needed rows under 85 % of the positions), else the dense one.
     ``trace_hints``: the tracing hook, a ``recipe.model.trace_hints.TraceHints`` in the planner's trace, else None.
-    Raises ValueError on a loss_chunk_size that is not None or a positive integer.
+    Raises ValueError on a loss_chunk_size that is not None or a positive integer, or a sparse_anchors other than
+    True, False or "auto".
     """
 
     def __init__(self, draft: Eagle3Draft, target_lm_head_weight: torch.Tensor, loss_fn: Callable = soft_ce,
                  loss_chunk_size: int | None = None, checkpoint_steps: bool = False,
-                 target_softcap: float | None = None, sparse_anchors: bool = False):
+                 target_softcap: float | None = None, sparse_anchors: bool | str = False):
         super().__init__()
         self.draft = draft
         self.loss_fn = loss_fn
@@ -200,7 +203,9 @@ class TTTModel(nn.Module):
         self.loss_chunk_size = loss_chunk_size
         self.checkpoint_steps = bool(checkpoint_steps)
         self.teacher_logits_once = True
-        self.sparse_anchors = bool(sparse_anchors)
+        if not (isinstance(sparse_anchors, bool) or sparse_anchors == "auto"):
+            raise ValueError(f"sparse_anchors={sparse_anchors!r} must be true, false or \"auto\"")
+        self.sparse_anchors = sparse_anchors
         self.trace_hints = None  # recipe.model.trace_hints.TraceHints during a fake-tensor trace (recipe.plan.trace)
         self.register_buffer("target_head_d", torch.empty(0), persistent=False)
         self.set_target_head(target_lm_head_weight)
@@ -241,7 +246,11 @@ class TTTModel(nn.Module):
     def forward(self, batch: TTTBatch) -> TTTOutput:
         """Unroll the draft ``batch.num_steps`` times; sums per step (the loop normalises by global counts)."""
         self._match_head_dtype()
-        if self.sparse_anchors:
+        if self.sparse_anchors == "auto" and self.trace_hints is not None:  # the planner's trace: what it planned
+            sparse = self.trace_hints.anchor_sets is not None
+        else:
+            sparse = sparse_pays(self.sparse_anchors, batch.valid_KBS)
+        if sparse:
             return self._forward_sparse(batch)
         hidden_BSH = self.draft.project_aux(batch.aux_hidden_BSA)
         kv_cache = None

@@ -203,7 +203,9 @@ def load_inputs(ds_config: Path, target: Path, gpu: str = "h200", world_size: in
                          batch=config.plan.micro_batch, tp=dims.tp, cp=dims.cp,
                          dtype="bf16" if config.bf16 else "fp32", loss_chunk_size=mem.loss_chunk_size or 1024,
                          attention_tile=mem.attention_tile_size, attention_backend=config.kernels.attention,
-                         mlp_tile=mem.mlp_tile_size, sparse_anchors=mem.sparse_anchors)
+                         mlp_tile=mem.mlp_tile_size,
+                         # "auto" is dense on the fully supervised batch planned here: the larger of the two
+                         sparse_anchors=mem.sparse_anchors is True)
     except ValueError as exc:
         raise PlanError(f"--ds_config {ds_config} with --target {target}: {exc}") from None
     zero = config.deepspeed.get("zero_optimization") or {}

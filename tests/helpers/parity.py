@@ -53,14 +53,15 @@ def full_grads(model: TTTModel, cp_group, tp_group) -> dict[str, torch.Tensor]:
 
 
 def run_layout(rank: int, world: int, tp: int, cp: int, K: int, seed: int, seq_len: int,
-               dtype: torch.dtype = torch.float64, attention_backend: str | None = None, sparse: bool = False,
+               dtype: torch.dtype = torch.float64, attention_backend: str | None = None,
+               sparse: bool | str | tuple = False,
                answers: tuple[int, ...] | None = None, tile_size: int | None = None,
                switches: dict | None = None) -> dict:
     """Reference and (tp, cp) layout on this rank (world = tp·cp·dp, dp ignored: every dp rank repeats the case).
     ``attention_backend``: the attention backend of the layout by ``make_causal_attention`` name (None: "tiled",
     the pure-PyTorch kernel; untiled, i.e. the dense block on one cp rank and one tile per zigzag chunk in the ring;
     ``tile_size`` tiles it). ``sparse``: the layout runs with ``TTTModel.sparse_anchors`` (the reference stays
-    dense). ``answers``: per row, supervise only the last that many real tokens (``cases.answer_only``; a
+    dense); a tuple: one mode per cp rank (ranks of one step on different paths). ``answers``: per row, supervise only the last that many real tokens (``cases.answer_only``; a
     long-prompt/short-answer mask, 0: a row with nothing supervised). ``switches``: memory switches of the layout
     (``loss_chunk_size``, ``checkpoint_steps``: TTTModel attributes; ``mlp_tile_size``: the memory section's).
 
@@ -83,7 +84,8 @@ def run_layout(rank: int, world: int, tp: int, cp: int, K: int, seed: int, seq_l
     memory = MemoryOptions(attention_tile_size=tile_size, mlp_tile_size=switches.pop("mlp_tile_size", None))
     par_model = parallelize(copy.deepcopy(model), pstate, memory,
                             kernel_options=KernelOptions(attention=attention_backend or "tiled"))
-    par_model.sparse_anchors = sparse
+    mode = sparse[pstate.cp_rank] if isinstance(sparse, tuple) else sparse
+    par_model.sparse_anchors = mode
     for name, value in switches.items():
         setattr(par_model, name, value)
     counts = None
@@ -92,7 +94,7 @@ def run_layout(rank: int, world: int, tp: int, cp: int, K: int, seed: int, seq_l
         local = shard_ttt_batch(batch, cp, pstate.cp_rank)
     loss_K, correct_K, valid_K = forward_backward(par_model, local, n_valid)
     needed = None
-    if sparse:
+    if mode:
         from recipe.model.sparse_anchors import anchor_sets
 
         needed = anchor_sets(local.valid_KBS, local.position_ids_BS, local.target_row_KS).counts_KB.sum(dim=1)
