@@ -36,7 +36,8 @@ def chunked_soft_ce(logits_fn: Callable[[torch.Tensor], torch.Tensor], loss_fn: 
                     hidden_BSH: torch.Tensor, target_hidden_BLH: torch.Tensor, target_row_S: torch.Tensor,
                     target_head_VdH: torch.Tensor, valid_BS: torch.Tensor,
                     chunk_size: int, target_softcap: float | None = None,
-                    num_chunks: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                    num_chunks: int | None = None, min_chunks: int | None = None
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
     """Soft CE sum and argmax-match count of one TTT step, ``chunk_size`` flattened positions at a time.
 
     Args:
@@ -50,6 +51,9 @@ def chunked_soft_ce(logits_fn: Callable[[torch.Tensor], torch.Tensor], loss_fn: 
         num_chunks: cut the B·S positions into exactly that many near-equal chunks (some possibly empty) instead of
             chunks of ``chunk_size``: the sparse anchors' path makes as many chunks as the dense path would, so every
             rank calls lm_head equally often (ZeRO-3; ``recipe.model.sparse_anchors.QueryRows``).
+        min_chunks: with ``num_chunks`` None, make at least that many chunks of ``chunk_size``, the ones past B·S
+            empty: the dense path's count for the ZeRO group's largest B·S (``recipe.model.call_extent``); the
+            non-empty chunks, and so every number, are those without it.
     Returns:
         (loss_sum 0-d float32 (float64 for float64 inputs) with grad, correct 0-d int64): the same values as
         ``loss_fn`` over all positions at once, up to float summation order.
@@ -78,7 +82,9 @@ def chunked_soft_ce(logits_fn: Callable[[torch.Tensor], torch.Tensor], loss_fn: 
 
     losses, corrects = [], []
     if num_chunks is None:
-        bounds = [(start, min(start + chunk_size, b * s)) for start in range(0, b * s, chunk_size)]
+        n = b * s
+        bounds = [(min(start, n), min(start + chunk_size, n))
+                  for start in range(0, max(n, (min_chunks or 0) * chunk_size), chunk_size)]
     else:
         edges = [b * s * i // num_chunks for i in range(num_chunks + 1)]
         bounds = list(zip(edges[:-1], edges[1:]))

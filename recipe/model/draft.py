@@ -116,7 +116,9 @@ class Eagle3DecoderLayer(nn.Module):
         tiling = self.mlp_tiling
         seq_len = h_BSH.shape[1] if queries is None else queries.seq_len
         if tiling is not None and tiling.applies_to(seq_len):
-            tiles = None if queries is None else -(-seq_len // tiling.tile_size)
+            tiles = -(-seq_len // tiling.tile_size)
+            if queries is None or queries.dense:  # tiles of tile_size, then empty ones up to the count
+                return h_BSH + tiled_norm_mlp(self.post_attention_layernorm, self.mlp, h_BSH, tiling, min_tiles=tiles)
             return h_BSH + tiled_norm_mlp(self.post_attention_layernorm, self.mlp, h_BSH, tiling, tiles)
         return h_BSH + self.mlp(self.post_attention_layernorm(h_BSH))
 

@@ -66,14 +66,18 @@ class QueryRows(NamedTuple):
     index_BN: [B, N] int64 rows of the step's input whose queries (and everything after) are computed, keys and
     values still at every row (step 0); None: every row of the input (steps ≥ 1, whose input is already compacted).
     positions_BN: [B, N] int64 anchor positions of those rows (None with ``index_BN`` None). seq_len: the dense path's
-    sequence length S: per-row work that is split into tiles or chunks (``memory.mlp_tile_size``,
-    ``loss_chunk_size``) is split into as many pieces as the dense path would make, so every rank calls every module
-    equally often whatever its anchor count (ZeRO-3 gathers parameters per module call, collectively).
+    sequence length S, the longest of the ZeRO group's ranks (``TTTBatch.call_extent``): per-row work that is split
+    into tiles (``memory.mlp_tile_size``) is split into as many pieces as the dense path of that length would make,
+    so every rank calls every module equally often whatever its anchor count and its own S (ZeRO-3 gathers
+    parameters per module call, collectively). dense: False (compacted rows): exactly that many near-equal tiles;
+    True (the dense path, every row of a rank shorter than the longest): tiles of the tile size as without the hint,
+    then empty ones up to that many.
     """
 
     index_BN: torch.Tensor | None
     positions_BN: torch.Tensor | None
     seq_len: int
+    dense: bool = False
 
 
 @dataclass

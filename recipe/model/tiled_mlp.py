@@ -76,7 +76,7 @@ class MLPTiling:
 
 
 def tiled_norm_mlp(norm: nn.Module, mlp: nn.Module, h_BSH: torch.Tensor, tiling: MLPTiling,
-                   num_tiles: int | None = None) -> torch.Tensor:
+                   num_tiles: int | None = None, min_tiles: int | None = None) -> torch.Tensor:
     """``mlp(norm(h))`` [B, S, H] computed ``tiling.tile_size`` positions at a time (module docstring).
 
     Args: ``norm`` the layer's ``post_attention_layernorm`` and ``mlp`` its MLP (modules, called per tile);
@@ -86,6 +86,9 @@ def tiled_norm_mlp(norm: nn.Module, mlp: nn.Module, h_BSH: torch.Tensor, tiling:
     the tiles). With grad mode on each tile runs under a non-reentrant checkpoint; with it off (evaluation) the
     tiles run directly. ``num_tiles``: cut S into exactly that many near-equal tiles instead (some possibly empty;
     the sparse anchors' path: as many tiles as the dense sequence has, ``recipe.model.sparse_anchors.QueryRows``).
+    ``min_tiles`` (with ``num_tiles`` None): at least that many tiles of ``tile_size``, the ones past S empty (the
+    dense path on a rank shorter than the longest of its ZeRO group, ``recipe.model.call_extent``; the non-empty
+    tiles, and so every number, are those without it).
     Raises ValueError for a tensor that is not 3-d.
     """
     if h_BSH.dim() != 3:
@@ -98,8 +101,8 @@ def tiled_norm_mlp(norm: nn.Module, mlp: nn.Module, h_BSH: torch.Tensor, tiling:
     seq, size = h_BSH.shape[1], tiling.tile_size
     grad = torch.is_grad_enabled()
     parts = []
-    tiles = ([h_BSH[:, start:start + size] for start in range(0, seq, size)] if num_tiles is None
-             else torch.tensor_split(h_BSH, num_tiles, dim=1))
+    tiles = ([h_BSH[:, start:start + size] for start in range(0, max(seq, (min_tiles or 0) * size), size)]
+             if num_tiles is None else torch.tensor_split(h_BSH, num_tiles, dim=1))
     for x_BTH in tiles:
         parts.append(checkpoint(tile, x_BTH, use_reentrant=False, preserve_rng_state=False) if grad else tile(x_BTH))
     return tiling.reduce(torch.cat(parts, dim=1))

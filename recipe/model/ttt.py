@@ -17,6 +17,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from kernels.ttt_attention import TTTKVCache
+from recipe.model.call_extent import CallExtent, piece_count
 from recipe.model.chunked_loss import chunked_soft_ce
 from recipe.model.draft import Eagle3Draft
 from recipe.model.loss import soft_ce, target_logits
@@ -35,6 +36,10 @@ class TTTBatch:
         aux_hidden_BSA: [B, S, 3·H_t] float, the target's concatenated aux hidden states at p.
         target_hidden_BLH: [B, L, H_t] float, rows of the target's last hidden state (lm_head input).
         target_row_KS: [K, S] int64, the row of ``target_hidden_BLH`` holding step k's label for local anchor p.
+        call_extent: a ``recipe.model.call_extent.CallExtent`` (not a tensor): the largest local S and B·S of this
+            micro-batch over the ZeRO group, from which the tiled MLP and the chunked loss count their calls (empty
+            pieces after this batch's own), so every rank calls every module equally often under ZeRO-3; None (the
+            default): this batch's own (S, B·S). ValueError if smaller than the batch's own.
     ``per_position_fields`` maps each field with a sequence axis to that axis (for the zigzag split);
     ``target_hidden_BLH`` is not among them: it is addressed through ``target_row_KS``. All fields live on one device;
     the training batch builder attaches CPU copies of ``position_ids_BS`` and ``key_valid_BS`` (every cp rank's) to
@@ -48,6 +53,7 @@ class TTTBatch:
     aux_hidden_BSA: torch.Tensor
     target_hidden_BLH: torch.Tensor
     target_row_KS: torch.Tensor
+    call_extent: CallExtent | None = None
 
     per_position_fields: ClassVar[dict[str, int]] = {
         "input_ids_KBS": 2, "valid_KBS": 2, "position_ids_BS": 1, "key_valid_BS": 1, "aux_hidden_BSA": 1,
@@ -63,6 +69,18 @@ class TTTBatch:
             if len(got) != len(shape) or any(e is not None and e != g for e, g in zip(shape, got)):
                 raise ValueError(f"TTTBatch.{name} has shape {got}, expected {shape} (None: any) "
                                  f"for K={k}, B={b}, S={s}")
+        if self.call_extent is not None:
+            self.call_extent.check_covers(b, s)
+
+    @classmethod
+    def tensor_fields(cls) -> tuple[str, ...]:
+        """The names of the tensor fields (all but ``call_extent``), in declaration order."""
+        return tuple(f.name for f in dataclasses.fields(cls) if f.name != "call_extent")
+
+    def extent(self) -> CallExtent:
+        """``call_extent``, or this batch's own (S, B·S) when it is None."""
+        _, b, s = self.input_ids_KBS.shape
+        return self.call_extent if self.call_extent is not None else CallExtent(s, b * s)
 
     @property
     def num_steps(self) -> int:
@@ -71,7 +89,7 @@ class TTTBatch:
 
     def to(self, device: torch.device | str) -> "TTTBatch":
         """A copy with every tensor moved to ``device`` (dtypes unchanged)."""
-        return dataclasses.replace(self, **{f.name: getattr(self, f.name).to(device) for f in dataclasses.fields(self)})
+        return dataclasses.replace(self, **{name: getattr(self, name).to(device) for name in self.tensor_fields()})
 
 
 def _shift_left(x_BS: torch.Tensor, by: int) -> torch.Tensor:
@@ -259,10 +277,12 @@ class TTTModel(nn.Module):
             teacher = (self.trace_hints.teacher_logits if self.trace_hints else teacher_logits)(
                 batch.target_hidden_BLH, batch.target_row_KS, self.target_head_d, self.target_softcap)
         losses, corrects = [], []
+        seq_len = batch.extent().seq_len  # a longer rank of the ZeRO group: as many MLP tiles as it makes
+        queries = QueryRows(None, None, seq_len, dense=True) if seq_len > batch.position_ids_BS.shape[1] else None
         for k in range(batch.num_steps):
             step = self._checkpointed_step if self.checkpoint_steps and torch.is_grad_enabled() else self.draft.step
             hidden_BSH, kv_cache = step(hidden_BSH, batch.input_ids_KBS[k], batch.position_ids_BS,
-                                        batch.key_valid_BS, kv_cache)
+                                        batch.key_valid_BS, kv_cache, queries)
             loss_sum, correct = self._step_loss(hidden_BSH, batch, k, teacher)
             losses.append(loss_sum.float())
             corrects.append(correct.to(torch.int64))
@@ -285,7 +305,7 @@ class TTTModel(nn.Module):
         losses, corrects = [], []
         for k in range(batch.num_steps):
             step = self._checkpointed_step if self.checkpoint_steps and torch.is_grad_enabled() else self.draft.step
-            seq_len = batch.position_ids_BS.shape[1]
+            seq_len = batch.extent().seq_len  # the dense path's S (the group's longest): as many MLP tiles
             if k == 0:  # keys/values at every position, queries at the needed anchors
                 ids_BN, positions_BN = batch.input_ids_KBS[0], batch.position_ids_BS
                 queries = QueryRows(sets.index_K[0], sets.positions_K[0], seq_len)
@@ -306,11 +326,11 @@ class TTTModel(nn.Module):
         ``sets.teacher_rows_BU`` (None: computed here, or per chunk)."""
         valid_BN = sets.valid_K[k]
         if self.loss_chunk_size is not None:
-            b, s = batch.position_ids_BS.shape  # as many chunks as the dense path (QueryRows)
+            # as many chunks as the dense path of the group's largest B·S (QueryRows, CallExtent)
             return chunked_soft_ce(self.draft.logits, self.loss_fn, hidden_BNH, batch.target_hidden_BLH,
                                    sets.target_rows(batch.target_row_KS, k), self.target_head_d, valid_BN,
                                    self.loss_chunk_size, target_softcap=self.target_softcap,
-                                   num_chunks=-(-b * s // self.loss_chunk_size))
+                                   num_chunks=piece_count(batch.extent().positions, self.loss_chunk_size))
         logits_BNV = self.draft.logits(hidden_BNH)
         with torch.no_grad():
             if teacher is not None:
@@ -324,10 +344,11 @@ class TTTModel(nn.Module):
                    teacher: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """(loss_sum, correct) of step k, all positions at once or in chunks of ``loss_chunk_size``; ``teacher``
         is ``teacher_logits`` of the batch (None: step k's target logits are computed here)."""
-        if self.loss_chunk_size is not None:
+        if self.loss_chunk_size is not None:  # empty chunks after its own up to the group's largest B·S
             return chunked_soft_ce(self.draft.logits, self.loss_fn, hidden_BSH, batch.target_hidden_BLH,
                                    batch.target_row_KS[k], self.target_head_d, batch.valid_KBS[k],
-                                   self.loss_chunk_size, target_softcap=self.target_softcap)
+                                   self.loss_chunk_size, target_softcap=self.target_softcap,
+                                   min_chunks=piece_count(batch.extent().positions, self.loss_chunk_size))
         logits_BSV = self.draft.logits(hidden_BSH)
         with torch.no_grad():
             if teacher is not None:

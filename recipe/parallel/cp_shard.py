@@ -71,7 +71,8 @@ def shard_ttt_batch(batch, cp_size: int, cp_rank: int):
     Sequence fields (the class's ``per_position_fields`` {name: seq dim}) are zigzag-split. Target rows: the rank
     keeps only the rows of ``target_hidden_BLH`` [B, L, H_t] that its anchors use, ``rows = unique(target_row_KS[:,
     mine])`` (sorted), and ``target_row_KS`` [K, S/cp] is remapped to indices into those rows — exact, no
-    communication. Fields that are None stay None. Raises ValueError for a field it does not know how to split
+    communication. ``call_extent`` (whole-sequence sizes) becomes its ``shard(cp_size)``. Fields that are None stay
+    None. Raises ValueError for a field it does not know how to split
     (naming it), target rows out of range, or a bad sequence length.
     """
     if not dataclasses.is_dataclass(batch) or not hasattr(type(batch), "per_position_fields"):
@@ -83,6 +84,8 @@ def shard_ttt_batch(batch, cp_size: int, cp_rank: int):
         if field.name in seq_dims:
             updates[field.name] = None if value is None else zigzag_split(value, cp_size, cp_rank,
                                                                            seq_dims[field.name])
+        elif field.name == "call_extent" and value is not None:  # a CallExtent of the whole sequence
+            updates[field.name] = value.shard(cp_size)
         elif field.name not in _TARGET_FIELDS and isinstance(value, torch.Tensor):
             raise ValueError(f"shard_ttt_batch: no CP split rule for tensor field {type(batch).__name__}."
                              f"{field.name}; add it to the class's per_position_fields")

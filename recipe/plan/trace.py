@@ -171,7 +171,7 @@ def trace_step(spec: BenchSpec) -> TraceResult:
         warnings.filterwarnings("ignore", message=".*data pointer of FakeTensor")  # host-copy lookups: none here
         model = build_traced_model(spec, pstate, traced_backend(spec))
         model.trace_hints = hints
-        fields = {f.name: mode.from_tensor(getattr(batch, f.name)) for f in dataclasses.fields(batch)}
+        fields = {name: mode.from_tensor(getattr(batch, name)) for name in batch.tensor_fields()}
         n_local = fields["input_ids_KBS"].shape[2]
         fields["aux_hidden_BSA"] = torch.empty(spec.batch, n_local, 3 * spec.target_hidden, dtype=dt)
         fields["target_hidden_BLH"] = torch.empty(spec.batch, rows, spec.target_hidden, dtype=dt)

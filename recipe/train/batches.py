@@ -20,6 +20,7 @@ import torch
 
 from kernels.host_positions import attach_host_copies
 from recipe.data.store import DTYPES
+from recipe.model.call_extent import CallExtent
 from recipe.model.ttt import TTTBatch, make_ttt_batch, target_in_draft_vocab
 from recipe.parallel.cp_shard import label_rows, shard_ttt_batch, zigzag_indices, zigzag_split
 from recipe.target.head import validity_rows
@@ -123,6 +124,7 @@ class BatchBuilder:
         self.pin_memory = torch.device(device).type == "cuda"  # pinned host buffers only feed a CUDA device
         self._store_lock = threading.Lock()  # the store's file handles are shared with the prefetch thread
         self._executor: ThreadPoolExecutor | None = None
+        self._store_lengths: list[int] | None = None  # the store's sample lengths, read from its index once
 
     def __len__(self) -> int:
         return len(self.examples) if self.examples is not None else len(self.store)
@@ -137,6 +139,23 @@ class BatchBuilder:
             return torch.tensor(row["input_ids"]), torch.tensor(row["loss_mask"])
         sample = self._store_get(index, fields=("input_ids", "loss_mask"))
         return sample["input_ids"], sample["loss_mask"]
+
+    def sample_lengths(self, indices: list[int]) -> list[int]:
+        """The token count of each sample of ``indices``, from the store's index (offline; no sample is read) or
+        the examples' ``input_ids`` (online)."""
+        if self.examples is not None:
+            return [len(self.examples[i]["input_ids"]) for i in indices]
+        if self._store_lengths is None:
+            self._store_lengths = self.store.lengths
+        return [self._store_lengths[i] for i in indices]
+
+    def call_extent(self, groups: list[list[int]]) -> CallExtent:
+        """The ``TTTBatch.call_extent`` of one micro-batch from every dp rank's sample indices ``groups`` (one list
+        per dp rank, this rank's included; an empty list counts as nothing): each rank's padded length is computed
+        as ``tokens`` pads it, on the host, so every rank of the ZeRO group gets the same extent without a
+        collective (``recipe.model.call_extent``). Local to a cp rank (the sizes / cp)."""
+        shapes = [(len(ix), round_up(max(self.sample_lengths(ix)), self.seq_divisor)) for ix in groups if ix]
+        return CallExtent.of(shapes, self.cp_size)
 
     def rows_needed(self, seq: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """(aux rows, target rows) this rank reads of a padded length-``seq`` sample; (None, None): all rows.
@@ -194,13 +213,14 @@ class BatchBuilder:
         if self.cp_size > 1:
             ttt = shard_ttt_batch(ttt, self.cp_size, self.cp_rank)
         if self.pin_memory:
-            ttt = dataclasses.replace(ttt, **{f.name: getattr(ttt, f.name).pin_memory()
-                                              for f in dataclasses.fields(ttt)})
+            ttt = dataclasses.replace(ttt, **{name: getattr(ttt, name).pin_memory() for name in ttt.tensor_fields()})
         return ttt
 
-    def build(self, indices: list[int], staged: tuple[HostTokens, TTTBatch] | None = None) -> MicroBatch:
+    def build(self, indices: list[int], staged: tuple[HostTokens, TTTBatch] | None = None,
+              extent: CallExtent | None = None) -> MicroBatch:
         """The TTT micro-batch of samples ``indices`` for this rank, on the device. ``staged``: ``(tokens(indices),
-        read(...))`` made beforehand (offline prefetch, ``StepBatches``); None reads now."""
+        read(...))`` made beforehand (offline prefetch, ``StepBatches``); None reads now. ``extent``: the batch's
+        ``call_extent`` (``call_extent`` of every dp rank's samples; None: its own)."""
         host = staged[0] if staged is not None else self.tokens(indices)
         if staged is not None:
             ttt = staged[1]
@@ -216,8 +236,9 @@ class BatchBuilder:
                                  cap.aux_hidden_BSA, cap.last_hidden_BSH,
                                  target_in_draft_vocab(cap.argmax_BS, self.t2d), self.ttt_steps)
         host_valid = ttt.valid_KBS if ttt.valid_KBS.device.type == "cpu" else None
-        ttt = dataclasses.replace(ttt, **{f.name: getattr(ttt, f.name).to(self.device, non_blocking=True)
-                                          for f in dataclasses.fields(ttt)})
+        ttt = dataclasses.replace(ttt, call_extent=extent,
+                                  **{name: getattr(ttt, name).to(self.device, non_blocking=True)
+                                     for name in ttt.tensor_fields()})
         ttt.aux_hidden_BSA = ttt.aux_hidden_BSA.to(self.dtype)
         ttt.target_hidden_BLH = ttt.target_hidden_BLH.to(self.dtype)
         positions = None  # --position-offset-max 0: the positions make_ttt_batch made (arange), untouched
@@ -311,11 +332,12 @@ class StepBatches:
     the in-vocabulary flags need the target's argmax, i.e. the target forward of every micro-batch, so all
     micro-batches are built up front (``local_valid_K`` on the device, like the batches; with one micro-batch per
     step this is the same as building lazily). Either way the batches are those of ``builder.build`` on each
-    index list, in order.
+    index list, in order. ``extents``: each micro-batch's ``TTTBatch.call_extent`` (None: their own).
     """
 
-    def __init__(self, builder: BatchBuilder, micro: list[list[int]]):
+    def __init__(self, builder: BatchBuilder, micro: list[list[int]], extents: list[CallExtent] | None = None):
         self.builder, self.micro = builder, micro
+        self.extents = extents if extents is not None else [None] * len(micro)
         self._built: list[MicroBatch] | None = None
         self._first: Future | None = None
         if builder.store is not None:
@@ -325,7 +347,7 @@ class StepBatches:
             self.shape = (max(h.samples for h in self._hosts), max(h.seq for h in self._hosts))
             loss_masks = [h.loss_mask_BS for h in self._hosts]
         else:
-            self._built = [builder.build(ix) for ix in micro]
+            self._built = [builder.build(ix, extent=e) for ix, e in zip(micro, self.extents)]
             self.local_valid_K = torch.stack([b.ttt.valid_KBS.sum(dim=(1, 2)) for b in self._built]).sum(0)
             self.shape = (max(b.samples for b in self._built),
                           max(b.ttt.input_ids_KBS.shape[-1] for b in self._built) * builder.cp_size)
@@ -348,4 +370,4 @@ class StepBatches:
         for m, ix in enumerate(self.micro):
             staged = pending.result()
             pending = self.builder.prefetch(self._hosts[m + 1]) if m + 1 < len(self.micro) else None
-            yield self.builder.build(ix, staged)
+            yield self.builder.build(ix, staged, self.extents[m])

@@ -210,7 +210,11 @@ class Trainer:
         indices = parts.sampler.step_indices(self.step)
         micro = rank_micro_batches(indices, p.micro_batch, p.grad_accum, d.dp, self.pstate.dp_rank)
         self.batch_shape = None  # (samples, padded tokens) of this rank's micro-batch, for an out-of-memory report
-        batches = StepBatches(parts.builder, micro)  # the counts now; the device batches one at a time below
+        # every dp rank's share, for the largest padded micro-batch m over the ZeRO group (computed alike on every
+        # rank from the host lengths, no collective): ZeRO-3 needs equal module-call counts (recipe.model.call_extent)
+        shares = [rank_micro_batches(indices, p.micro_batch, p.grad_accum, d.dp, r) for r in range(d.dp)]
+        extents = [parts.builder.call_extent([share[m] for share in shares]) for m in range(p.grad_accum)]
+        batches = StepBatches(parts.builder, micro, extents)  # the counts now; the device batches one at a time below
         self.batch_shape = batches.shape  # each cp rank holds 1/cp of the padded sequence
         comm, device = self.pstate.comm, self.pstate.device
         # the global valid counts stay on the device: every micro-batch's objective divides by them

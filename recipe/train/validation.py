@@ -8,7 +8,8 @@ from the draft-vocabulary count).
 Each evaluation is a collective over the world: the held-out samples are read in chunks of ``dp · micro_batch``;
 dp rank ``d`` takes the chunk's samples ``[d·micro, (d+1)·micro)`` (every tp/cp rank of it the same ones) and runs the
 engine's forward without gradients. A rank whose share of the last chunk is empty runs the chunk's first sample
-with weight 0, so every rank runs the same forwards (ZeRO-3 gathers parameters in each). The sums are reduced like
+with weight 0, so every rank runs the same forwards (ZeRO-3 gathers parameters in each), and every batch carries the
+chunk's largest extent over the dp ranks (``TTTBatch.call_extent``) so they cut them into equally many calls. The sums are reduced like
 a training step's (``recipe.train.loop.Trainer.train_step``). One ``metrics.jsonl`` record per evaluation:
 
     {"step": s, "eval": {"loss", "loss_k", "acc", "acc_all_supervised", "valid", "supervised", "samples"}}
@@ -109,7 +110,10 @@ class Validator:
             ix = list(range(start, min(start + chunk, total)))
             mine = ix[rank * self.micro_batch:(rank + 1) * self.micro_batch]
             weight = 1.0 if mine else 0.0
-            batch = self.builder.build(mine or ix[:1])
+            # every dp rank's batch of this chunk: equal module-call counts under ZeRO-3 (recipe.model.call_extent)
+            extent = self.builder.call_extent([ix[r * self.micro_batch:(r + 1) * self.micro_batch] or ix[:1]
+                                               for r in range(dp)])
+            batch = self.builder.build(mine or ix[:1], extent=extent)
             out = engine(batch.ttt)
             loss_sum += weight * out.loss_sum_K.detach().double().cpu()
             correct += weight * out.correct_K.detach().double().cpu()
