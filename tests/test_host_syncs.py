@@ -201,10 +201,12 @@ def test_prefetch_gives_the_same_batches_in_the_same_order(tiny_target_and_store
 
     _, store_dir = tiny_target_and_store
     plain = _builder(store_dir, cp, rank)
-    expected = [plain.build(ix) for ix in MICRO]
+    # each micro-batch's extent over it and another dp rank's samples (ZeRO-3 call counts): carried to the batch
+    extents = [plain.call_extent([ix, [20 + m, 11]]) for m, ix in enumerate(MICRO)]
+    expected = [plain.build(ix, extent=e) for ix, e in zip(MICRO, extents)]
     builder = _builder(store_dir, cp, rank)
     builder.store = ThreadStore(store_dir)
-    step = StepBatches(builder, MICRO)
+    step = StepBatches(builder, MICRO, extents)
     assert torch.equal(step.local_valid_K, torch.stack([b.ttt.valid_KBS.sum(dim=(1, 2)) for b in expected]).sum(0))
     assert torch.equal(step.supervised_K, torch.stack([b.supervised_K for b in expected]).sum(0))
     assert step.supervised_tokens == sum(b.supervised_tokens for b in expected)
@@ -214,9 +216,10 @@ def test_prefetch_gives_the_same_batches_in_the_same_order(tiny_target_and_store
     for m, (a, b) in enumerate(zip(got, expected)):
         assert (a.samples, a.supervised_tokens) == (b.samples, b.supervised_tokens) and torch.equal(
             a.supervised_K, b.supervised_K)
-        for field in dataclasses.fields(a.ttt):
-            x, y = getattr(a.ttt, field.name), getattr(b.ttt, field.name)
-            assert x.dtype == y.dtype and torch.equal(x, y), (m, field.name)
+        assert a.ttt.call_extent == b.ttt.call_extent == extents[m]
+        for name in a.ttt.tensor_fields():
+            x, y = getattr(a.ttt, name), getattr(b.ttt, name)
+            assert x.dtype == y.dtype and torch.equal(x, y), (m, name)
     hidden = [name for name, fields in builder.store.reads if "aux_hidden" in fields or "last_hidden" in fields]
     assert hidden and all(name.startswith("batch-prefetch") for name in hidden)  # the store reads ran ahead
 
@@ -236,7 +239,7 @@ def test_pin_memory_only_for_cuda(tiny_target_and_store, monkeypatch):
     cuda = _builder(store_dir, device="cuda")  # only read, never moved: no GPU on this machine
     assert cuda.pin_memory
     ttt = cuda.read(cuda.tokens([0, 3]))
-    assert sorted(pinned) == sorted(tuple(getattr(ttt, f.name).shape) for f in dataclasses.fields(ttt))
+    assert sorted(pinned) == sorted(tuple(getattr(ttt, name).shape) for name in ttt.tensor_fields())
 
 
 # ---- the target capture without a right-padding mask ------------------------------------------------------------
