@@ -34,7 +34,7 @@ class CallExtent(NamedTuple):
     positions: int
 
     @classmethod
-    def of(cls, shapes, cp_size: int = 1) -> "CallExtent":
+    def of(cls, shapes, cp_size: int = 1) -> CallExtent:
         """The extent of whole (unsplit) micro-batches ``shapes``, an iterable of (B, S) with S the padded length of
         the whole sequence, one per dp rank; each cp rank holds S / cp of it. Raises ValueError for no shapes, a
         non-positive size or an S that cp does not divide."""
@@ -44,7 +44,7 @@ class CallExtent(NamedTuple):
                              f"cp={cp_size}")
         return cls(max(s for _, s in shapes) // cp_size, max(b * s for b, s in shapes) // cp_size)
 
-    def shard(self, cp_size: int) -> "CallExtent":
+    def shard(self, cp_size: int) -> CallExtent:
         """The extent of one cp rank's zigzag shard of a whole-sequence batch of this extent (both sizes / cp)."""
         return CallExtent(self.seq_len // cp_size, self.positions // cp_size)
 
