@@ -3,7 +3,8 @@ gathers a parameter collectively at every call of its module, and the chunked lo
 of the rank's own padded length, which differs between data-parallel ranks. With the group's extent on the batch a
 shorter rank makes exactly the longer rank's calls (dense and sparse anchors), its dense numbers bitwise unchanged;
 the builder computes the extent from every dp rank's sample lengths alone; two dp ranks padded to different lengths
-train under ZeRO-3 like ZeRO-1 (model level: losses and gradients) and like the single process (``run.py`` with validation)."""
+train under ZeRO-3 like ZeRO-1 (model level: losses and gradients) and like the single process (``run.py`` with
+validation)."""
 from __future__ import annotations
 
 import dataclasses
@@ -167,7 +168,8 @@ def test_training_zero3_with_chunks_and_tiles_matches_one_process(tiny_target_an
                           "--eval-fraction", "0.25", "--eval-every", "2")
 
     (ref,) = run_ranks(1, run_training, [argv("ref", "zero0.json", False)])[0]
-    dense, auto = run_ranks(2, run_training, [argv("dense", "zero3.json", False), argv("auto", "zero3.json", "auto")])[0]
+    dense, auto = run_ranks(2, run_training, [argv("dense", "zero3.json", False),
+                                              argv("auto", "zero3.json", "auto")])[0]
     train = [r for r in ref if "eval" not in r]
     assert len(train) == 3 and len(ref) == 5  # 3 steps and 2 evaluations
     for label, run in (("ZeRO-3 dense", dense), ("ZeRO-3 auto", auto)):

@@ -9,8 +9,9 @@ Each evaluation is a collective over the world: the held-out samples are read in
 dp rank ``d`` takes the chunk's samples ``[d·micro, (d+1)·micro)`` (every tp/cp rank of it the same ones) and runs the
 engine's forward without gradients. A rank whose share of the last chunk is empty runs the chunk's first sample
 with weight 0, so every rank runs the same forwards (ZeRO-3 gathers parameters in each), and every batch carries the
-chunk's largest extent over the dp ranks (``TTTBatch.call_extent``) so they cut them into equally many calls. The sums are reduced like
-a training step's (``recipe.train.loop.Trainer.train_step``). One ``metrics.jsonl`` record per evaluation:
+chunk's largest extent over the dp ranks (``TTTBatch.call_extent``), so they cut them into equally many module calls.
+The sums are reduced like a training step's (``recipe.train.loop.Trainer.train_step``). One ``metrics.jsonl`` record
+per evaluation:
 
     {"step": s, "eval": {"loss", "loss_k", "acc", "acc_all_supervised", "valid", "supervised", "samples"}}
 
