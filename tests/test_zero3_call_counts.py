@@ -95,6 +95,17 @@ def test_builder_extent_is_the_largest_padded_micro_batch(tiny_target_and_store)
         assert len({s for _, s in shapes}) > 1  # the ranks pad differently
         assert extent == (max(s for _, s in shapes), max(b * s for b, s in shapes))
         assert builder.build(groups[1], extent=extent).ttt.call_extent == extent
+    # online: the lengths of the tokenised examples (no target forward needed for the extent)
+    from types import SimpleNamespace
+
+    from helpers.tiny_target import random_chats
+
+    examples = random_chats(8)
+    online = BatchBuilder(examples=examples, target=SimpleNamespace(device=torch.device("cpu")), t2d=t2d, ttt_steps=K,
+                          seq_divisor=4)
+    n = [len(examples[i]["input_ids"]) for i in range(8)]
+    padded = [-(-max(n[i] for i in ix) // 4) * 4 for ix in groups]
+    assert online.call_extent(groups + [[]]) == (max(padded), max(len(ix) * p for ix, p in zip(groups, padded)))
 
 
 def _steps(model, batch, stage: int, world: int):
