@@ -58,7 +58,8 @@ def test_builder_puts_the_offsets_in_and_changes_nothing_else(tiny_target_and_st
         assert not torch.equal(shifted.position_ids_BS, plain.position_ids_BS)
         copies = host_copies(shifted.position_ids_BS)  # what the attention decides its tile pairs from
         assert copies is not None and all(torch.equal(a, b) for a, b in zip(copies.per_rank, parts))
-        for name in vars(plain):
+        assert zero.call_extent == plain.call_extent == shifted.call_extent
+        for name in plain.tensor_fields():
             assert torch.equal(getattr(zero, name), getattr(plain, name)), name  # N = 0: bitwise today's batch
             if name != "position_ids_BS":
                 assert torch.equal(getattr(shifted, name), getattr(plain, name)), name

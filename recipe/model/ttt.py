@@ -21,7 +21,8 @@ from recipe.model.call_extent import CallExtent, piece_count
 from recipe.model.chunked_loss import chunked_soft_ce
 from recipe.model.draft import Eagle3Draft
 from recipe.model.loss import soft_ce, target_logits
-from recipe.model.sparse_anchors import AnchorSets, QueryRows, anchor_sets, gather_rows, sparse_pays
+from recipe.model.sparse_anchors import QueryRows, sparse_pays
+from recipe.model.ttt_sparse import sparse_steps
 
 
 @dataclass
@@ -290,55 +291,10 @@ class TTTModel(nn.Module):
         return TTTOutput(loss_sum_K=torch.stack(losses), correct_K=torch.stack(corrects), valid_K=valid_K)
 
     def _forward_sparse(self, batch: TTTBatch) -> TTTOutput:
-        """``forward`` on the needed anchors only (``sparse_anchors``): step k's tensors are [B, N_k, ...], the
-        compacted rows of ``anchor_sets``; step 0 keeps its keys and values at every position (the causal block)."""
-        sets = getattr(self.trace_hints, "anchor_sets", None)
-        if sets is None:
-            sets = anchor_sets(batch.valid_KBS, batch.position_ids_BS, batch.target_row_KS)
-        hidden_BNH = self.draft.project_aux(batch.aux_hidden_BSA)
-        teacher = None
-        if self.loss_chunk_size is None and self.teacher_logits_once:
-            with torch.no_grad():
-                rows_BUH = gather_rows(batch.target_hidden_BLH, sets.teacher_rows_BU)
-                teacher = target_logits(rows_BUH, self.target_head_d, self.target_softcap)
-        kv_cache = None
-        losses, corrects = [], []
-        for k in range(batch.num_steps):
-            step = self._checkpointed_step if self.checkpoint_steps and torch.is_grad_enabled() else self.draft.step
-            seq_len = batch.extent().seq_len  # the dense path's S (the group's longest): as many MLP tiles
-            if k == 0:  # keys/values at every position, queries at the needed anchors
-                ids_BN, positions_BN = batch.input_ids_KBS[0], batch.position_ids_BS
-                queries = QueryRows(sets.index_K[0], sets.positions_K[0], seq_len)
-            else:  # a subset of step k-1's rows: carry the hidden state and the diagonal keys over
-                kv_cache.keep(sets.select_K[k])
-                hidden_BNH = gather_rows(hidden_BNH, sets.select_K[k])
-                ids_BN = torch.gather(batch.input_ids_KBS[k], 1, sets.index_K[k])
-                positions_BN, queries = sets.positions_K[k], QueryRows(None, None, seq_len)
-            hidden_BNH, kv_cache = step(hidden_BNH, ids_BN, positions_BN, batch.key_valid_BS, kv_cache, queries)
-            loss_sum, correct = self._sparse_step_loss(hidden_BNH, batch, sets, k, teacher)
-            losses.append(loss_sum.float())
-            corrects.append(correct.to(torch.int64))
+        """``forward`` on the needed anchors only (``sparse_anchors``; ``recipe.model.ttt_sparse``)."""
+        losses, corrects = sparse_steps(self, batch)
         valid_K = batch.valid_KBS.sum(dim=(1, 2)).to(torch.int64)
         return TTTOutput(loss_sum_K=torch.stack(losses), correct_K=torch.stack(corrects), valid_K=valid_K)
-
-    def _sparse_step_loss(self, hidden_BNH, batch: TTTBatch, sets: AnchorSets, k: int, teacher):
-        """(loss_sum, correct) of step k on its compacted rows; ``teacher``: [B, U, Vd] logits of
-        ``sets.teacher_rows_BU`` (None: computed here, or per chunk)."""
-        valid_BN = sets.valid_K[k]
-        if self.loss_chunk_size is not None:
-            # as many chunks as the dense path of the group's largest B·S (QueryRows, CallExtent)
-            return chunked_soft_ce(self.draft.logits, self.loss_fn, hidden_BNH, batch.target_hidden_BLH,
-                                   sets.target_rows(batch.target_row_KS, k), self.target_head_d, valid_BN,
-                                   self.loss_chunk_size, target_softcap=self.target_softcap,
-                                   num_chunks=piece_count(batch.extent().positions, self.loss_chunk_size))
-        logits_BNV = self.draft.logits(hidden_BNH)
-        with torch.no_grad():
-            if teacher is not None:
-                target_BNV = gather_rows(teacher, sets.teacher_index_K[k])
-            else:
-                rows_BNH = gather_rows(batch.target_hidden_BLH, sets.target_rows(batch.target_row_KS, k))
-                target_BNV = target_logits(rows_BNH, self.target_head_d, self.target_softcap)
-        return self.loss_fn(logits_BNV, target_BNV, valid_BN)
 
     def _step_loss(self, hidden_BSH: torch.Tensor, batch: TTTBatch, k: int,
                    teacher: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:

@@ -210,8 +210,7 @@ class Trainer:
         indices = parts.sampler.step_indices(self.step)
         micro = rank_micro_batches(indices, p.micro_batch, p.grad_accum, d.dp, self.pstate.dp_rank)
         self.batch_shape = None  # (samples, padded tokens) of this rank's micro-batch, for an out-of-memory report
-        # every dp rank's share, for the largest padded micro-batch m over the ZeRO group (computed alike on every
-        # rank from the host lengths, no collective): ZeRO-3 needs equal module-call counts (recipe.model.call_extent)
+        # the largest micro-batch m over the dp ranks, from host lengths (recipe.model.call_extent: ZeRO-3's calls)
         shares = [rank_micro_batches(indices, p.micro_batch, p.grad_accum, d.dp, r) for r in range(d.dp)]
         extents = [parts.builder.call_extent([share[m] for share in shares]) for m in range(p.grad_accum)]
         batches = StepBatches(parts.builder, micro, extents)  # the counts now; the device batches one at a time below
