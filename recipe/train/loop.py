@@ -208,11 +208,10 @@ class Trainer:
     def train_step(self) -> dict:
         parts, K, d, p = self.parts, self.settings.ttt_steps, self.config.dims, self.config.plan
         indices = parts.sampler.step_indices(self.step)
-        micro = rank_micro_batches(indices, p.micro_batch, p.grad_accum, d.dp, self.pstate.dp_rank)
-        self.batch_shape = None  # (samples, padded tokens) of this rank's micro-batch, for an out-of-memory report
-        # the largest micro-batch m over the dp ranks, from host lengths (recipe.model.call_extent: ZeRO-3's calls)
         shares = [rank_micro_batches(indices, p.micro_batch, p.grad_accum, d.dp, r) for r in range(d.dp)]
-        extents = [parts.builder.call_extent([share[m] for share in shares]) for m in range(p.grad_accum)]
+        micro = shares[self.pstate.dp_rank]
+        self.batch_shape = None  # (samples, padded tokens) of this rank's micro-batch, for an out-of-memory report
+        extents = [parts.builder.call_extent([sh[m] for sh in shares]) for m in range(p.grad_accum)]  # ZeRO-3 calls
         batches = StepBatches(parts.builder, micro, extents)  # the counts now; the device batches one at a time below
         self.batch_shape = batches.shape  # each cp rank holds 1/cp of the padded sequence
         comm, device = self.pstate.comm, self.pstate.device
