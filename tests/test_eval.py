@@ -147,6 +147,7 @@ def test_partial_oracle_counts_per_position(tiny):
     assert run["drafted_per_position"] == [rounds] * k
     assert run["accepted_per_position"] == [rounds, rounds, 0, 0]
     assert run["tau_by_category"] == {"c": 3.0}
+    assert run["per_prompt"] == {"emitted": [rounds * 3], "verify_steps": [rounds]}
 
 
 def test_random_export_is_lossless_with_tau_near_one(tiny):

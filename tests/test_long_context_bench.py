@@ -10,7 +10,9 @@ from pathlib import Path
 import pytest
 
 from recipe.bench import long_context as lc
-from recipe.bench.long_context_report import arm_summary, length_rows, plot_report, report, report_table
+from recipe.bench.long_context_report import (arm_summary, length_rows, paired_rows, paired_table, plot_report,
+                                              report, report_table)
+from recipe.eval.report import paired_tau_difference
 
 
 class _Assets:
@@ -182,3 +184,58 @@ def test_fewer_prompts_at_the_longest_length_and_threads_shared_by_jobs(tmp_path
     lc._eval(_Assets(tmp_path), args, tmp_path, ["short"], [0, 4096], "unrelated", tmp_path / "u2",
              console=lc.Console(quiet=True))
     assert seen == {"0": ("16", "2"), "4096": ("16", "2")}
+
+
+def _per_prompt(emitted, steps):
+    return {"per_prompt": {"emitted": list(emitted), "verify_steps": list(steps)}}
+
+
+def test_paired_difference_equals_the_mean_difference_with_equal_steps():
+    """With every prompt at s verification steps, τ = mean(e)/s exactly, so τ_a − τ_b = mean(e_a − e_b)/s and
+    its paired standard error is the ordinary one of the per-prompt differences: std(e_a − e_b) / (s √n)."""
+    ea, eb, s = [9, 5, 12, 6, 8], [8, 5, 10, 6, 6], 4
+    delta, se = paired_tau_difference(_per_prompt(ea, [s] * 5), _per_prompt(eb, [s] * 5))
+    diffs = [a - b for a, b in zip(ea, eb)]
+    mean = sum(diffs) / 5
+    assert delta == pytest.approx(mean / s, rel=1e-12)
+    assert se == pytest.approx(math.sqrt(sum((x - mean) ** 2 for x in diffs) / 4) / (s * math.sqrt(5)), rel=1e-12)
+
+
+def test_paired_difference_removes_shared_prompt_difficulty():
+    """Drafts that differ by one token on every prompt, on prompts of very different difficulty: the unpaired
+    standard errors are wide, the paired one is far narrower; identical runs give 0 ± 0."""
+    from recipe.eval.length_report import tau_standard_error
+    from recipe.eval.speculative import Generation
+
+    steps = [10, 10, 10, 10]
+    a_e, b_e = [11, 25, 14, 30], [10, 24, 13, 29]
+    delta, se = paired_tau_difference(_per_prompt(a_e, steps), _per_prompt(b_e, steps))
+    assert delta == pytest.approx(0.1) and se == pytest.approx(0.0, abs=1e-12)
+    unpaired = tau_standard_error([Generation([], 0.0, accepted=[e - s] + [0] * (s - 1), k=3)
+                                   for e, s in zip(a_e, steps)])
+    assert unpaired > 0.3
+    same = paired_tau_difference(_per_prompt([7, 3], [4, 2]), _per_prompt([7, 3], [4, 2]))
+    assert same == (0.0, 0.0)
+    assert paired_tau_difference({"tau": 1.0}, _per_prompt([7, 3], [4, 2])) is None
+    assert paired_tau_difference(_per_prompt([7, 3, 1], [4, 2, 1]), _per_prompt([7, 3], [4, 2])) is None
+
+
+def test_paired_rows_and_table_against_the_short_arm(tmp_path):
+    entry = _entry(4096, ["short", "warm"])
+    for r in entry["runs"] + entry["tree_runs"]:
+        gain = 1 if r["draft"] == "warm" else 0
+        r.update(_per_prompt([8 + gain, 5, 12 + gain, 6], [4, 4, 4, 4]))
+    old = _entry(256, ["short", "warm"])  # a JSON written before per-prompt counts existed
+    about = {"context_lengths": [256, 4096], "lengths": [old, entry]}
+    rows = paired_rows(about)
+    assert [(r["draft"], r["context_length"]) for r in rows] == [("warm", 256), ("warm", 4096)]
+    assert rows[0]["delta_tau"] is None and rows[0]["delta_tau_tree"] is None
+    assert rows[1]["delta_tau"] == pytest.approx(0.125) and rows[1]["delta_tau_tree"] == pytest.approx(0.125)
+    assert rows[1]["delta_tau_se"] == pytest.approx(math.sqrt(1 / 3) / 8, rel=1e-9)  # std(1,0,1,0)/(4·√4)
+    args = lc.build_parser().parse_args(["--output", str(tmp_path)])
+    result = report(args, {"short": {"run": "x"}}, about, None)
+    assert result["about_context"]["paired"] == rows
+    table = paired_table(result)
+    assert [c.header for c in table.columns] == ["arm", "4096"] and table.row_count == 1
+    assert list(table.columns[1].cells)[0].startswith("+0.125 ± ")
+    assert paired_table(report(args, {}, {"context_lengths": [256], "lengths": [old]}, None)) is None

@@ -47,7 +47,7 @@ from rich.console import Console
 
 from recipe import demo
 from recipe.bench.common import write_json
-from recipe.bench.long_context_report import arm_summary, report, report_table
+from recipe.bench.long_context_report import arm_summary, paired_table, report, report_table
 from recipe.cli import context_length_list, length, positive_int_list, subprocess_env
 
 ARMS = ("short", "long", "warm", "posrobust")
@@ -234,6 +234,9 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     result = report(args, {arm: arm_summary(run) for arm, run in runs.items()}, about, contrast)
     console.print(report_table(result))
+    paired = paired_table(result)
+    if paired is not None:
+        console.print(paired)
     if args.json is not None:
         write_json(args.json, result)
         from recipe.bench.long_context_report import plot_report

@@ -4,7 +4,8 @@
 "rows": [...]}, "unrelated": {...} | None, "evals": {"about_context": <recipe.eval JSON>, "unrelated": ...}}``, one
 row per (draft label, context length) with chain τ at the first k and tree τ, each with its standard error over
 prompts, the prompt count and the mean context tokens. ``report_table`` prints it (arm × context length);
-``plot_report`` draws τ against mean context tokens per arm (chain, and tree dashed).
+``plot_report`` draws τ against mean context tokens per arm (chain, and tree dashed). ``about_context`` also holds
+``paired``: each arm minus the short arm on the same prompts (``paired_rows``, printed by ``paired_table``).
 """
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from pathlib import Path
 
 from rich.table import Table
 
+from recipe.eval.report import paired_tau_difference
 from recipe.plot import METRICS_FILE, read_metrics, save_figure
 
 
@@ -62,10 +64,63 @@ def length_rows(evaluation: dict) -> list[dict]:
     return rows
 
 
+def paired_rows(evaluation: dict, reference: str = "short") -> list[dict]:
+    """Each other draft against ``reference`` on the same prompts, per context length: ``draft``,
+    ``context_length``, ``num_prompts``, ``delta_tau`` / ``delta_tau_se`` (chain, first k) and ``delta_tau_tree`` /
+    ``delta_tau_tree_se`` (tree), from :func:`recipe.eval.report.paired_tau_difference`; None where the JSON has no
+    per-prompt counts (written before ``recipe.eval`` recorded them)."""
+    rows = []
+    for entry in evaluation["lengths"]:
+        chains, trees = {}, {r["draft"]: r for r in entry.get("tree_runs") or []}
+        for r in entry["runs"]:
+            chains.setdefault(r["draft"], r)
+        if reference not in chains:
+            continue
+        for label in chains:
+            if label == reference:
+                continue
+            chain = paired_tau_difference(chains[label], chains[reference])
+            tree = (paired_tau_difference(trees[label], trees[reference])
+                    if label in trees and reference in trees else None)
+            rows.append({"draft": label, "reference": reference, "context_length": entry["context_length"],
+                         "num_prompts": entry["num_prompts"],
+                         "delta_tau": chain[0] if chain else None, "delta_tau_se": chain[1] if chain else None,
+                         "delta_tau_tree": tree[0] if tree else None,
+                         "delta_tau_tree_se": tree[1] if tree else None})
+    return rows
+
+
+def paired_table(result: dict) -> Table | None:
+    """Arm × context length: τ − τ(short) on the same prompts (chain / tree) ± paired standard error; None when no
+    length has per-prompt counts."""
+    rows = [r for r in result["about_context"].get("paired", []) if r["delta_tau"] is not None]
+    if not rows:
+        return None
+    lengths = sorted({r["context_length"] for r in rows})
+    t = Table(title="τ − τ(short) on the same prompts (chain / tree; ± paired standard error)")
+    t.add_column("arm")
+    for n in lengths:
+        t.add_column(f"{n}", justify="right")
+    by = {(r["draft"], r["context_length"]): r for r in rows}
+    for draft in dict.fromkeys(r["draft"] for r in rows):
+        cells = []
+        for n in lengths:
+            r = by.get((draft, n))
+            cells.append("" if r is None else f"{_signed(r['delta_tau'], r['delta_tau_se'])}\n"
+                                              f"{_signed(r['delta_tau_tree'], r['delta_tau_tree_se'])}")
+        t.add_row(draft, *cells)
+    return t
+
+
+def _signed(delta, se) -> str:
+    return "-" if delta is None else f"{delta:+.3f} ± {se:.3f}"
+
+
 def report(args, arms: dict, about: dict, contrast: dict | None) -> dict:
     settings = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
     return {"settings": settings, "arms": arms,
-            "about_context": {"lengths": about["context_lengths"], "rows": length_rows(about)},
+            "about_context": {"lengths": about["context_lengths"], "rows": length_rows(about),
+                              "paired": paired_rows(about)},
             "unrelated": ({"lengths": contrast["context_lengths"], "rows": length_rows(contrast)}
                           if contrast else None),
             "evals": {"about_context": about, "unrelated": contrast}}

@@ -41,6 +41,9 @@ def summarise_run(label: str, k: int, prompts: list[Prompt], generations: list[G
     ``greedy_tokens_per_s`` and ``speedup`` (speculative over greedy tokens/s), both over the prompts whose greedy
     generation in ``greedy`` (one per prompt) was timed, i.e. has finite ``seconds`` (every prompt when the reference
     was decoded prompt by prompt; nan when none was timed). ``tokens_per_s`` is over all prompts.
+    ``per_prompt`` holds ``emitted`` (tokens emitted by verification steps: accepted + 1 per step) and
+    ``verify_steps``, one int per prompt in prompt order, so two drafts run on the same prompts can be compared
+    paired (:func:`paired_tau_difference`).
     """
     by_cat: dict[str, list[Generation]] = defaultdict(list)
     for prompt, gen in zip(prompts, generations):
@@ -60,7 +63,35 @@ def summarise_run(label: str, k: int, prompts: list[Prompt], generations: list[G
         "acceptance_rate_per_position": [a / d if d else float("nan") for a, d in zip(accepted, drafted)],
         "seconds": seconds, "tokens_per_s": tps, "greedy_tokens_per_s": greedy_tps,
         "speedup": speedup,
+        "per_prompt": {"emitted": [sum(g.accepted) + g.verify_steps for g in generations],
+                       "verify_steps": [g.verify_steps for g in generations]},
     }
+
+
+def paired_tau_difference(run_a: dict, run_b: dict) -> tuple[float, float] | None:
+    """τ_a − τ_b of two :func:`summarise_run` dicts over the same prompts, and its paired standard error.
+
+    τ = Σ_i e_i / Σ_i s_i (e_i emitted tokens, s_i verification steps of prompt i). Each ratio is linearised per
+    prompt, z_i = (e_i − τ·s_i) / mean_i s_i (the delta method for a ratio estimator, Cochran, "Sampling
+    Techniques", 3rd ed., §6.3), and d_i = z_a,i − z_b,i; SE = sqrt(Σ_i d_i² / (n (n − 1))) (Σ_i d_i = 0 by
+    construction). Pairing removes the spread between prompts that both drafts share (easy and hard prompts), so
+    a small difference can be significant where the unpaired standard errors overlap. None when either run lacks
+    ``per_prompt`` (JSON written before it existed), the prompt counts differ, or fewer than 2 prompts have a
+    verification step in both runs.
+    """
+    pa, pb = run_a.get("per_prompt"), run_b.get("per_prompt")
+    if not pa or not pb or len(pa["verify_steps"]) != len(pb["verify_steps"]):
+        return None
+    rows = [(ea, sa, eb, sb) for ea, sa, eb, sb in zip(pa["emitted"], pa["verify_steps"], pb["emitted"],
+                                                       pb["verify_steps"]) if sa and sb]
+    n = len(rows)
+    if n < 2:
+        return None
+    tau_a = sum(r[0] for r in rows) / sum(r[1] for r in rows)
+    tau_b = sum(r[2] for r in rows) / sum(r[3] for r in rows)
+    mean_sa, mean_sb = sum(r[1] for r in rows) / n, sum(r[3] for r in rows) / n
+    d = [(ea - tau_a * sa) / mean_sa - (eb - tau_b * sb) / mean_sb for ea, sa, eb, sb in rows]
+    return tau_a - tau_b, (sum(x * x for x in d) / (n * (n - 1))) ** 0.5
 
 
 def tau_table(runs: list[dict], title: str = "Acceptance length τ (chain drafting, greedy verification)",
