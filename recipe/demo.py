@@ -84,6 +84,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "(recipe.eval --context-request about-context; chain drafting at the first k)")
     p.add_argument("--context-prompts", type=int, default=8,
                    help="prompts per context length (0: no long-context rows)")
+    p.add_argument("--context-max-new-tokens", type=int, default=32,
+                   help="new tokens per prompt at each context length (the long-context bench's setting; at 2k of "
+                        "context each costs a forward over the whole cache)")
     p.add_argument("--seed", type=int, default=0)
     return p
 
@@ -215,8 +218,8 @@ def stage_eval(args, assets, ks: list[int], console: Console) -> dict:
 def stage_context(args, assets, ks: list[int], console: Console) -> dict | None:
     """τ of ``OUTPUT/export`` at each ``--context-lengths`` on ``--context-prompts`` MT-Bench prompts whose final
     turn asks about an inserted earlier ShareGPT conversation (``recipe.eval.by_length``, chain drafting at the first
-    k, greedy-checked); ``{"lengths": [...], "tau_by_length": {L: τ}, "tau_se_by_length": {L: se}}``, or None
-    with ``--context-prompts 0``."""
+    k, ``--context-max-new-tokens`` new tokens each, greedy-checked); ``{"lengths": [...], "tau_by_length": {L: τ},
+    "tau_se_by_length": {L: se}}``, or None with ``--context-prompts 0``."""
     if args.context_prompts <= 0:
         return None
     every = read_prompts(assets.prompts)
@@ -229,7 +232,8 @@ def stage_context(args, assets, ks: list[int], console: Console) -> dict | None:
     torch.set_num_threads(_one_process_threads())
     try:
         result = evaluate_by_length(assets.target, {"trained": args.output / "export"}, buckets, ks[:1],
-                                    args.max_new_tokens, console=console, eos_token_id=tokenizer.eos_token_id)
+                                    args.context_max_new_tokens, console=console,
+                                    eos_token_id=tokenizer.eos_token_id)
     finally:
         torch.set_num_threads(threads)
     entries = result["lengths"]

@@ -83,12 +83,14 @@ def test_eval_stage_reports_chain_and_tree(assets, tmp_path):
     assert demo.summary_table(chain_only, {}).row_count == 1
 
     context = demo.stage_context(demo.build_parser().parse_args(argv + ["--context-lengths", "64,128",
-                                                                        "--context-prompts", "2"]),
+                                                                        "--context-prompts", "2",
+                                                                        "--context-max-new-tokens", "5"]),
                                  assets, [3, 2], Console(quiet=True))
     assert context["request"] == "about-context" and context["num_draft_tokens"] == 3 and context["num_prompts"] == 2
     assert list(context["tau_by_length"]) == ["64", "128"] and [e["num_prompts"] for e in context["lengths"]] == [2, 2]
     assert all(0 < context["mean_context_tokens"][n] <= int(n) for n in ("64", "128"))
     assert all(r["num_draft_tokens"] == 3 for e in context["lengths"] for r in e["runs"])
+    assert all(0 < r["new_tokens"] <= 2 * 5 for e in context["lengths"] for r in e["runs"])
     assert demo.summary_table({**chain_only, "context": context}, {}).row_count == 3
     assert demo.stage_context(demo.build_parser().parse_args(argv + ["--context-prompts", "0"]), assets, [3],
                               Console(quiet=True)) is None
