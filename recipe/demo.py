@@ -16,8 +16,8 @@ level: ``tau`` at the first k, ``tau_tree`` of the dynamic tree, ``num_draft_tok
 ``runs``, ``tree_runs``, ``stage_seconds`` — a stage skipped because its output was there keeps the seconds the earlier
 run recorded, ``stages_skipped`` names those, ``total`` is this run's wall time —, ``settings``) and the training
 curves ``OUTPUT/curves.png`` (``recipe.plot``, with matplotlib). The seed-initialised draft is not evaluated: a
-random draft does not propose the target's greedy token, so its τ is 1. The defaults are sized for about 25 minutes
-on 2 CPU cores, setup included (docs/results/demo_cpu.md).
+random draft does not propose the target's greedy token, so its τ is 1. The defaults are sized for under 30 minutes
+on 2 CPU cores, setup and the long-context rows included (docs/results/demo_cpu.md).
 """
 from __future__ import annotations
 
