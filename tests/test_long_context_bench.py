@@ -118,12 +118,14 @@ def test_arm_summary_from_metrics(tmp_path):
         {"step": s, "loss": 1.0, "tokens": 100, "samples": 2, "time_s": 0.5, "acc_all_supervised": [s / 10, 0]})
         + "\n" for s in range(1, 13)))
     (tmp_path / "run_config.json").write_text(json.dumps(
-        {"args": {"max_length": 4096, "chain_conversations": 4096, "position_offset_max": 0},
+        {"args": {"max_length": 4096, "chain_conversations": 4096, "position_offset_max": 0, "cp_size": None},
+         "parallelism": {"tp": 1, "cp": 2, "dp": 1},  # cp from the DeepSpeed JSON, not the flag
          "deepspeed": {"optimizer": {"params": {"lr": 0.002}}}}))
     s = arm_summary(tmp_path)
     assert (s["steps"], s["samples"], s["supervised_tokens"], s["train_s"]) == (12, 24, 1200, 6.0)
     assert s["acc0_last10"] == pytest.approx(sum(range(3, 13)) / 100)
     assert s["max_length"] == 4096 and s["lr"] == 0.002
+    assert s["layout"] == {"tp": 1, "cp": 2, "dp": 1} and s["cp_size"] is None
     assert arm_summary(tmp_path / "none") == {"run": str(tmp_path / "none"),
                                               "export": str(tmp_path / "none" / "export")}
 
@@ -190,52 +192,69 @@ def _per_prompt(emitted, steps):
     return {"per_prompt": {"emitted": list(emitted), "verify_steps": list(steps)}}
 
 
-def test_paired_difference_equals_the_mean_difference_with_equal_steps():
-    """With every prompt at s verification steps, τ = mean(e)/s exactly, so τ_a − τ_b = mean(e_a − e_b)/s and
-    its paired standard error is the ordinary one of the per-prompt differences: std(e_a − e_b) / (s √n)."""
-    ea, eb, s = [9, 5, 12, 6, 8], [8, 5, 10, 6, 6], 4
-    delta, se = paired_tau_difference(_per_prompt(ea, [s] * 5), _per_prompt(eb, [s] * 5))
-    diffs = [a - b for a, b in zip(ea, eb)]
-    mean = sum(diffs) / 5
-    assert delta == pytest.approx(mean / s, rel=1e-12)
-    assert se == pytest.approx(math.sqrt(sum((x - mean) ** 2 for x in diffs) / 4) / (s * math.sqrt(5)), rel=1e-12)
+def _delta_method(emitted, steps_a, steps_b):
+    """τ_a − τ_b = ē (1/s̄_a − 1/s̄_b) and its standard error by the multivariate delta method: gᵀ Σ g / n with g
+    the gradient in (ē, s̄_a, s̄_b) and Σ the sample covariance (n − 1) of the per-prompt (e, s_a, s_b): an
+    independent route to what paired_tau_difference computes prompt by prompt."""
+    n = len(emitted)
+    cols = [emitted, steps_a, steps_b]
+    means = [sum(c) / n for c in cols]
+    e, sa, sb = means
+    g = [1 / sa - 1 / sb, -e / sa ** 2, e / sb ** 2]
+    cov = [[sum((x - mx) * (y - my) for x, y in zip(cx, cy)) / (n - 1) for cy, my in zip(cols, means)]
+           for cx, mx in zip(cols, means)]
+    var = sum(g[i] * cov[i][j] * g[j] for i in range(3) for j in range(3)) / n
+    return e / sa - e / sb, math.sqrt(var)
+
+
+def test_paired_difference_is_the_delta_method_on_the_same_prompts():
+    """Lossless runs of one prompt emit the same tokens whatever the draft; the drafts differ in verification
+    steps. The paired difference and its standard error equal the multivariate delta method's."""
+    emitted, sa, sb = [31, 20, 31, 31, 15, 28], [22, 16, 25, 20, 12, 24], [24, 15, 27, 25, 13, 24]
+    delta, se = paired_tau_difference(_per_prompt(emitted, sa), _per_prompt(emitted, sb))
+    want_delta, want_se = _delta_method(emitted, sa, sb)
+    assert delta == pytest.approx(want_delta, rel=1e-12) and delta > 0
+    assert se == pytest.approx(want_se, rel=1e-9) and se > 0
 
 
 def test_paired_difference_removes_shared_prompt_difficulty():
-    """Drafts that differ by one token on every prompt, on prompts of very different difficulty: the unpaired
-    standard errors are wide, the paired one is far narrower; identical runs give 0 ± 0."""
+    """A draft that needs one verification step fewer on every prompt, on prompts of very different difficulty:
+    the unpaired standard error of each τ is wide, the paired one of their difference far narrower; identical
+    runs give 0 ± 0; runs of other prompts are refused."""
     from recipe.eval.length_report import tau_standard_error
     from recipe.eval.speculative import Generation
 
-    steps = [10, 10, 10, 10]
-    a_e, b_e = [11, 25, 14, 30], [10, 24, 13, 29]
-    delta, se = paired_tau_difference(_per_prompt(a_e, steps), _per_prompt(b_e, steps))
-    assert delta == pytest.approx(0.1) and se == pytest.approx(0.0, abs=1e-12)
+    emitted, sa = [31, 31, 31, 31, 31, 31], [12, 30, 16, 28, 20, 24]
+    sb = [s + 1 for s in sa]
+    delta, se = paired_tau_difference(_per_prompt(emitted, sa), _per_prompt(emitted, sb))
     unpaired = tau_standard_error([Generation([], 0.0, accepted=[e - s] + [0] * (s - 1), k=3)
-                                   for e, s in zip(a_e, steps)])
-    assert unpaired > 0.3
-    same = paired_tau_difference(_per_prompt([7, 3], [4, 2]), _per_prompt([7, 3], [4, 2]))
-    assert same == (0.0, 0.0)
+                                   for e, s in zip(emitted, sa)])
+    assert delta == pytest.approx(186 / 130 - 186 / 136) and se < unpaired / 10
+    assert paired_tau_difference(_per_prompt([7, 3], [4, 2]), _per_prompt([7, 3], [4, 2])) == (0.0, 0.0)
     assert paired_tau_difference({"tau": 1.0}, _per_prompt([7, 3], [4, 2])) is None
     assert paired_tau_difference(_per_prompt([7, 3, 1], [4, 2, 1]), _per_prompt([7, 3], [4, 2])) is None
+    with pytest.raises(ValueError, match="did not decode the same prompts"):
+        paired_tau_difference(_per_prompt([7, 3], [4, 2]), _per_prompt([3, 7], [2, 4]))
 
 
 def test_paired_rows_and_table_against_the_short_arm(tmp_path):
     entry = _entry(4096, ["short", "warm"])
+    emitted, short_steps, warm_steps = [8, 5, 12, 6], [4, 4, 4, 4], [3, 4, 3, 4]
     for r in entry["runs"] + entry["tree_runs"]:
-        gain = 1 if r["draft"] == "warm" else 0
-        r.update(_per_prompt([8 + gain, 5, 12 + gain, 6], [4, 4, 4, 4]))
+        r.update(_per_prompt(emitted, warm_steps if r["draft"] == "warm" else short_steps))
     old = _entry(256, ["short", "warm"])  # a JSON written before per-prompt counts existed
     about = {"context_lengths": [256, 4096], "lengths": [old, entry]}
     rows = paired_rows(about)
     assert [(r["draft"], r["context_length"]) for r in rows] == [("warm", 256), ("warm", 4096)]
     assert rows[0]["delta_tau"] is None and rows[0]["delta_tau_tree"] is None
-    assert rows[1]["delta_tau"] == pytest.approx(0.125) and rows[1]["delta_tau_tree"] == pytest.approx(0.125)
-    assert rows[1]["delta_tau_se"] == pytest.approx(math.sqrt(1 / 3) / 8, rel=1e-9)  # std(1,0,1,0)/(4·√4)
+    want_delta, want_se = _delta_method(emitted, warm_steps, short_steps)
+    assert rows[1]["delta_tau"] == pytest.approx(31 / 14 - 31 / 16) == pytest.approx(want_delta)
+    assert rows[1]["delta_tau_se"] == pytest.approx(want_se, rel=1e-9)
+    assert rows[1]["delta_tau_tree"] == rows[1]["delta_tau"]
     args = lc.build_parser().parse_args(["--output", str(tmp_path)])
     result = report(args, {"short": {"run": "x"}}, about, None)
     assert result["about_context"]["paired"] == rows
     table = paired_table(result)
     assert [c.header for c in table.columns] == ["arm", "4096"] and table.row_count == 1
-    assert list(table.columns[1].cells)[0].startswith("+0.125 ± ")
+    assert list(table.columns[1].cells)[0].startswith(f"+{31 / 14 - 31 / 16:.3f} ± ")
     assert paired_table(report(args, {}, {"context_lengths": [256], "lengths": [old]}, None)) is None

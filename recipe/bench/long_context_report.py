@@ -22,7 +22,8 @@ from recipe.plot import METRICS_FILE, read_metrics, save_figure
 def arm_summary(run: Path) -> dict:
     """What training one arm cost, from ``run``'s ``metrics.jsonl`` and ``run_config.json``: optimizer steps,
     samples, supervised tokens, seconds of training steps (``time_s`` summed), the last 10 steps' mean first-token
-    accuracy (all supervised positions), the longest training sample and the run's position / init options. A run
+    accuracy (all supervised positions), the longest training sample, the run's position / init options and ``layout``
+    (its tp / cp / dp, whether set by flag or by the DeepSpeed JSON; ``cp_size`` is the flag alone). A run
     folder without metrics (e.g. a ``--short-run`` copied without them) gives the export folder only."""
     out = {"run": str(run), "export": str(run / "export")}
     if not (run / METRICS_FILE).is_file():
@@ -39,7 +40,7 @@ def arm_summary(run: Path) -> dict:
         run_args = cfg.get("args", {})
         out.update({k: run_args.get(k) for k in ("max_length", "chain_conversations", "limit", "epochs",
                                                   "init_draft", "position_offset_max", "cp_size")})
-        out["layout"] = cfg.get("layout")
+        out["layout"] = cfg.get("parallelism")  # {"tp", "cp", "dp"} as run.py resolved them (JSON or flags)
         out["lr"] = cfg.get("deepspeed", {}).get("optimizer", {}).get("params", {}).get("lr")
     return out
 

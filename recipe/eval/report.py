@@ -77,11 +77,16 @@ def paired_tau_difference(run_a: dict, run_b: dict) -> tuple[float, float] | Non
     construction). Pairing removes the spread between prompts that both drafts share (easy and hard prompts), so
     a small difference can be significant where the unpaired standard errors overlap. None when either run lacks
     ``per_prompt`` (JSON written before it existed), the prompt counts differ, or fewer than 2 prompts have a
-    verification step in both runs.
+    verification step in both runs. Raises ValueError when the per-prompt emitted counts differ: lossless runs of
+    the same prompts emit the same greedy tokens, so a difference means misaligned prompts.
     """
     pa, pb = run_a.get("per_prompt"), run_b.get("per_prompt")
     if not pa or not pb or len(pa["verify_steps"]) != len(pb["verify_steps"]):
         return None
+    if pa["emitted"] != pb["emitted"]:
+        raise ValueError(f"{run_a.get('draft')} and {run_b.get('draft')}: the per-prompt emitted tokens differ, so "
+                         "the runs did not decode the same prompts in the same order (lossless runs of one prompt "
+                         "emit the same greedy tokens whatever the draft)")
     rows = [(ea, sa, eb, sb) for ea, sa, eb, sb in zip(pa["emitted"], pa["verify_steps"], pb["emitted"],
                                                        pb["verify_steps"]) if sa and sb]
     n = len(rows)
