@@ -65,8 +65,11 @@ class Launch:
         cmd = [str(Path(sys.executable).parent / "deepspeed"), "--num_gpus", "2", "--master_port", str(self.port),
                "run.py", *argv, "--max-steps", "1000"]
         with open(self.log_path, "w") as log:
+            # SIGINT at its default in the runner, as under a terminal's Ctrl-C: a pytest started in the background
+            # of a non-interactive shell inherits SIGINT ignored, and the runner would then outlive the ctrl_c case
             self.runner = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                           start_new_session=True)
+                                           start_new_session=True,
+                                           preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
         self.launch_pid = self.rank_pids = None
         self.runner_rc = self.launch_rc = None
         self.finished = False
@@ -215,7 +218,8 @@ def test_every_way_of_stopping_the_deepspeed_launcher_saves_and_resumes_exactly(
     elif name == "term_runner":
         assert f"launcher deepspeed (pid {launch.runner.pid}) is gone" in log, log
         assert "SIGTERM received: stopping" not in log, log  # nobody forwarded it: the launcher watch stopped the ranks
-        assert marker["cause"] == f"launcher deepspeed (pid {launch.runner.pid}) is gone"
+        # rank 0 writes the marker: the watch's reason, or "another rank" when rank 1's watch saw it first
+        assert marker["cause"] in (f"launcher deepspeed (pid {launch.runner.pid}) is gone", "another rank")
     elif name == "term_launch":
         assert log.count("SIGTERM received: stopping after this step") == 1, log  # rank 0; rank 1 agreed
         assert marker["cause"] == "SIGTERM"
