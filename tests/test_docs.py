@@ -231,7 +231,7 @@ GIB = 2 ** 30
 def quoted_forms(data) -> set[str]:
     """Every number of a result JSON in the forms the docs print it: as is (``0.05``, ``7``), bytes in GiB to one
     decimal (``42.9``), bytes in MiB to one decimal, tokens in k = 1024 (``222k``) and in M = 1024·1000 tokens
-    (``1.40M``), and any value to one or two decimals."""
+    (``1.40M``), and any value to one, two or three decimals (τ and its standard error are printed to three)."""
     forms: set[str] = set()
     stack = [data]
     while stack:
@@ -241,8 +241,10 @@ def quoted_forms(data) -> set[str]:
         elif isinstance(item, list):
             stack += item
         elif isinstance(item, (int, float)) and not isinstance(item, bool):
-            forms |= {f"{item:g}", f"{item:.1f}", f"{item:.2f}", f"{item / GIB:.1f}", f"{item / GIB:.2f}",
+            forms |= {f"{item:g}", f"{item:.1f}", f"{item:.2f}", f"{item:.3f}", f"{item / GIB:.1f}", f"{item / GIB:.2f}",
                       f"{item / 2 ** 20:.1f}"}
+            if isinstance(item, float):
+                forms.add(f"{item:.0f}")  # means of token counts, printed whole
             if isinstance(item, int):
                 forms |= {f"{round(item / 1024)}k", f"{item / 1024 / 1000:.2f}M"}
     return forms
@@ -263,7 +265,8 @@ def cited_tables(doc: Path) -> list[tuple[int, Path, list[str]]]:
         start = stop
         while start > 0 and lines[start - 1].strip():
             start -= 1
-        cited = {m for line in lines[start:stop] for m in re.findall(r"\]\(([^)\s]*results/[\w.-]+\.json)\)", line)}
+        cited = {m for line in lines[start:stop] for m in re.findall(r"\]\(([^)\s]*\.json)\)", line)
+                 if (doc.parent / m).resolve().parent.name == "results"}  # README/docs links and the pages' own
         end = i + 2
         while end < len(lines) and lines[end].startswith("|"):
             end += 1
@@ -304,5 +307,8 @@ def test_a_table_number_missing_from_its_json_is_caught(tmp_path):
     root, ROOT = ROOT, tmp_path
     try:
         assert table_mismatches(doc) == ["d.md:3: 43.0 ('43.0') is not in r.json"]
+        page = tmp_path / "results" / "page.md"  # a results page links its JSON beside it
+        page.write_text("τ ([r.json](r.json)):\n\n| arm | τ | tokens |\n|---|---|---|\n| a | 0.047 | 227328 |\n")
+        assert table_mismatches(page) == ["results/page.md:3: 0.047 ('0.047') is not in r.json"]
     finally:
         ROOT = root
