@@ -241,8 +241,8 @@ def quoted_forms(data) -> set[str]:
         elif isinstance(item, list):
             stack += item
         elif isinstance(item, (int, float)) and not isinstance(item, bool):
-            forms |= {f"{item:g}", f"{item:.1f}", f"{item:.2f}", f"{item:.3f}", f"{item / GIB:.1f}", f"{item / GIB:.2f}",
-                      f"{item / 2 ** 20:.1f}"}
+            forms |= {f"{item:g}", f"{item:.1f}", f"{item:.2f}", f"{item:.3f}", f"{item / GIB:.1f}",
+                      f"{item / GIB:.2f}", f"{item / 2 ** 20:.1f}"}
             if isinstance(item, float):
                 forms.add(f"{item:.0f}")  # means of token counts, printed whole
             if isinstance(item, int):

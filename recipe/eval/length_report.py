@@ -7,7 +7,7 @@ from pathlib import Path
 
 from rich.table import Table
 
-from recipe.eval.report import summarise_run
+from recipe.eval.report import ratio_residuals, summarise_run
 from recipe.eval.speculative import Generation
 from recipe.plot import save_figure
 
@@ -25,9 +25,8 @@ def tau_standard_error(generations: list[Generation]) -> float:
     n = len(rows)
     if n < 2:
         return float("nan")
-    tau = sum(e for e, _ in rows) / sum(s for _, s in rows)
-    mean_s = sum(s for _, s in rows) / n
-    return math.sqrt(sum((e - tau * s) ** 2 for e, s in rows) / (n * (n - 1))) / mean_s
+    _, z = ratio_residuals(rows)
+    return math.sqrt(sum(x * x for x in z) / (n * (n - 1)))
 
 
 def _run(label, k, prompts, gens, greedy) -> dict:

@@ -87,16 +87,22 @@ def paired_tau_difference(run_a: dict, run_b: dict) -> tuple[float, float] | Non
         raise ValueError(f"{run_a.get('draft')} and {run_b.get('draft')}: the per-prompt emitted tokens differ, so "
                          "the runs did not decode the same prompts in the same order (lossless runs of one prompt "
                          "emit the same greedy tokens whatever the draft)")
-    rows = [(ea, sa, eb, sb) for ea, sa, eb, sb in zip(pa["emitted"], pa["verify_steps"], pb["emitted"],
-                                                       pb["verify_steps"]) if sa and sb]
-    n = len(rows)
+    keep = [i for i, (sa, sb) in enumerate(zip(pa["verify_steps"], pb["verify_steps"])) if sa and sb]
+    n = len(keep)
     if n < 2:
         return None
-    tau_a = sum(r[0] for r in rows) / sum(r[1] for r in rows)
-    tau_b = sum(r[2] for r in rows) / sum(r[3] for r in rows)
-    mean_sa, mean_sb = sum(r[1] for r in rows) / n, sum(r[3] for r in rows) / n
-    d = [(ea - tau_a * sa) / mean_sa - (eb - tau_b * sb) / mean_sb for ea, sa, eb, sb in rows]
-    return tau_a - tau_b, (sum(x * x for x in d) / (n * (n - 1))) ** 0.5
+    tau_a, z_a = ratio_residuals([(pa["emitted"][i], pa["verify_steps"][i]) for i in keep])
+    tau_b, z_b = ratio_residuals([(pb["emitted"][i], pb["verify_steps"][i]) for i in keep])
+    return tau_a - tau_b, (sum((a - b) ** 2 for a, b in zip(z_a, z_b)) / (n * (n - 1))) ** 0.5
+
+
+def ratio_residuals(rows: list[tuple[int, int]]) -> tuple[float, list[float]]:
+    """τ = Σ_i e_i / Σ_i s_i of ``rows`` = [(e_i emitted tokens, s_i verification steps), ...] (every s_i > 0) and
+    each prompt's linearised residual z_i = (e_i − τ·s_i) / mean_i s_i, the delta method for a ratio estimator
+    (Cochran, "Sampling Techniques", 3rd ed., §6.3): SE(τ) = sqrt(Σ_i z_i² / (n (n − 1)))."""
+    tau = sum(e for e, _ in rows) / sum(s for _, s in rows)
+    mean_s = sum(s for _, s in rows) / len(rows)
+    return tau, [(e - tau * s) / mean_s for e, s in rows]
 
 
 def tau_table(runs: list[dict], title: str = "Acceptance length τ (chain drafting, greedy verification)",
