@@ -95,4 +95,14 @@ def chunked_soft_ce(logits_fn: Callable[[torch.Tensor], torch.Tensor], loss_fn: 
                                        use_reentrant=False, preserve_rng_state=False)
         losses.append(loss_sum)
         corrects.append(correct.to(torch.int64))
-    return torch.stack(losses).sum(), torch.stack(corrects).sum()
+    return _fold_sum(losses), torch.stack(corrects).sum()
+
+
+def _fold_sum(terms: list[torch.Tensor]) -> torch.Tensor:
+    """``((t_0 + t_1) + t_2) + ...``, a left fold in chunk order. Not ``torch.stack(terms).sum()``: a vectorised
+    reduction groups the terms by the SIMD width, so appending the empty chunks' exact zeros (``min_chunks``) would
+    regroup the non-zero ones and change the last bit on some CPUs; a fold adds each zero as ``x + 0 = x``."""
+    total = terms[0]
+    for term in terms[1:]:
+        total = total + term
+    return total
