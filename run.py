@@ -82,7 +82,8 @@ def main(argv: list[str] | None = None) -> int:
     from rich.console import Console  # import cost: rich
     from rich.markup import escape  # import cost: rich
 
-    from kernels.flex_attention import FlexCompileError, flex_compile_stats  # import cost: pulls in torch
+    from kernels.compile_policy import CompileError  # import cost: pulls in torch
+    from kernels.flex_attention import flex_compile_stats  # import cost: pulls in torch
     from recipe.train.checkpoint import CheckpointError  # import cost: pulls in torch
     from recipe.train.distributed import init_distributed, release_shm_buffer  # import cost: pulls in torch
     from recipe.train.oom import StepOutOfMemory  # import cost: pulls in torch
@@ -108,6 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         # import cost: DeepSpeed and transformers, once the process group is up
         from recipe.train.loop import Trainer, TrainSettings
+        from recipe.model.small_ops import small_ops_stats  # import cost: pulls in torch, transformers
         from recipe.train.metrics import plan_summary  # import cost: pulls in torch
         from recipe.train.positions import position_lines, run_positions  # import cost: pulls in torch
 
@@ -131,8 +133,12 @@ def main(argv: list[str] | None = None) -> int:
         if flex["calls"] and dist.get_rank() == 0:
             console.print(f"flex attention: {flex['compiles']} compile(s) for {flex['calls']} calls "
                           f"(dynamic={flex['dynamic']}, limit {flex['recompile_limit']})")
+        small = small_ops_stats()
+        if any(op["calls"] for op in small.values()) and dist.get_rank() == 0:
+            console.print("compiled small ops: " + ", ".join(f"{name} {op['compiles']}" for name, op in small.items())
+                          + f" compile(s) (limit {next(iter(small.values()))['recompile_limit']} each)")
         return code
-    except (ValueError, KeyError, OSError, CheckpointError, StepOutOfMemory, FlexCompileError) as exc:
+    except (ValueError, KeyError, OSError, CheckpointError, StepOutOfMemory, CompileError) as exc:
         if os.environ.get("RECIPE_DEBUG"):
             raise
         message = exc.args[0] if isinstance(exc, KeyError) and exc.args else exc

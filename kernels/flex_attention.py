@@ -16,7 +16,8 @@ turns a graph break, which would also run flex eagerly, into an error. The softm
 specialised (Dynamo's ``specialize_float``): left symbolic, Dynamo's float-to-tensor pass restarts the analysis after
 the backend has compiled the graph, so every graph was compiled twice (seen with ``aot_eager``,
 ``tests/test_flex_compiled.py``); the scale is fixed per model. Every compile is counted and logged
-(``flex_compile_stats``; logger ``kernels.flex_attention``).
+(``flex_compile_stats``; logger ``kernels.flex_attention``). The machinery is ``kernels.compile_policy``'s
+(``CompiledFunction``), which the draft's compiled small ops share (``recipe.model.small_ops``).
 
 Why dynamic shapes and not length buckets: training lengths vary per micro-batch (the batch is padded to its longest
 sample), and under a static policy every new length is a new compile (tens of seconds for flex forward + backward
@@ -60,6 +61,7 @@ from collections import OrderedDict
 import torch
 
 from kernels.block_attention import accum_dtype
+from kernels.compile_policy import CompiledFunction, CompileError
 from kernels.registry import AttentionBackend, BlockKernel, register_attention_backend
 from kernels.tiled_attention import check_block_shapes, keys_valid, recompute_block_backward
 from kernels.tracing import flex_stand_in, is_tracing
@@ -77,14 +79,15 @@ _INT64_MAX, _INT64_MIN = torch.iinfo(torch.int64).max, torch.iinfo(torch.int64).
 log = logging.getLogger(__name__)
 
 
-class FlexCompileError(RuntimeError):
+class FlexCompileError(CompileError):
     """Flex attention would run uncompiled on CUDA (materialising [B, H, Sq, Sk] scores): asked for explicitly, or
     Dynamo reached its recompile limit, or the compile failed. The message says which and what to do."""
 
 
-class CompiledFlex:
+class CompiledFlex(CompiledFunction):
     """``torch.compile(fn, dynamic=dynamic, fullgraph=True)`` that counts its compiles and never falls back to the
-    uncompiled function (module docstring, "Compile policy").
+    uncompiled function (module docstring, "Compile policy"; the machinery is ``kernels.compile_policy``'s, shared
+    with the draft's compiled small ops).
 
     Args: fn the function (default ``torch.nn.attention.flex_attention``); dynamic the dynamic-shape policy
     (default ``FLEX_DYNAMIC``); recompile_limit the compiles allowed (default ``FLEX_RECOMPILE_LIMIT``); backend the
@@ -99,53 +102,11 @@ class CompiledFlex:
         if fn is None:
             # import cost: torch.nn.attention.flex_attention
             from torch.nn.attention.flex_attention import flex_attention as fn
-        self.fn, self.dynamic, self.recompile_limit, self.backend = fn, dynamic, recompile_limit, backend
-        self.compiles = self.calls = 0
-        self.last_shapes: list[tuple] = []
-        self._compiled = None
-
-    def _compile_graph(self, gm, example_inputs):
-        from torch._dynamo.backends.registry import lookup_backend  # import cost: torch._dynamo.backends.registry
-
-        self.compiles += 1
-        self.last_shapes = [tuple(t.shape) for t in example_inputs if isinstance(t, torch.Tensor)][:4]
-        log.info("flex attention compile #%d (dynamic=%s, backend %s): input shapes %s", self.compiles,
-                 self.dynamic, self.backend, self.last_shapes)
-        return lookup_backend(self.backend)(gm, example_inputs)
-
-    def __call__(self, *args, **kwargs):
-        if self._compiled is None:
-            self._compiled = torch.compile(self.fn, backend=self._compile_graph, dynamic=self.dynamic,
-                                           fullgraph=True)
-        self.calls += 1
-        # import cost: torch's compiler stack (dynamo, fx), loaded only when flex runs
-        from torch._dynamo import config as dynamo_config
-        from torch._dynamo.exc import BackendCompilerFailed, FailOnRecompileLimitHit, Unsupported
-        from torch.fx.experimental import _config as shape_config
-
-        # the float scale specialised, duck sizing off (module docstring); skipped where a torch lacks the switch
-        floats = {"specialize_float": True} if hasattr(dynamo_config, "specialize_float") else {}
-        duck = {"use_duck_shape": False} if hasattr(shape_config, "use_duck_shape") else {}
-        try:
-            with dynamo_config.patch(recompile_limit=self.recompile_limit, fail_on_recompile_limit_hit=True,
-                                     suppress_errors=False, **floats), shape_config.patch(**duck):
-                return self._compiled(*args, **kwargs)
-        except FailOnRecompileLimitHit as exc:
-            raise FlexCompileError(
-                f"flex attention reached its recompile limit ({self.recompile_limit} compiles, dynamic="
-                f"{self.dynamic}; latest input shapes {self.last_shapes}); running it uncompiled would materialise "
-                "the full attention scores, so the run stops here. Set TORCH_LOGS=recompiles to see why it "
-                "recompiled, or raise kernels.flex_attention.FLEX_RECOMPILE_LIMIT") from exc
-        except (Unsupported, BackendCompilerFailed) as exc:  # a graph break under fullgraph, an Inductor failure
-            raise FlexCompileError(
-                f"flex attention could not be compiled ({type(exc).__name__}: {str(exc).splitlines()[0][:300]}; "
-                f"input shapes {self.last_shapes}); running it uncompiled would materialise the full attention "
-                "scores, so the run stops here") from exc
-
-    def stats(self) -> dict:
-        """``{"compiles", "calls", "dynamic", "recompile_limit", "last_shapes"}`` (JSON-able)."""
-        return {"compiles": self.compiles, "calls": self.calls, "dynamic": self.dynamic,
-                "recompile_limit": self.recompile_limit, "last_shapes": [list(s) for s in self.last_shapes]}
+        super().__init__(fn, name="flex attention", dynamic=dynamic, recompile_limit=recompile_limit,
+                         backend=backend, error=FlexCompileError,
+                         consequence="running it uncompiled would materialise the full attention scores, so the run "
+                                     "stops here",
+                         limit_remedy="raise kernels.flex_attention.FLEX_RECOMPILE_LIMIT", log=log)
 
 
 _COMPILED: dict[str, CompiledFlex] = {}

@@ -44,6 +44,20 @@ def diagonal_attention(
     return out_BGRSD.reshape(b, h, s, d).to(q_BHSD.dtype), lse_BGRS.reshape(b, h, s)
 
 
+def merge_diagonal(out_BHSD: torch.Tensor, lse_BHS: torch.Tensor, q_BHSD: torch.Tensor, k_BHkvSND: torch.Tensor,
+                   v_BHkvSND: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The TTT merge: the causal block's attention (out [B, H, S, D] in q's dtype, lse [B, H, S] in the accumulation
+    dtype, -inf on rows with no readable key) combined with the N diagonal keys of each position
+    (:func:`diagonal_attention` of q over k/v [B, Hkv, S, N, D]) by log-sum-exp (``merge_lse``). Returns (out
+    [B, H, S, D] in out's dtype, lse [B, H, S]): the attention over the union of both key sets. One function, so a
+    compiler fuses the diagonal scores, their softmax and the merge (``recipe.model.small_ops``)."""
+    out_d, lse_d = diagonal_attention(q_BHSD, k_BHkvSND, v_BHkvSND)
+    return merge_lse(out_BHSD, lse_BHS, out_d, lse_d)
+
+
+DiagonalMerge = Callable[..., tuple[torch.Tensor, torch.Tensor]]
+
+
 class TTTKVCache:
     """Keys and values of one TTT unroll: step 0's causal block plus the diagonal K/V of steps 1..k.
 
@@ -88,6 +102,7 @@ class TTTKVCache:
         position_ids_BS: torch.Tensor,
         key_valid_BS: torch.Tensor | None,
         query_positions_BS: torch.Tensor | None = None,
+        merge: DiagonalMerge | None = None,
     ) -> torch.Tensor:
         """Store this step's K/V, then attend over the causal block and the diagonal keys; returns out_BHSD.
 
@@ -96,7 +111,10 @@ class TTTKVCache:
         ``query_positions_BS`` [B, Sq]: the queries' anchor positions when they are not the keys' ``position_ids_BS``
         (step 0 of the sparse path: keys at every position, queries at the needed anchors only; None: the same).
         A query with no readable block key (padding row) is finite: at step 0 its output is 0.
+        ``merge``: the function that adds the diagonal keys to the causal block's (out, lse), with the signature of
+        :func:`merge_diagonal` (None: it; the draft passes its compiled one, ``recipe.model.small_ops``).
         """
+        merge = merge_diagonal if merge is None else merge
         if self.block is None:
             self.block = (k_BHkvSD, v_BHkvSD, position_ids_BS, key_valid_BS)
         else:
@@ -106,6 +124,6 @@ class TTTKVCache:
         q_pos = position_ids_BS if query_positions_BS is None else query_positions_BS
         out_BHSD, lse_BHS = causal_attention(q_BHSD, k0, v0, q_pos, pos0, valid0)
         if self.diag_k:
-            out_d, lse_d = diagonal_attention(q_BHSD, torch.stack(self.diag_k, dim=3), torch.stack(self.diag_v, dim=3))
-            out_BHSD, lse_BHS = merge_lse(out_BHSD, lse_BHS, out_d, lse_d)
+            out_BHSD = merge(out_BHSD, lse_BHS, q_BHSD, torch.stack(self.diag_k, dim=3),
+                             torch.stack(self.diag_v, dim=3))[0]
         return out_BHSD

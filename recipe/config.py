@@ -161,12 +161,15 @@ class KernelOptions:
     that attention across a sequence split over a cp group (the draft's) or a cp·tp group (the target's), a
     registered name (``kernels.registry.sequence_parallel_names``); ``"ring"`` (default: ring attention over the
     zigzag shards).
-    The run resolves ``attention`` for its device (:meth:`RunConfig.for_device`) and records both in
-    ``run_config.json`` (``kernels``). The tile size stays a memory switch (``memory.attention_tile_size``).
+    ``compile_small_ops``: the draft's norms, RoPE, SwiGLU, TTT merge and soft CE under ``torch.compile``
+    (``recipe.model.small_ops``): ``"auto"`` (default: on for CUDA, off on the CPU), true or false.
+    The run resolves ``attention`` and ``compile_small_ops`` for its device (:meth:`RunConfig.for_device`) and records
+    all three in ``run_config.json``. The tile size stays a memory switch (``memory.attention_tile_size``).
     """
 
     attention: str = "auto"
     sequence_parallel: str = "ring"
+    compile_small_ops: bool | str = "auto"
 
     @classmethod
     def pop_from(cls, cfg: dict, path: Path | str) -> "KernelOptions":
@@ -177,7 +180,7 @@ class KernelOptions:
         section = {} if section is None else section
         if not isinstance(section, dict):
             raise ConfigError(f"{path}: '{KERNELS_SECTION}' must be an object like {{\"attention\": \"auto\"}}")
-        known = ("attention", "sequence_parallel")
+        known = ("attention", "sequence_parallel", "compile_small_ops")
         unknown = sorted(k for k in set(section) - set(known) if not k.startswith("_"))
         if unknown:
             hint = did_you_mean(unknown[0], known)
@@ -189,6 +192,10 @@ class KernelOptions:
             if values[key] not in names:
                 raise ConfigError(f"{path}: '{KERNELS_SECTION}.{key}' must be one of {list(names)}, "
                                   f"got {values[key]!r}")
+        values["compile_small_ops"] = section.get("compile_small_ops", cls.compile_small_ops)
+        if not isinstance(values["compile_small_ops"], bool) and values["compile_small_ops"] != "auto":
+            raise ConfigError(f"{path}: '{KERNELS_SECTION}.compile_small_ops' must be true, false or \"auto\", "
+                              f"got {values['compile_small_ops']!r}")
         return cls(**values)
 
 
@@ -328,15 +335,19 @@ class RunConfig:
 
     def for_device(self, device) -> "RunConfig":
         """A copy whose ``kernels.attention`` is what the configured name stands for on ``device``
-        (``kernels.attention_backends.resolve_attention_backend``: "auto" becomes a backend name). Raises
-        ConfigError naming the file when the configured kernel cannot run on ``device``."""
+        (``kernels.attention_backends.resolve_attention_backend``: "auto" becomes a backend name) and whose
+        ``compile_small_ops`` is a bool (``kernels.compile_policy.compile_on``). Raises ConfigError naming the file
+        when the configured kernel cannot run on ``device``."""
         from kernels.attention_backends import resolve_attention_backend  # import cost: pulls in torch
+        from kernels.compile_policy import compile_on  # import cost: pulls in torch
 
         try:
             backend = resolve_attention_backend(self.kernels.attention, device)
         except ValueError as exc:
             raise ConfigError(f"{self.path}: '{KERNELS_SECTION}.attention': {exc}") from None
-        return dataclasses.replace(self, kernels=dataclasses.replace(self.kernels, attention=backend))
+        kernels = dataclasses.replace(self.kernels, attention=backend,
+                                      compile_small_ops=compile_on(self.kernels.compile_small_ops, device))
+        return dataclasses.replace(self, kernels=kernels)
 
     def deepspeed_config(self) -> dict:
         """The dict for ``deepspeed.initialize(config=...)``. Raises ValueError before :meth:`with_total_steps`

@@ -133,9 +133,11 @@ def test_attention_kernel_is_resolved_for_the_device_and_recorded(tmp_path):
     assert config.kernels.attention == "auto"
     on_cpu = config.for_device("cpu").with_total_steps(1)
     assert on_cpu.kernels.attention == ("sdpa" if sdpa_available() else "tiled")
-    assert on_cpu.record()["kernels"] == {"attention": on_cpu.kernels.attention, "sequence_parallel": "ring"}
+    assert on_cpu.record()["kernels"] == {"attention": on_cpu.kernels.attention, "sequence_parallel": "ring",
+                                          "compile_small_ops": False}  # "auto": off on the CPU
     assert "attention_backend" not in on_cpu.record()["memory"]
-    assert config.for_device("cuda").kernels.attention == "flex"  # a name only: nothing runs on CUDA here
+    on_cuda = config.for_device("cuda").kernels  # names only: nothing runs on CUDA here
+    assert (on_cuda.attention, on_cuda.compile_small_ops) == ("flex", True)
     path.write_text(json.dumps({"train_batch_size": 1, "kernels": {"attention": "flex"}}))
     with pytest.raises(ConfigError, match=r"run.json: 'kernels.attention': .*'flex' needs a CUDA device"):
         load_run_config(path, world_size=1).for_device("cpu")

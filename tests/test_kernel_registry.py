@@ -69,7 +69,7 @@ def _config(tmp_path, **kernels):
 def test_a_registered_backend_is_accepted_resolved_built_and_recorded(tmp_path, dummy_backend):
     assert backend_names() == ("tiled", "sdpa", "flex", "dummy")
     config = _config(tmp_path, attention="dummy").for_device("cpu")
-    assert config.record()["kernels"] == {"attention": "dummy", "sequence_parallel": "ring"}
+    assert config.record()["kernels"] == {"attention": "dummy", "sequence_parallel": "ring", "compile_small_ops": False}
     assert resolve_attention_backend("dummy", "cuda") == "dummy" and resolve_attention_backend("auto", "cpu") != "dummy"
     attention = make_causal_attention("dummy", 16, "cpu")
     assert isinstance(attention, TiledCausalAttention) and attention.kernel.name == "dummy" and attention.tile_size == 16
@@ -143,4 +143,4 @@ def test_run_py_trains_with_a_registered_backend_exactly_as_with_the_one_it_wrap
     for a, b in zip(tiled, dummy):
         assert (a["loss"], a["grad_norm"], a["acc"], a["valid"]) == (b["loss"], b["grad_norm"], b["acc"], b["valid"])
     recorded = json.loads((tmp_path / "dummy" / "run_config.json").read_text())["kernels"]
-    assert recorded == {"attention": "dummy", "sequence_parallel": "ring"}
+    assert recorded == {"attention": "dummy", "sequence_parallel": "ring", "compile_small_ops": False}

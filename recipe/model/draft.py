@@ -13,11 +13,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 from transformers.activations import ACT2FN
-from transformers.models.llama.modeling_llama import LlamaRMSNorm, LlamaRotaryEmbedding, rotate_half
+from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
 from kernels.block_attention import block_attention
 from kernels.ttt_attention import TTTKVCache
 from recipe.model.draft_config import Eagle3DraftConfig
+from recipe.model.small_ops import EAGER_SMALL_OPS, SmallOps
 from recipe.model.sparse_anchors import gather_rows
 from recipe.model.tiled_mlp import MLPTiling, tiled_norm_mlp
 
@@ -30,8 +31,29 @@ def is_exported(name: str) -> bool:
     return name.removeprefix("draft.") not in EXPORT_EXCLUDED_KEYS
 
 
+class Eagle3RMSNorm(nn.Module):
+    """RMSNorm with transformers' ``LlamaRMSNorm`` parameters (``weight`` [H], ones; ``variance_epsilon``) and numbers,
+    computed by ``ops.rms_norm`` (``recipe.model.small_ops``: eager, or compiled with ``kernels.compile_small_ops``)."""
+
+    ops: SmallOps = EAGER_SMALL_OPS
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.variance_epsilon = eps
+
+    def forward(self, x_BSH: torch.Tensor) -> torch.Tensor:
+        return self.ops.rms_norm(x_BSH, self.weight, self.variance_epsilon)
+
+    def extra_repr(self) -> str:
+        return f"{tuple(self.weight.shape)}, eps={self.variance_epsilon}"
+
+
 class Eagle3Attention(nn.Module):
-    """Self-attention whose q/k/v read the 2H concatenation ``[input_layernorm(emb), hidden_norm(h)]``; no biases."""
+    """Self-attention whose q/k/v read the 2H concatenation ``[input_layernorm(emb), hidden_norm(h)]``; no biases.
+    RoPE and the TTT merge are ``ops.rope`` / ``ops.ttt_merge`` (``recipe.model.small_ops``)."""
+
+    ops: SmallOps = EAGER_SMALL_OPS
 
     def __init__(self, config: Eagle3DraftConfig):
         super().__init__()
@@ -52,27 +74,24 @@ class Eagle3Attention(nn.Module):
         ``index_BN`` [B, N] int64, keys and values at every row of x, queries (and the output, [B, N, H]) only at
         those rows, whose anchor positions are its ``positions_BN``."""
         b, s, _ = x_BS2H.shape
-        k_BHSD = _rope(self.k_proj(x_BS2H).view(b, s, -1, self.head_dim).transpose(1, 2), cos_BSD, sin_BSD)
+        k_BHSD = self.ops.rope(self.k_proj(x_BS2H).view(b, s, -1, self.head_dim).transpose(1, 2), cos_BSD, sin_BSD)
         v_BHSD = self.v_proj(x_BS2H).view(b, s, -1, self.head_dim).transpose(1, 2)
-        extra = {}
+        extra = {"merge": self.ops.ttt_merge} if isinstance(kv_cache, TTTKVCache) else {}
         if queries is not None and queries.index_BN is not None:  # only TTTKVCache takes query positions
             index_BN, extra["query_positions_BS"] = queries.index_BN, queries.positions_BN
             x_BS2H, cos_BSD, sin_BSD = (gather_rows(t, index_BN) for t in (x_BS2H, cos_BSD, sin_BSD))
             s = index_BN.shape[1]
-        q_BHSD = _rope(self.q_proj(x_BS2H).view(b, s, -1, self.head_dim).transpose(1, 2), cos_BSD, sin_BSD)
+        q_BHSD = self.ops.rope(self.q_proj(x_BS2H).view(b, s, -1, self.head_dim).transpose(1, 2), cos_BSD, sin_BSD)
         out_BHSD = kv_cache.attend(self.causal_attention, q_BHSD, k_BHSD, v_BHSD, position_ids_BS, key_valid_BS,
                                    **extra)
         return self.o_proj(out_BHSD.transpose(1, 2).reshape(b, s, -1))
 
 
-def _rope(x_BHSD: torch.Tensor, cos_BSD: torch.Tensor, sin_BSD: torch.Tensor) -> torch.Tensor:
-    """RoPE of one of q or k, as transformers' ``apply_rotary_pos_emb`` computes it (``x·cos + rotate_half(x)·sin``,
-    cos/sin [B, S, D] broadcast over heads)."""
-    return (x_BHSD * cos_BSD.unsqueeze(1)) + (rotate_half(x_BHSD) * sin_BSD.unsqueeze(1))
-
-
 class Eagle3MLP(nn.Module):
-    """SwiGLU: ``down(act(gate(x)) * up(x))``, no biases."""
+    """SwiGLU: ``down(act(gate(x)) * up(x))``, no biases; the product is ``ops.act_mul``
+    (``recipe.model.small_ops``)."""
+
+    ops: SmallOps = EAGER_SMALL_OPS
 
     def __init__(self, config: Eagle3DraftConfig):
         super().__init__()
@@ -82,7 +101,7 @@ class Eagle3MLP(nn.Module):
         self.act_fn = ACT2FN[config.hidden_act]
 
     def forward(self, x_BSH: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act_fn(self.gate_proj(x_BSH)) * self.up_proj(x_BSH))
+        return self.down_proj(self.ops.act_mul(self.gate_proj(x_BSH), self.up_proj(x_BSH), self.act_fn))
 
 
 class Eagle3DecoderLayer(nn.Module):
@@ -97,10 +116,10 @@ class Eagle3DecoderLayer(nn.Module):
 
     def __init__(self, config: Eagle3DraftConfig):
         super().__init__()
-        self.hidden_norm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.input_layernorm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.hidden_norm = Eagle3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.input_layernorm = Eagle3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.self_attn = Eagle3Attention(config)
-        self.post_attention_layernorm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = Eagle3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.mlp = Eagle3MLP(config)
 
     def forward(self, emb_BSH, hidden_BSH, cos_BSD, sin_BSD, position_ids_BS, key_valid_BS, kv_cache, queries=None):
@@ -138,7 +157,7 @@ class Eagle3Draft(nn.Module):
         self.embed_tokens.weight.requires_grad_(False)
         self.fc = nn.Linear(3 * config.target_hidden_size, config.hidden_size, bias=False)
         self.midlayer = Eagle3DecoderLayer(config)
-        self.norm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.norm = Eagle3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.lm_head = nn.Linear(config.hidden_size, config.draft_vocab_size, bias=False)
         self.rotary_emb = LlamaRotaryEmbedding(config.to_llama_config())  # non-persistent buffers only
         self.register_buffer("d2t", torch.zeros(config.draft_vocab_size, dtype=torch.int64))

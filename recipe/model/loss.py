@@ -20,9 +20,21 @@ def soft_ce(logits_BSV: torch.Tensor, target_logits_BSV: torch.Tensor,
         divides by the global valid count. Invalid positions contribute neither value nor gradient.
     Raises ValueError on mismatched shapes.
     """
+    check_soft_ce_shapes(logits_BSV, target_logits_BSV, valid_BS)
+    return soft_ce_sums(logits_BSV, target_logits_BSV, valid_BS)
+
+
+def check_soft_ce_shapes(logits_BSV: torch.Tensor, target_logits_BSV: torch.Tensor, valid_BS: torch.Tensor) -> None:
+    """ValueError naming the three shapes unless logits and target logits are both [B, S, Vd] and valid is [B, S]."""
     if logits_BSV.shape != target_logits_BSV.shape or logits_BSV.shape[:-1] != valid_BS.shape:
         raise ValueError(f"soft_ce shapes disagree: logits {tuple(logits_BSV.shape)}, target "
                          f"{tuple(target_logits_BSV.shape)}, valid {tuple(valid_BS.shape)}")
+
+
+def soft_ce_sums(logits_BSV: torch.Tensor, target_logits_BSV: torch.Tensor,
+                 valid_BS: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`soft_ce` without its shape check: the arithmetic alone, the function ``recipe.model.small_ops``
+    compiles (shapes as :func:`soft_ce`'s, assumed to agree)."""
     acc = torch.promote_types(logits_BSV.dtype, torch.float32)
     log_q = torch.log_softmax(logits_BSV.to(acc), dim=-1)
     p = torch.softmax(target_logits_BSV.detach().to(acc), dim=-1)

@@ -92,7 +92,8 @@ def _local_tp_mlp(mlp: nn.Module, x_BTH):
     enters the TP region once for gate and up (backward: one all-reduce of dx, so the norm before it gets the full
     gradient), and ``down_proj`` skips its all-reduce (``MLPTiling.reduce`` sums the whole sequence once)."""
     x_BTH = copy_to_tp_region(x_BTH, mlp.gate_proj.group)
-    inner = mlp.act_fn(mlp.gate_proj(x_BTH, enter_region=False)) * mlp.up_proj(x_BTH, enter_region=False)
+    gate_BTI, up_BTI = mlp.gate_proj(x_BTH, enter_region=False), mlp.up_proj(x_BTH, enter_region=False)
+    inner = mlp.ops.act_mul(gate_BTI, up_BTI, mlp.act_fn)
     return mlp.down_proj(inner, reduce=False)
 
 

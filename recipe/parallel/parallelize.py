@@ -3,7 +3,8 @@
 In: :func:`parallelize` takes a single-device ``TTTModel`` holding the full weights (the same on every rank for the
 same seed) and applies the layout from outside: the tensor-parallel plan (``recipe.parallel.apply_tp``) and the
 causal-block attention (the ring under context parallelism, else the single-device block, each with the kernel
-the ``kernels`` section's ``attention`` names), tiled as the ``memory`` section of the run config says.
+the ``kernels`` section's ``attention`` names), tiled as the ``memory`` section of the run config says, and the
+draft's small ops, compiled or eager as its ``compile_small_ops`` says (``recipe.model.small_ops``).
 
 The training model itself is built in one place, :func:`build_training_model` (``TTTModel`` with the memory
 switches, then :func:`parallelize`), for the run, the step benchmark and the planner alike.
@@ -19,7 +20,9 @@ import torch
 from torch import nn
 
 from kernels.attention_backends import make_causal_attention
+from kernels.compile_policy import compile_on
 from recipe.model.draft import Eagle3Draft, is_exported
+from recipe.model.small_ops import EAGER_SMALL_OPS, install_small_ops, process_small_ops
 from recipe.model.ttt import TTTModel
 from recipe.parallel.apply_tp import apply_tensor_parallel, mlp_tiling
 from recipe.parallel.tp_layers import gather_tensor
@@ -38,10 +41,13 @@ def parallelize(model: nn.Module, pstate, memory, device=None, kernel_options=No
     MLP: with ``memory.mlp_tile_size`` set, ``draft.midlayer.mlp_tiling`` becomes ``apply_tp.mlp_tiling(size,
     tp_group)``: ``post_attention_layernorm`` + MLP in sequence tiles of that many positions, recomputed in backward
     (``recipe.model.tiled_mlp``), the TP all-reduce kept out of the tiles; None leaves the layer untiled.
+    Small ops: with ``kernel_options.compile_small_ops`` on for ``device`` (``kernels.compile_policy.compile_on``:
+    "auto" is on for CUDA) the draft's norms, RoPE, SwiGLU, TTT merge and (tp = 1) soft CE are the process's
+    compiled ones (``recipe.model.small_ops.process_small_ops``), else the eager ones (``install_small_ops``).
     ``memory``: the run's ``recipe.config.MemoryOptions`` (read: ``attention_tile_size`` and
     ``mlp_tile_size``, None when the object lacks it); ``kernel_options``: its
-    ``recipe.config.KernelOptions`` (read: ``attention``, ``sequence_parallel``; None: "auto", resolved for
-    ``device``, and "ring"); ``device`` (where
+    ``recipe.config.KernelOptions`` (read: ``attention``, ``sequence_parallel``, ``compile_small_ops``; None:
+    "auto", resolved for ``device``, and "ring"); ``device`` (where
     the model will run) defaults to ``pstate.device``, else the CPU. Raises ValueError when tp does not divide a
     split draft dimension (every one named), the tile size is invalid, or the kernel is unknown or cannot run on
     ``device``.
@@ -57,7 +63,8 @@ def parallelize(model: nn.Module, pstate, memory, device=None, kernel_options=No
     model.draft.get_submodule("midlayer.self_attn").causal_attention = make_causal_attention(
         getattr(kernel_options, "attention", "auto"), memory.attention_tile_size, device, cp_group,
         getattr(kernel_options, "sequence_parallel", "ring"))
-    return model
+    compiled = compile_on(getattr(kernel_options, "compile_small_ops", "auto"), device)
+    return install_small_ops(model, process_small_ops() if compiled else EAGER_SMALL_OPS)
 
 
 def build_training_model(draft: Eagle3Draft, target_head: torch.Tensor, memory, kernel_options, pstate=None,
