@@ -96,7 +96,13 @@ class MemoryOptions:
     and work proportional to the supervised positions. ``"auto"`` (absent): per micro-batch and rank, sparse where
     step 0's needed anchors are under 85 % of the positions (chat turns, long documents with short answers), dense
     on fully supervised batches, where the compacted copies would raise the peak (``sparse_pays``); true/false
-    force one path.
+    force one path. ``teacher_logits_once``: true (absent): the target head's logits over the draft vocabulary are
+    computed once per micro-batch for every label row and kept until the backward ([B, U, Vd] in the head's dtype,
+    U ~ S/cp + K rows: 1.95 GiB for an 8B target's Vd = 32000 in bf16 at 32k, 7.8 GiB at 128k on one rank); with
+    ``loss_chunk_size`` they are built that many rows at a time and every chunk of every TTT step reads its rows
+    there, forward and backward recompute, so the chunked loss recomputes only the draft's lm_head. false: the
+    chunked loss computes each chunk's teacher rows in every step and again in the backward (2·K head matmuls per
+    row, nothing of size [B, U, Vd] kept), the unchunked path each step's ([B, S, Vd] once per step).
     Which kernel computes the causal block is not a memory trade-off: it is the ``kernels`` section
     (:class:`KernelOptions`). DeepSpeed's own ``activation_checkpointing`` section configures
     ``deepspeed.checkpointing`` only, which this recipe does not use, so it is not read.
@@ -108,6 +114,7 @@ class MemoryOptions:
     mlp_tile_size: int | None = None
     argmax_chunk_size: int | None = None
     sparse_anchors: bool | str = "auto"
+    teacher_logits_once: bool = True
 
     def argmax_positions(self, vocab_size: int, dtype: torch.dtype) -> int:
         """Positions per argmax matmul for a target of ``vocab_size`` logits of ``dtype``: ``argmax_chunk_size`` if
@@ -126,7 +133,7 @@ class MemoryOptions:
             raise ConfigError(f"{path}: '{MEMORY_SECTION}' must be an object like "
                               '{"loss_chunk_size": 4096, "checkpoint_ttt_steps": true, "attention_tile_size": 1024}')
         known = ("loss_chunk_size", "checkpoint_ttt_steps", "attention_tile_size", "mlp_tile_size",
-                 "argmax_chunk_size", "sparse_anchors")
+                 "argmax_chunk_size", "sparse_anchors", "teacher_logits_once")
         unknown = sorted(k for k in set(section) - set(known) if not k.startswith("_"))
         if unknown:
             hint = did_you_mean(unknown[0], known)
@@ -139,7 +146,7 @@ class MemoryOptions:
                 raise ConfigError(f"{path}: '{MEMORY_SECTION}.{key}' must be a positive integer or null, got {value!r}")
             sizes[key] = value
         flags = {}
-        for key in ("checkpoint_ttt_steps", "sparse_anchors"):
+        for key in ("checkpoint_ttt_steps", "sparse_anchors", "teacher_logits_once"):
             flags[key] = section.get(key, getattr(cls, key))
             if key == "sparse_anchors" and flags[key] == "auto":
                 continue

@@ -45,18 +45,59 @@ def test_teacher_logits_once_is_bitwise_equal_to_per_step(K, checkpoint_steps):
     _assert_identical(run_model(once, batch), run_model(per_step, batch))
 
 
-@pytest.mark.parametrize("once, chunk, expected", [(True, None, lambda k, n: 1), (False, None, lambda k, n: k),
-                                                   (True, 5, lambda k, n: k * n)])
-def test_head_matmul_runs_once_unless_the_loss_streams(once, chunk, expected):
-    """Once per micro-batch by default; K times when switched off; per chunk and step with the chunked loss."""
+def _distinct_rows(batch) -> int:
+    return int(torch.unique(batch.target_row_KS).numel())
+
+
+@pytest.mark.parametrize("once, chunk", [(True, None), (False, None), (True, 5), (False, 5)])
+def test_head_matmul_calls_per_micro_batch_forward_and_backward(once, chunk, monkeypatch):
+    """The target head's matmul per micro-batch (forward, then forward + backward): once over the U distinct rows by
+    default; K times when switched off; with the chunked loss once per chunk of rows (⌈B·U / c⌉ calls, none in the
+    backward recompute), or, streamed, per chunk and step in the forward and again in the backward (the previous
+    chunked path: 2·K·⌈B·S / c⌉)."""
+    import recipe.model.chunked_loss as chunked_loss
+
     K = 3
     draft, _, head_VH, batch = model_pair(seed=3, K=K)
-    model = TTTModel(draft, head_VH, loss_chunk_size=chunk)
-    model.teacher_logits_once = once
-    n_chunks = -(-batch.valid_KBS[0].numel() // chunk) if chunk else 1
+    model = TTTModel(draft, head_VH, loss_chunk_size=chunk, teacher_logits_once=once)
+    calls = []
+    real = chunked_loss.target_logits
+    monkeypatch.setattr(chunked_loss, "target_logits", lambda *a, **kw: calls.append(a[0].shape[0]) or real(*a, **kw))
+    b, s = batch.valid_KBS.shape[1:]
+    rows_per_pass = b * _distinct_rows(batch) if once else K * b * s  # teacher rows one forward computes
+    if chunk is None:
+        n_chunks = 1 if once else K
+    else:  # the table's row chunks, or every step's position chunks
+        n_chunks = -(-rows_per_pass // chunk) if once else K * -(-b * s // chunk)
+    backward_reruns = 0 if once or chunk is None else n_chunks  # the streamed chunks' recompute
     with _HeadMatmuls(model.target_head_d) as counter:
-        model(batch)
-    assert counter.count == expected(K, n_chunks)
+        out = model(batch)
+        forward_count = counter.count
+        (out.loss_sum_K * torch.arange(1.0, K + 1)).sum().backward()
+    assert forward_count == n_chunks and counter.count == n_chunks + backward_reruns
+    if chunk is not None:  # every chunk's matmul goes through target_logits (monkeypatched count, row counts)
+        assert len(calls) == counter.count and sum(calls) == rows_per_pass * (2 if backward_reruns else 1)
+    assert draft.lm_head.weight.grad is not None and draft.lm_head.weight.grad.abs().sum() > 0
+
+
+@pytest.mark.parametrize("chunk, checkpoint_steps, sparse", [(5, False, False), (7, True, False), (4, False, True),
+                                                              (1000, True, True)])
+def test_chunked_teacher_once_matches_the_unchunked_and_the_streamed_chunked_path(chunk, checkpoint_steps, sparse):
+    """fp32: the chunked loss reading the teacher table equals the unchunked path and the chunked path that
+    recomputes the teacher rows per chunk and step (the previous one): loss sums and every gradient within 1e-5
+    relative (the same function, sums in another order), counts exactly."""
+    from helpers.cases import assert_same_run, build_case
+
+    K = 4
+    runs = {}
+    for name, kw in {"once": dict(loss_chunk_size=chunk), "streamed": dict(loss_chunk_size=chunk,
+                                                                          teacher_logits_once=False),
+                     "unchunked": {}}.items():
+        draft, head_VH, batch = build_case(seed=40 + chunk, K=K)
+        model = TTTModel(draft, head_VH, checkpoint_steps=checkpoint_steps, sparse_anchors=sparse, **kw)
+        runs[name] = run_model(model, batch)
+    assert_same_run(runs["once"], runs["unchunked"], tol=1e-5)
+    assert_same_run(runs["once"], runs["streamed"], tol=1e-5)
 
 
 def test_teacher_logits_indexes_the_distinct_rows():

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from recipe.model.loss import target_logits
+from recipe.model.chunked_loss import teacher_table
 from recipe.model.sparse_anchors import AnchorSets
 
 
@@ -26,9 +26,10 @@ class TraceHints:
 
     @torch.no_grad()
     def teacher_logits(self, target_hidden_BLH: torch.Tensor, target_row_KS: torch.Tensor,
-                       target_head_VdH: torch.Tensor, target_softcap: float | None = None):
-        """``recipe.model.ttt.teacher_logits``'s result shapes: logits [B, U, Vd] of U rows (row 0 repeated) and an
-        all-zero index [K, S] int64."""
+                       target_head_VdH: torch.Tensor, target_softcap: float | None = None,
+                       chunk_size: int | None = None):
+        """``recipe.model.ttt.teacher_logits``'s result shapes, built as it builds them (``chunk_size`` rows per
+        head matmul): logits [B, U, Vd] of U rows (row 0 repeated) and an all-zero index [K, S] int64."""
         rows_U = torch.zeros(self.teacher_rows, dtype=torch.int64, device=target_row_KS.device)
-        return (target_logits(target_hidden_BLH[:, rows_U], target_head_VdH, target_softcap),
+        return (teacher_table(target_hidden_BLH, rows_U, target_head_VdH, target_softcap, chunk_size),
                 torch.zeros_like(target_row_KS))

@@ -18,7 +18,7 @@ from torch.utils.checkpoint import checkpoint
 
 from kernels.ttt_attention import TTTKVCache
 from recipe.model.call_extent import CallExtent, piece_count
-from recipe.model.chunked_loss import chunked_soft_ce
+from recipe.model.chunked_loss import chunked_soft_ce, teacher_table
 from recipe.model.draft import Eagle3Draft
 from recipe.model.loss import soft_ce, target_logits
 from recipe.model.sparse_anchors import QueryRows, sparse_pays
@@ -147,19 +147,21 @@ def target_in_draft_vocab(argmax_BS: torch.Tensor, t2d: torch.Tensor) -> torch.T
 
 @torch.no_grad()
 def teacher_logits(target_hidden_BLH: torch.Tensor, target_row_KS: torch.Tensor, target_head_VdH: torch.Tensor,
-                   target_softcap: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                   target_softcap: float | None = None, chunk_size: int | None = None
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
     """The target logits over the draft vocabulary of every row some TTT step reads, each row computed once.
 
     Args: target_hidden_BLH [B, L, H_t] target last hidden rows; target_row_KS [K, S] int64, step k's label row of
     anchor p (``TTTBatch.target_row_KS``); target_head_VdH [Vd (or the TP shard Vd/tp), H_t] target head rows;
-    target_softcap: the target's final logit soft-cap (``recipe.target.head.target_logits``).
+    target_softcap: the target's final logit soft-cap (``recipe.target.head.target_logits``); chunk_size: rows per
+    head matmul (``chunked_loss.teacher_table``; None: all at once).
     Returns ``(logits_BUV, index_KS)``: logits_BUV [B, U, Vd] in the head's dtype for the U distinct rows (sorted;
     about S + K of them, since step k reads rows p + 1 + k), and index_KS [K, S] int64 such that step k's target
     logits are ``logits_BUV[:, index_KS[k]]`` — the same rows ``target_hidden[:, target_row_KS[k]] @ head.T``
     gives, K times less head matmul work.
     """
     rows_U, index_KS = torch.unique(target_row_KS, sorted=True, return_inverse=True)
-    return target_logits(target_hidden_BLH[:, rows_U], target_head_VdH, target_softcap), index_KS
+    return teacher_table(target_hidden_BLH, rows_U, target_head_VdH, target_softcap, chunk_size), index_KS
 
 
 class TTTOutput(NamedTuple):
@@ -187,17 +189,26 @@ class TTTModel(nn.Module):
     Memory switches (plain attributes, changeable after construction; neither changes the numbers beyond float
     summation order):
         loss_chunk_size: None computes each step's logits for all B·S positions at once; an int computes the loss
-            ``loss_chunk_size`` flattened positions at a time and recomputes the chunk's logits in backward
-            (``chunked_loss.chunked_soft_ce``), so one chunk's [c, Vd] logits live instead of K·[B·S, Vd].
+            ``loss_chunk_size`` flattened positions at a time and recomputes the chunk's draft logits (lm_head)
+            in backward (``chunked_loss.chunked_soft_ce``), so one chunk's [c, Vd] logits live instead of
+            K·[B·S, Vd]; the teacher rows as ``teacher_logits_once`` says.
         checkpoint_steps: True runs each TTT step's decoder layer under ``torch.utils.checkpoint`` (non-reentrant);
             only the step's inputs and its new K/V are kept, the layer's intermediates (attention scores, MLP
             activations) are recomputed in backward. Under CP the recomputation re-runs the ring's forward
             communication, identically on every rank.
-        teacher_logits_once: True (default) computes the target logits of every label row once per micro-batch
-            (``teacher_logits``, one [B, U, Vd] no-grad tensor, U ~ S + K distinct rows) and indexes them per step;
-            False recomputes each step's [B, S, Vd] target logits. The chunked loss always streams them per chunk
-            (so one chunk's logits live at a time), whatever this switch says. Both give bitwise-equal numbers
-            where the BLAS computes a matmul row independently of the row count (MKL on CPU; the tests check it).
+        teacher_logits_once: True (default; ``memory.teacher_logits_once``) computes the target logits of every
+            label row once per micro-batch (``teacher_logits``, one [B, U, Vd] no-grad tensor in the head's dtype,
+            U ~ S + K distinct rows, kept until the backward) and indexes them per step; with the chunked loss it is
+            built ``loss_chunk_size`` rows at a time and every chunk, in every step and in its backward recompute,
+            reads its rows from it: the target head runs ⌈B·U / loss_chunk_size⌉ times per micro-batch instead of
+            2·K·⌈B·S / loss_chunk_size⌉. The price is that [B, U, Vd] tensor beside the chunked loss's one chunk:
+            for an 8B target's Vd = 32000 in bf16, 0.24 GiB at S = 4k, 1.95 GiB at 32k, 7.8 GiB at 128k (per cp
+            rank: U ~ S/cp; the planner's chunked, checkpointed 8B step at 128k: 72.9 GiB with it, 65.1 without;
+            docs/algorithm.md, "Loss, step weights and accuracy").
+            False: the unchunked path recomputes each step's [B, S, Vd] target logits, the chunked loss streams
+            them per chunk and step and again in the backward recompute (one chunk's logits alive at a time).
+            Both give bitwise-equal numbers where the BLAS computes a matmul row independently of the row count
+            (MKL on CPU; the tests check it).
         sparse_anchors: True computes each step only at its needed anchors (``recipe.model.sparse_anchors``;
             docs/algorithm.md, "Sparse anchors"): step 0's keys/values at every position, everything else (queries,
             attention output, o_proj, MLP, norms, lm_head, teacher logits) only where some step's loss reads it.
@@ -211,7 +222,8 @@ class TTTModel(nn.Module):
 
     def __init__(self, draft: Eagle3Draft, target_lm_head_weight: torch.Tensor, loss_fn: Callable = soft_ce,
                  loss_chunk_size: int | None = None, checkpoint_steps: bool = False,
-                 target_softcap: float | None = None, sparse_anchors: bool | str = False):
+                 target_softcap: float | None = None, sparse_anchors: bool | str = False,
+                 teacher_logits_once: bool = True):
         super().__init__()
         self.draft = draft
         self.loss_fn = loss_fn
@@ -221,7 +233,7 @@ class TTTModel(nn.Module):
             raise ValueError(f"loss_chunk_size={loss_chunk_size!r} must be None or a positive integer")
         self.loss_chunk_size = loss_chunk_size
         self.checkpoint_steps = bool(checkpoint_steps)
-        self.teacher_logits_once = True
+        self.teacher_logits_once = bool(teacher_logits_once)
         if not (isinstance(sparse_anchors, bool) or sparse_anchors == "auto"):
             raise ValueError(f"sparse_anchors={sparse_anchors!r} must be true, false or \"auto\"")
         self.sparse_anchors = sparse_anchors
@@ -274,9 +286,10 @@ class TTTModel(nn.Module):
         hidden_BSH = self.draft.project_aux(batch.aux_hidden_BSA)
         kv_cache = None
         teacher = None
-        if self.loss_chunk_size is None and self.teacher_logits_once:
+        if self.teacher_logits_once:
             teacher = (self.trace_hints.teacher_logits if self.trace_hints else teacher_logits)(
-                batch.target_hidden_BLH, batch.target_row_KS, self.target_head_d, self.target_softcap)
+                batch.target_hidden_BLH, batch.target_row_KS, self.target_head_d, self.target_softcap,
+                self.loss_chunk_size)
         losses, corrects = [], []
         seq_len = batch.extent().seq_len  # a longer rank of the ZeRO group: as many MLP tiles as it makes
         queries = QueryRows(None, None, seq_len, dense=True) if seq_len > batch.position_ids_BS.shape[1] else None
@@ -301,8 +314,9 @@ class TTTModel(nn.Module):
         """(loss_sum, correct) of step k, all positions at once or in chunks of ``loss_chunk_size``; ``teacher``
         is ``teacher_logits`` of the batch (None: step k's target logits are computed here)."""
         if self.loss_chunk_size is not None:  # empty chunks after its own up to the group's largest B·S
-            return chunked_soft_ce(self.draft.logits, self.loss_fn, hidden_BSH, batch.target_hidden_BLH,
-                                   batch.target_row_KS[k], self.target_head_d, batch.valid_KBS[k],
+            source = (teacher[0], teacher[1][k], None) if teacher is not None else \
+                (batch.target_hidden_BLH, batch.target_row_KS[k], self.target_head_d)
+            return chunked_soft_ce(self.draft.logits, self.loss_fn, hidden_BSH, *source, batch.valid_KBS[k],
                                    self.loss_chunk_size, target_softcap=self.target_softcap,
                                    min_chunks=piece_count(batch.extent().positions, self.loss_chunk_size))
         logits_BSV = self.draft.logits(hidden_BSH)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from recipe.model.call_extent import piece_count
-from recipe.model.chunked_loss import chunked_soft_ce
+from recipe.model.chunked_loss import chunked_soft_ce, teacher_table
 from recipe.model.loss import target_logits
 from recipe.model.sparse_anchors import AnchorSets, QueryRows, anchor_sets, gather_rows
 
@@ -21,10 +21,9 @@ def sparse_steps(model, batch) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         sets = anchor_sets(batch.valid_KBS, batch.position_ids_BS, batch.target_row_KS)
     hidden_BNH = model.draft.project_aux(batch.aux_hidden_BSA)
     teacher = None
-    if model.loss_chunk_size is None and model.teacher_logits_once:
-        with torch.no_grad():
-            rows_BUH = gather_rows(batch.target_hidden_BLH, sets.teacher_rows_BU)
-            teacher = target_logits(rows_BUH, model.target_head_d, model.target_softcap)
+    if model.teacher_logits_once:  # [B, U, Vd] of the rows some step reads (chunked: loss_chunk_size rows a matmul)
+        teacher = teacher_table(batch.target_hidden_BLH, sets.teacher_rows_BU, model.target_head_d,
+                                model.target_softcap, model.loss_chunk_size)
     kv_cache = None
     losses, corrects = [], []
     for k in range(batch.num_steps):
@@ -50,9 +49,10 @@ def sparse_step_loss(model, hidden_BNH, batch, sets: AnchorSets, k: int, teacher
     ``sets.teacher_rows_BU`` (None: computed here, or per chunk)."""
     valid_BN = sets.valid_K[k]
     if model.loss_chunk_size is not None:
+        source = (teacher, sets.teacher_index_K[k], None) if teacher is not None else \
+            (batch.target_hidden_BLH, sets.target_rows(batch.target_row_KS, k), model.target_head_d)
         # as many chunks as the dense path of the group's largest B·S (QueryRows, CallExtent)
-        return chunked_soft_ce(model.draft.logits, model.loss_fn, hidden_BNH, batch.target_hidden_BLH,
-                               sets.target_rows(batch.target_row_KS, k), model.target_head_d, valid_BN,
+        return chunked_soft_ce(model.draft.logits, model.loss_fn, hidden_BNH, *source, valid_BN,
                                model.loss_chunk_size, target_softcap=model.target_softcap,
                                num_chunks=piece_count(batch.extent().positions, model.loss_chunk_size))
     logits_BNV = model.draft.logits(hidden_BNH)

@@ -79,8 +79,8 @@ def build_training_model(draft: Eagle3Draft, target_head: torch.Tensor, memory, 
         draft: the single-device ``Eagle3Draft`` with its full weights (seeded, embeddings and vocabulary map set).
         target_head: the target lm_head [V, H_t] or its draft rows [Vd, H_t] (``TTTModel.set_target_head``).
         memory: ``recipe.config.MemoryOptions`` (read: ``loss_chunk_size``, ``checkpoint_ttt_steps``,
-            ``sparse_anchors``, and what ``parallelize`` reads); kernel_options: ``recipe.config.KernelOptions``
-            (None: "auto" and the ring).
+            ``sparse_anchors``, ``teacher_logits_once``, and what ``parallelize`` reads); kernel_options:
+            ``recipe.config.KernelOptions`` (None: "auto" and the ring).
         pstate, device: as :func:`parallelize`.
         target_softcap: the target's final logit soft-cap (``recipe.target.registry.final_logit_softcap``).
         before_split: called with the single-device model before the layout is applied (weights loaded into it
@@ -89,7 +89,7 @@ def build_training_model(draft: Eagle3Draft, target_head: torch.Tensor, memory, 
     """
     model = TTTModel(draft, target_head, loss_chunk_size=memory.loss_chunk_size,
                      checkpoint_steps=memory.checkpoint_ttt_steps, target_softcap=target_softcap,
-                     sparse_anchors=memory.sparse_anchors)
+                     sparse_anchors=memory.sparse_anchors, teacher_logits_once=memory.teacher_logits_once)
     if before_split is not None:
         before_split(model)
     return parallelize(model, pstate, memory, device, kernel_options)

@@ -205,7 +205,7 @@ def load_inputs(ds_config: Path, target: Path, gpu: str = "h200", world_size: in
                          attention_tile=mem.attention_tile_size, attention_backend=config.kernels.attention,
                          mlp_tile=mem.mlp_tile_size,
                          # "auto" is dense on the fully supervised batch planned here: the larger of the two
-                         sparse_anchors=mem.sparse_anchors is True)
+                         sparse_anchors=mem.sparse_anchors is True, teacher_logits_once=mem.teacher_logits_once)
     except ValueError as exc:
         raise PlanError(f"--ds_config {ds_config} with --target {target}: {exc}") from None
     zero = config.deepspeed.get("zero_optimization") or {}

@@ -80,8 +80,9 @@ class BenchSpec:
     device, loss chunk and attention tile sizes, the causal-block backend (``kernels.attention_backends``;
     "tiled" is the reference) and the MLP tile (``memory.mlp_tile_size``: positions per sequence tile of the draft's
     norm + MLP, ``recipe.model.tiled_mlp``; None: untiled), the supervision ``mask`` (``MASKS`` or a
-    ``fraction_mask`` name) and whether the step runs on the needed anchors only (``sparse_anchors``,
-    ``memory.sparse_anchors``). ``recipe.plan.predict_step`` predicts its memory."""
+    ``fraction_mask`` name), whether the step runs on the needed anchors only (``sparse_anchors``,
+    ``memory.sparse_anchors``) and whether the teacher logits are computed once per micro-batch
+    (``memory.teacher_logits_once``). ``recipe.plan.predict_step`` predicts its memory."""
 
     seq_len: int
     layout: str = "full"
@@ -107,6 +108,7 @@ class BenchSpec:
     seed: int = 0
     mask: str = "full"
     sparse_anchors: bool = False
+    teacher_logits_once: bool = True
 
     def __post_init__(self):
         if self.layout not in LAYOUTS:
@@ -142,11 +144,11 @@ def spec_draft_config(spec: BenchSpec):
 
 def spec_memory(spec: BenchSpec) -> MemoryOptions:
     """The run config's ``memory`` section ``spec`` stands for: the loss chunk and checkpointed steps of its layout
-    (``LAYOUTS``), its attention and MLP tiles and ``sparse_anchors``."""
+    (``LAYOUTS``), its attention and MLP tiles, ``sparse_anchors`` and ``teacher_logits_once``."""
     chunked, ckpt = LAYOUTS[spec.layout]
     return MemoryOptions(loss_chunk_size=spec.loss_chunk_size if chunked else None, checkpoint_ttt_steps=ckpt,
                          attention_tile_size=spec.attention_tile, mlp_tile_size=spec.mlp_tile,
-                         sparse_anchors=spec.sparse_anchors)
+                         sparse_anchors=spec.sparse_anchors, teacher_logits_once=spec.teacher_logits_once)
 
 
 def spec_kernels(spec: BenchSpec, attention: str | None = None) -> KernelOptions:
