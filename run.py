@@ -124,6 +124,7 @@ def main(argv: list[str] | None = None) -> int:
         write_resolved_config(args, parts, console)
         if dist.get_rank() == 0:
             console.print(plan_summary(parts))
+            console.print(trainer.speed.describe())
             for line in position_lines(run_positions(parts)):  # longest sample vs the target's serving context
                 console.print(line)
         code = trainer.train()

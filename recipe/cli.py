@@ -53,6 +53,7 @@ class TrainArgs:
     eval_data: list[str] | None = None
     eval_fraction: float | None = None
     eval_every: int = 0
+    peak_tflops: float | None = None
 
 
 def int_list(text: str, minimum: int | None = None) -> list[int]:
@@ -293,6 +294,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="hold out this fraction (0 < F < 1) of the training samples for validation")
     p.add_argument("--eval-every", type=_non_negative, default=0,
                    help="with --eval-data/--eval-fraction: validate every N optimizer steps (0: only at the end)")
+    p.add_argument("--peak-tflops", type=_positive_float, metavar="TFLOPS",
+                   help="the GPU's dense peak TFLOP/s for the run's dtype, which MFU divides by (default: the "
+                        "bf16 peak of a known device, recipe.model.flops.PEAK_TFLOPS; otherwise TFLOP/s only)")
     p.add_argument("--local_rank", "--local-rank", type=int, default=-1, help=argparse.SUPPRESS)
     return p
 

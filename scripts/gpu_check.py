@@ -27,8 +27,10 @@ Stages (e2e at world size 1; DeepSpeed picks NCCL on CUDA, gloo on the CPU):
    row's batch drawn on the GPU) with every memory switch but the MLP tiles on (loss chunks of 4096, per-step checkpointing, flex
    attention) at 4k, 32k and 128k tokens. A row runs only when its predicted time fits what the table has left,
    else it is recorded "skipped"; each row records the allocator's peaks beside ``torch.cuda.mem_get_info``, flex
-   compiles, seconds per step, and the planner's prediction (``recipe.plan``, made here by ``--plan-rows`` into
-   ``docs/results/gpu/plan_gpu_check.json`` and carried with the repository).
+   compiles, seconds per step, its speed (token positions and supervised tokens a second, model and hardware
+   TFLOP/s, MFU against the device's bf16 peak: ``recipe.plan.spec.spec_speed``) and the planner's prediction
+   (``recipe.plan``, made here by ``--plan-rows`` into ``docs/results/gpu/plan_gpu_check.json`` and carried with the
+   repository).
 5. ``eval`` (last): ``python -m recipe.eval`` of the bf16 export on 2 prompts (chain τ, lossless check).
 
 The GPU machine (no network; Python 3.12, torch 2.11 with CUDA 13, transformers 5.17) has no DeepSpeed, hjson,
@@ -367,7 +369,8 @@ def main(argv: list[str] | None = None) -> int:
     report = run_check(args, parts, out)
     print(json.dumps({"imports_failed": report["imports"].get("failed"),
                       "e2e": [(s["stage"], s["rc"], s.get("seconds")) for s in report["e2e"]],
-                      "table": [(r["length"], r["status"], r.get("max_memory_allocated"), r.get("seconds"))
+                      "table": [(r["length"], r["status"], r.get("max_memory_allocated"), r.get("seconds"),
+                                 r.get("model_tflops_per_gpu"), r.get("mfu"))
                                 for r in report.get("table", {}).get("rows", [])],
                       "elapsed_s": report["elapsed_s"]}, indent=1))
     print(f"wrote {out / 'gpu_check.json'}")

@@ -202,8 +202,13 @@ def _mem(torch) -> dict:
 
 
 def _one_row(model, spec, device, random_batch, time_step) -> dict:
-    """Draw the batch on ``device``, time ``spec.steps`` steps; the row's record (errors caught and recorded)."""
+    """Draw the batch on ``device``, time ``spec.steps`` steps; the row's record (errors caught and recorded), with
+    its speed (``recipe.plan.spec.spec_speed``: ``positions_per_s``, ``supervised_tokens_per_s``,
+    ``model_tflops_per_gpu``, ``hardware_tflops_per_gpu``, ``mfu`` against the device's bf16 peak)."""
     import torch
+
+    from recipe.model.flops import run_peak_tflops
+    from recipe.plan.spec import DTYPES, spec_speed
 
     cuda = device.type == "cuda"
     row, t0, batch = {}, time.monotonic(), None
@@ -218,7 +223,8 @@ def _one_row(model, spec, device, random_batch, time_step) -> dict:
             torch.cuda.empty_cache()  # the float32 draws' blocks, freed, are not the step's
             row["mem_before_step"] = _mem(torch)
         row.update(time_step(model, batch, spec.steps), status="ok")
-        row["tokens_per_s"] = spec.batch * spec.seq_len / row["seconds"]
+        # positions and supervised tokens a second, model/hardware TFLOP/s a GPU and MFU (recipe.model.flops)
+        row.update(spec_speed(spec, row["seconds"], run_peak_tflops(device, DTYPES[spec.dtype])))
     except torch.OutOfMemoryError as exc:
         row.update(status="oom", detail=str(exc).splitlines()[0])
     except Exception as exc:  # noqa: BLE001 - recorded, the next row still runs

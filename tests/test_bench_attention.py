@@ -27,6 +27,24 @@ def test_speedups_are_relative_to_tiled_at_the_same_dtype_and_length():
     assert summary["sdpa"]["rounds"] == 2 and summary["sdpa"]["x_vs_tiled"] == 5.0 / 1.5
 
 
+def test_step_summary_speed_fields_from_the_flop_model():
+    """``summarise`` with the specs: positions and supervised tokens per second, model and hardware TFLOP/s a GPU
+    from ``spec_flops`` (the world of tp·cp ranks sharing the step), MFU against the peak."""
+    from recipe.plan.spec import spec_flops
+
+    spec = BenchSpec(seq_len=64, layout="chunked+ckpt", hidden=32, heads=4, kv_heads=2, head_dim=8, intermediate=48,
+                     draft_vocab=40, vocab=50, target_hidden=24, ttt_steps=2, cp=2, mask="long10",
+                     attention_backend="tiled")
+    rounds = [{"backend": "tiled", "length": 64, "mask": "long10", "status": "ok", "seconds": 2.0, "peak_bytes": 1}]
+    entry = step.summarise(rounds, {("tiled", 64, "long10", False): spec}, peak_tflops=1e-6)[0]
+    flops = spec_flops(spec)
+    assert flops.hardware_total > flops.model_total  # chunked loss and checkpointed steps recompute
+    assert entry["positions_per_s"] == 32.0 and entry["supervised_tokens_per_s"] == 6 / 2.0
+    assert entry["model_tflops_per_gpu"] == flops.model_total / 2.0 / 2 / 1e12
+    assert entry["hardware_tflops_per_gpu"] == flops.hardware_total / 2.0 / 2 / 1e12
+    assert entry["mfu"] == entry["model_tflops_per_gpu"] / 1e-6
+
+
 def test_bench_draft_carries_the_backend():
     spec = BenchSpec(seq_len=16, hidden=32, heads=4, kv_heads=2, head_dim=8, intermediate=48, draft_vocab=40,
                      vocab=50, target_hidden=24, ttt_steps=2, attention_backend="sdpa", attention_tile=8)
@@ -61,8 +79,12 @@ def test_attention_and_step_benchmarks_run_on_cpu(tmp_path):
     assert step.main(["--lengths", "32", "--rounds", "1", "--steps", "1", "--hidden", "32", "--heads", "4",
                       "--kv-heads", "2", "--head-dim", "8", "--intermediate", "48", "--vocab", "50",
                       "--draft-vocab", "40", "--target-hidden", "24", "--ttt-steps", "2", "--device", "cpu",
-                      "--json", str(out)]) == 0
+                      "--peak-tflops", "0.5", "--json", str(out)]) == 0
     report = json.loads(out.read_text())
+    for e in report["summary"]:
+        assert e["positions_per_s"] == e["supervised_tokens_per_s"] == 32 / e["seconds"]  # the full mask
+        assert e["hardware_tflops_per_gpu"] > e["model_tflops_per_gpu"] > 0  # sdpa/tiled: flash-style backward
+        assert e["mfu"] == e["model_tflops_per_gpu"] / 0.5
     assert [(e["backend"], e["length"], e["rounds"]) for e in report["summary"]] == [("tiled", 32, 1),
                                                                                     ("sdpa", 32, 1)]
     assert report["summary"][0]["x_vs_tiled"] == 1.0 and report["summary"][1]["x_vs_tiled"] > 0

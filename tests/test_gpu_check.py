@@ -123,7 +123,9 @@ def test_smoke_table_writes_rows_with_memory_flex_and_plan_fields(tmp_path):
     assert [(r["length"], r["status"]) for r in rows] == [(64, "ok"), (128, "ok"), (256, "ok")]
     for r in rows:
         assert r["spec"]["dtype"] == "bf16" and r["spec"]["layout"] == "chunked+ckpt" and r["spec"]["ttt_steps"] == 2
-        assert r["peak_bytes"] > 0 and r["tokens_per_s"] > 0 and r["seconds_wall"] <= r["allowed_s"]
+        assert r["peak_bytes"] > 0 and r["seconds_wall"] <= r["allowed_s"]
+        assert r["positions_per_s"] == r["length"] / r["seconds"] == r["supervised_tokens_per_s"]  # every token
+        assert r["hardware_tflops_per_gpu"] > r["model_tflops_per_gpu"] > 0 and r["mfu"] is None  # CPU: no peak
         assert r["seconds_first"] > 0 and r["model_build_s"] == rows[0]["model_build_s"]  # one model for all rows
         assert set(r["flex"]) >= {"compiles", "calls", "dynamic", "recompile_limit"}
         assert r["plan"]["peak_bytes"] > 0

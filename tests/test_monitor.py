@@ -12,6 +12,7 @@ import pytest
 from helpers.ranks import run_ranks
 from recipe.config import load_run_config, pop_monitor_sections
 from recipe.config_keys import ConfigError
+from recipe.train.metrics import TIMED_FIELDS
 from recipe.train.monitor import step_events
 from helpers.training import run_training, train_argv, write_ds_config
 
@@ -19,14 +20,15 @@ STEPS = 6
 
 
 def _tags(k: int) -> set[str]:
-    names = ["loss", "lr", "grad_norm", "tokens_per_s"] + [f"{m}_{i}" for m in ("loss", "acc", "acc_all_supervised")
-                                                                for i in range(k)]
+    names = ["loss", "lr", "grad_norm", "supervised_tokens_per_s", "positions_per_s", "model_tflops_per_gpu"] + [
+        f"{m}_{i}" for m in ("loss", "acc", "acc_all_supervised") for i in range(k)]  # no mfu: no peak on the CPU
     return {f"Train/Steps/{n}" for n in names}
 
 
 def _expected(record: dict) -> dict[str, float]:
     values = {"loss": record["loss"], "lr": record["lr"], "grad_norm": record["grad_norm"],
-              "tokens_per_s": record["tokens"] / record["time_s"]}
+              "supervised_tokens_per_s": record["tokens"] / record["time_s"],
+              "positions_per_s": record["positions_per_s"], "model_tflops_per_gpu": record["model_tflops_per_gpu"]}
     values.update({f"loss_{i}": v for i, v in enumerate(record["loss_k"])})
     values.update({f"acc_{i}": v for i, v in enumerate(record["acc"])})
     values.update({f"acc_all_supervised_{i}": v for i, v in enumerate(record["acc_all_supervised"])})
@@ -35,11 +37,13 @@ def _expected(record: dict) -> dict[str, float]:
 
 def test_step_events_of_a_record_and_of_a_skipped_step():
     record = {"step": 7, "loss": 2.5, "loss_k": [2.0, 1.0], "acc": [0.5, 0.25], "lr": 1e-3, "grad_norm": None,
-              "tokens": 300, "time_s": 1.5}
+              "tokens": 300, "time_s": 1.5, "positions_per_s": 400.0, "model_tflops_per_gpu": 2.5, "mfu": None}
     events = step_events(record)
     assert events == [("Train/Steps/loss", 2.5, 7), ("Train/Steps/loss_0", 2.0, 7), ("Train/Steps/loss_1", 1.0, 7),
                       ("Train/Steps/acc_0", 0.5, 7), ("Train/Steps/acc_1", 0.25, 7), ("Train/Steps/lr", 1e-3, 7),
-                      ("Train/Steps/tokens_per_s", 200.0, 7)]
+                      ("Train/Steps/supervised_tokens_per_s", 200.0, 7), ("Train/Steps/positions_per_s", 400.0, 7),
+                      ("Train/Steps/model_tflops_per_gpu", 2.5, 7)]
+    assert ("Train/Steps/mfu", 0.25, 7) in step_events({**record, "mfu": 0.25})  # with a known peak
     assert step_events({"step": 3, "skipped": "non-finite loss", "samples": 4, "lr": 1e-3}) == []
 
 
@@ -91,7 +95,8 @@ def test_tensorboard_and_csv_hold_every_step_on_two_ranks(tmp_path, tiny_target_
     first, resumed = run_ranks(2, run_training, [argv, resume])[0]
     assert [r["step"] for r in resumed] == list(range(1, STEPS + 1))
     for a, b in zip(first, resumed):
-        assert {k: v for k, v in a.items() if k != "time_s"} == {k: v for k, v in b.items() if k != "time_s"}
+        assert {k: v for k, v in a.items() if k not in TIMED_FIELDS} == {
+            k: v for k, v in b.items() if k not in TIMED_FIELDS}
     assert not (tmp_path / "DeepSpeedJobName").exists() and not (run / "csv").exists()
     # ZeRO-3 saves leave no DeepSpeed recovery script (zero_to_fp32.py) and no .partial folder behind
     assert not list(run.rglob("zero_to_*.py")) and not (run / "checkpoints" / ".partial").exists()

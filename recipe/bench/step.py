@@ -8,6 +8,11 @@ label, one fresh process per measurement) at the geometry of issue 13 by default
 times each (the machine is shared: interleaving spreads background load over all of them), and each backend's time
 is the median over rounds; ``x vs tiled`` is tiled's median / the backend's, at the same length.
 
+Speed columns: ``pos/s`` counts every token position of the batch (``supervised_tokens_per_s`` in the JSON the
+loss-masked ones), ``TFLOP/s`` the step's model FLOPs per GPU (``recipe.plan.spec.spec_flops``, no recompute; the
+JSON also has the hardware FLOPs, with it) and ``MFU`` divides that by the device's dense peak for the dtype
+(``recipe.model.flops.PEAK_TFLOPS``, or ``--peak-tflops``; none on the CPU: "-").
+
 ``--masks full,sharegpt,long10`` measures each supervision mask (``recipe.plan.spec.MASKS``) and ``--sparse both``
 the dense path and the needed anchors only (``memory.sparse_anchors``) side by side, interleaved the same way;
 ``sparse / dense`` is the sparse median / the dense one for the same backend, length and mask.
@@ -28,7 +33,8 @@ from kernels.attention_backends import backend_names, backend_runs_on, resolve_a
 from recipe.bench.common import GIB, add_draft_shape_arguments, write_json
 from recipe.bench.measure import run_measurement
 from recipe.cli import length_list
-from recipe.plan.spec import DTYPES, LAYOUTS, MASKS, BenchSpec
+from recipe.model.flops import run_peak_tflops
+from recipe.plan.spec import DTYPES, LAYOUTS, MASKS, BenchSpec, spec_speed
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -51,6 +57,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", choices=["cpu", "cuda"], help="default: cuda when available")
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds per measurement")
     p.add_argument("--json", type=Path, help="write the results as JSON here")
+    p.add_argument("--peak-tflops", type=float, metavar="TFLOPS",
+                   help="the device's dense peak TFLOP/s for --dtype, which MFU divides by (default: the bf16 peak of "
+                        "a known GPU, recipe.model.flops.PEAK_TFLOPS; else no MFU)")
 
     def masks(text):
         out = [x.strip() for x in text.split(",") if x.strip()]
@@ -64,9 +73,11 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def summarise(rows: list[dict]) -> list[dict]:
-    """Per (backend, length, mask, sparse): median seconds over the ok rounds, tokens/s, peak, ``x_vs_tiled`` (same
-    length, mask and path) and, for sparse entries, ``sparse_vs_dense`` (seconds and peak, same backend)."""
+def summarise(rows: list[dict], specs: dict | None = None, peak_tflops: float | None = None) -> list[dict]:
+    """Per (backend, length, mask, sparse): median seconds over the ok rounds, peak, ``x_vs_tiled`` (same length,
+    mask and path) and, for sparse entries, ``sparse_vs_dense`` (seconds and peak, same backend); with ``specs``
+    (that key -> its ``BenchSpec``) the speed fields of ``recipe.plan.spec.spec_speed`` (positions/s, supervised
+    tokens/s, model and hardware TFLOP/s a GPU, MFU against ``peak_tflops``)."""
     def key(r):
         return r["backend"], r["length"], r.get("mask", "full"), r.get("sparse", False)
 
@@ -77,7 +88,8 @@ def summarise(rows: list[dict]) -> list[dict]:
         if ok:
             entry.update(seconds=statistics.median(r["seconds"] for r in ok),
                          all_seconds=[r["seconds"] for r in ok], peak_bytes=max(r["peak_bytes"] for r in ok))
-            entry["tokens_per_s"] = k[1] / entry["seconds"]
+            if specs is not None:
+                entry.update(spec_speed(specs[k], entry["seconds"], peak_tflops))
         out.append(entry)
     done = {(e["backend"], e["length"], e["mask"], e["sparse"]): e for e in out if "seconds" in e}
     for e in out:
@@ -91,13 +103,36 @@ def summarise(rows: list[dict]) -> list[dict]:
     return out
 
 
+def summary_table(args, device: str, report: dict) -> Table:
+    """The printed table of ``main``'s ``report`` (its ``summary`` rows; the peak in its ``config``)."""
+    peak, summary = report["config"]["peak_tflops"], report["summary"]
+    table = Table(title=f"TTT step (fwd+bwd), H={args.hidden}, {args.heads}/{args.kv_heads} heads x {args.head_dim}, "
+                        f"Vd={args.draft_vocab}, K={args.ttt_steps}, {args.dtype}, {args.layout}, {device} "
+                        f"(auto = {report['auto']}); pos/s: token positions, TFLOP/s: model FLOPs a GPU"
+                        + (f", MFU of {peak:g} TFLOP/s" if peak else ""))
+    for col in ("backend", "S", "mask", "path", "s/step (median)", "per round", "pos/s", "TFLOP/s", "MFU",
+                "peak GiB", "x vs tiled", "sparse / dense (time, peak)"):
+        table.add_column(col, justify="left" if col in ("backend", "mask", "path") else "right", no_wrap=True)
+    for e in summary:
+        ok = "seconds" in e
+        ratio = f"{e['sparse_vs_dense']:.2f}, {e['peak_vs_dense']:.2f}" if "sparse_vs_dense" in e else "-"
+        table.add_row(e["backend"], str(e["length"]), e["mask"], "sparse" if e["sparse"] else "dense",
+                      f"{e['seconds']:.2f}" if ok else "failed",
+                      ", ".join(f"{s:.2f}" for s in e.get("all_seconds", [])),
+                      f"{e['positions_per_s']:.0f}" if ok else "-", f"{e['model_tflops_per_gpu']:.2f}" if ok else "-",
+                      f"{e['mfu']:.1%}" if ok and e["mfu"] is not None else "-",
+                      f"{e['peak_bytes'] / GIB:.2f}" if ok else "-",
+                      f"{e['x_vs_tiled']:.2f}" if "x_vs_tiled" in e else "-", ratio)
+    return table
+
+
 def main(argv: list[str] | None = None) -> int:
     """CLI entry (``python -m recipe.bench step``). Returns 0, or 2 on bad flags."""
     parser = build_parser()
     args = parser.parse_args(argv)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    if args.rounds < 1 or args.steps < 1 or args.attention_tile < 0:
-        parser.error("--rounds and --steps must be >= 1, --attention-tile >= 0")
+    if args.rounds < 1 or args.steps < 1 or args.attention_tile < 0 or (args.peak_tflops or 1) <= 0:
+        parser.error("--rounds and --steps must be >= 1, --attention-tile >= 0, --peak-tflops > 0")
 
     def runs_here(name):
         return backend_runs_on(name, device)
@@ -134,26 +169,13 @@ def main(argv: list[str] | None = None) -> int:
                 if result["status"] == "ok":
                     row.update(seconds=result["ranks"][0]["seconds"], peak_bytes=result["ranks"][0]["peak_bytes"])
                 rows.append(row)
-    summary = summarise(rows)
+    peak = run_peak_tflops(device, DTYPES[args.dtype], args.peak_tflops)
+    summary = summarise(rows, specs, peak)
     cfg = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
     cfg.update(device=device, backends=backends, torch=torch.__version__,
-               threads=int(os.environ.get("OMP_NUM_THREADS", "1")))
+               threads=int(os.environ.get("OMP_NUM_THREADS", "1")), peak_tflops=peak)
     report = {"config": cfg, "auto": resolve_attention_backend("auto", device), "summary": summary, "rounds": rows}
-    table = Table(title=f"TTT step (fwd+bwd), H={args.hidden}, {args.heads}/{args.kv_heads} heads x {args.head_dim}, "
-                        f"Vd={args.draft_vocab}, K={args.ttt_steps}, {args.dtype}, {args.layout}, {device} "
-                        f"(auto = {report['auto']})")
-    for col in ("backend", "S", "mask", "path", "s/step (median)", "per round", "tok/s", "peak GiB", "x vs tiled",
-                "sparse / dense (time, peak)"):
-        table.add_column(col, justify="left" if col in ("backend", "mask", "path") else "right", no_wrap=True)
-    for e in summary:
-        ok = "seconds" in e
-        ratio = f"{e['sparse_vs_dense']:.2f}, {e['peak_vs_dense']:.2f}" if "sparse_vs_dense" in e else "-"
-        table.add_row(e["backend"], str(e["length"]), e["mask"], "sparse" if e["sparse"] else "dense",
-                      f"{e['seconds']:.2f}" if ok else "failed",
-                      ", ".join(f"{s:.2f}" for s in e.get("all_seconds", [])), f"{e['tokens_per_s']:.0f}" if ok else "-",
-                      f"{e['peak_bytes'] / GIB:.2f}" if ok else "-", f"{e['x_vs_tiled']:.2f}" if "x_vs_tiled" in e else "-",
-                      ratio)
-    console.print(table)
+    console.print(summary_table(args, device, report))
     for r in rows:
         if r["status"] != "ok":
             console.print(f"[red]{r['backend']} {r['mask']} at {r['length']}: {r['status']}: "

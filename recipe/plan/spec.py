@@ -10,6 +10,7 @@ from fractions import Fraction
 import torch
 
 from recipe.config import KernelOptions, MemoryOptions
+from recipe.model.flops import DraftShape, Recompute, StepFlops, speed_fields, step_flops
 from recipe.parallel.dims import check_tp_divides, seq_divisor
 
 LAYOUTS = {"full": (False, False), "chunked": (True, False), "ckpt": (False, True), "chunked+ckpt": (True, True)}
@@ -154,3 +155,30 @@ def spec_memory(spec: BenchSpec) -> MemoryOptions:
 def spec_kernels(spec: BenchSpec, attention: str | None = None) -> KernelOptions:
     """The run config's ``kernels`` section ``spec`` stands for (``attention``: another backend in its place)."""
     return KernelOptions(attention=spec.attention_backend if attention is None else attention)
+
+
+def spec_flops(spec: BenchSpec) -> StepFlops:
+    """The FLOP model of ``spec``'s step (``recipe.model.flops.step_flops``): ``spec.batch`` samples of ``seq_len``
+    positions, model FLOPs and hardware FLOPs with its memory switches and its attention backend ("auto" resolved for
+    its device), the whole step over all ``spec.world_size`` ranks. Dense: a sparse-anchor step computes less."""
+    from kernels.attention_backends import resolve_attention_backend  # import cost: every attention backend
+
+    shape = DraftShape(hidden=spec.hidden, intermediate=spec.intermediate, heads=spec.heads, kv_heads=spec.kv_heads,
+                       head_dim=spec.head_dim, draft_vocab=spec.draft_vocab, target_hidden=spec.target_hidden,
+                       ttt_steps=spec.ttt_steps)
+    backend = resolve_attention_backend(spec.attention_backend, spec.device.split(":")[0])
+    return step_flops(shape, [spec.seq_len] * spec.batch, Recompute.of_memory(spec_memory(spec), backend), cp=spec.cp)
+
+
+def spec_speed(spec: BenchSpec, seconds: float, peak_tflops: float | None) -> dict:
+    """The speed fields of one measured step of ``spec`` taking ``seconds``: ``positions_per_s`` (every token of
+    the batch), ``supervised_tokens_per_s`` (``spec.mask``'s), the step's ``model_flops`` and ``hardware_flops``
+    (:func:`spec_flops`), ``model_tflops_per_gpu``, ``hardware_tflops_per_gpu`` and ``mfu`` (None without a
+    peak; ``recipe.model.flops.speed_fields``)."""
+    flops = spec_flops(spec)
+    supervised = int(supervised_mask(spec.mask, spec.batch, spec.seq_len).sum())
+    hardware = speed_fields(flops.hardware_total, seconds, spec.world_size, None)["model_tflops_per_gpu"]
+    return {"positions_per_s": spec.batch * spec.seq_len / seconds, "supervised_tokens_per_s": supervised / seconds,
+            "model_flops": flops.model_total, "hardware_flops": flops.hardware_total,
+            **speed_fields(flops.model_total, seconds, spec.world_size, peak_tflops),
+            "hardware_tflops_per_gpu": hardware}

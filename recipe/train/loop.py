@@ -43,7 +43,7 @@ from recipe.parallel.parallelize import gather_full_state
 from recipe.plot import plot_note
 from recipe.train import checkpoint, reshard, resume_checks
 from recipe.train.batches import StepBatches
-from recipe.train.metrics import MetricsLog, TrainProgress, ttt_metrics, zero0_grad_norm
+from recipe.train.metrics import MetricsLog, StepSpeed, TrainProgress, ttt_metrics, zero0_grad_norm
 from recipe.train.monitor import StepMonitor
 from recipe.train.oom import StepOutOfMemory, out_of_memory_message
 from recipe.train.sampler import rank_micro_batches
@@ -62,7 +62,7 @@ class TrainSettings:
     """What the loop reads of the flags (``run.py --help`` explains each): the run folder, the TTT steps K, the
     sequence length cap and seed (recorded in the checkpoint's run state), the checkpoint cadence and count, the
     non-finite policy, whether to export, the progress cadence, whether a resume may re-plan the run length, and
-    whether lm_head is frozen (recorded in the run state so a resume must match it)."""
+    whether lm_head is frozen (recorded in the run state so a resume must match it), the MFU peak override."""
 
     output: Path
     ttt_steps: int
@@ -77,6 +77,7 @@ class TrainSettings:
     log_every: int = 1
     extend: bool = False
     freeze_lm_head: bool = False
+    peak_tflops: float | None = None
 
     @classmethod
     def from_args(cls, args: TrainArgs) -> "TrainSettings":
@@ -84,7 +85,7 @@ class TrainSettings:
                    save_every=args.save_every, save_every_minutes=args.save_every_minutes,
                    hang_timeout_minutes=args.hang_timeout_minutes, keep_checkpoints=args.keep_checkpoints,
                    skip_nonfinite=args.skip_nonfinite, no_export=args.no_export, log_every=args.log_every,
-                   extend=args.extend, freeze_lm_head=args.freeze_lm_head)
+                   extend=args.extend, freeze_lm_head=args.freeze_lm_head, peak_tflops=args.peak_tflops)
 
 
 class Trainer:
@@ -123,6 +124,7 @@ class Trainer:
             self._start_scheduler()
         self.metrics = MetricsLog(settings.output / "metrics.jsonl", self.rank0, resume_step=self.step)
         self.monitor = StepMonitor(self.config.monitor, settings.output, self.rank0, resume_step=self.step)
+        self.speed = StepSpeed.of_run(parts, settings.ttt_steps, settings.freeze_lm_head, settings.peak_tflops)
 
     def _start_scheduler(self) -> None:
         """Advance a fresh DeepSpeed LR scheduler from iteration -1 to 0 before the first step.
@@ -251,7 +253,8 @@ class Trainer:
             grad_norm = self.engine.get_global_grad_norm()
         return {**ttt_metrics(loss_sum, correct, n_valid, counts[:K]),
                 "grad_norm": float(grad_norm) if grad_norm is not None else None,
-                "tokens": int(counts[K].item()), "samples": len(indices)}
+                "tokens": int(counts[K].item()), "samples": len(indices),
+                **self.speed.step_counts(indices, int(counts[K].item()))}
 
     def validate(self) -> dict:
         """Evaluate the held-out split (collective, ``recipe.train.validation``); write ``{"step", "eval"}`` to
@@ -323,6 +326,7 @@ class Trainer:
                     watchdog.beat(f"what follows step {self.step} (log, validation, agreement, checkpoint)")
                     record = {"step": self.step, "epoch": epoch, **record, "lr": lr,
                               "time_s": round(time.perf_counter() - t0, 4)}
+                    record.update(self.speed.rates(record) if "positions" in record else {})
                     self.metrics.write(record)
                     self.monitor.write(record)
                     if "skipped" in record:

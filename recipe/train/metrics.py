@@ -8,8 +8,9 @@ from __future__ import annotations
 import json
 import os
 import time
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -18,6 +19,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from recipe.io_errors import WriteError, writing
+from recipe.model.flops import DraftShape, TargetShape, run_peak_tflops, speed_fields, step_flops
 
 
 def ttt_metrics(loss_sum_K: torch.Tensor, correct_K: torch.Tensor, valid_K: torch.Tensor,
@@ -104,13 +106,74 @@ class MetricsLog:
         return self.error
 
 
+TIMED_FIELDS = ("time_s", "positions_per_s", "supervised_tokens_per_s", "model_tflops_per_gpu", "mfu")
+"""The fields of a step's metrics.jsonl record that depend on its wall time (the rest repeat bit for bit in a rerun)."""
+
+
+@dataclass(frozen=True)
+class StepSpeed:
+    """A run's speed accounting (docs/training.md, "Speed: tokens, TFLOP/s and MFU"): the model FLOPs of a step's
+    samples (``recipe.model.flops.step_flops``: the draft's shape, the online target's or None offline) and a
+    finished step's rates. ``world_size``: the GPUs the FLOPs are shared by; ``peak_tflops``: the device's dense
+    peak for the run's dtype (None: unknown, TFLOP/s only); ``sample_lengths``: sample indices -> token counts
+    (``BatchBuilder.sample_lengths``)."""
+
+    shape: DraftShape
+    target: TargetShape | None
+    world_size: int
+    peak_tflops: float | None
+    sample_lengths: Callable[[list[int]], list[int]]
+
+    @classmethod
+    def of_run(cls, parts, ttt_steps: int, freeze_lm_head: bool, peak_override: float | None) -> "StepSpeed":
+        """From a built run (``recipe.train.setup.RunParts``) and the flags (``--peak-tflops``: ``peak_override``)."""
+        target = parts.builder.target
+        config = getattr(getattr(target, "target", target), "config", None)  # a SplitTarget wraps its TargetModel
+        return cls(DraftShape.of_config(parts.draft_config, ttt_steps, freeze_lm_head),
+                   TargetShape.of_config(config) if config is not None else None, dist.get_world_size(),
+                   run_peak_tflops(parts.pstate.device, parts.config.dtype, peak_override),
+                   parts.builder.sample_lengths)
+
+    def step_counts(self, indices: list[int], supervised_tokens: int) -> dict:
+        """``{"positions", "model_flops"}`` of a step's samples ``indices`` (every dp rank's; from the host lengths,
+        no collective): the token positions and the model FLOPs of the whole step, all ranks together."""
+        flops = step_flops(self.shape, self.sample_lengths(indices), target=self.target, supervised=supervised_tokens)
+        return {"positions": flops.positions, "model_flops": flops.model_total}
+
+    def rates(self, record: dict) -> dict:
+        """A finished step's rates over its ``time_s``: ``positions_per_s``, ``supervised_tokens_per_s`` (``tokens``,
+        the supervised ones), ``model_tflops_per_gpu`` and ``mfu`` (None without a peak)."""
+        seconds = max(record["time_s"], 1e-9)
+        return {"positions_per_s": record["positions"] / seconds, "supervised_tokens_per_s": record["tokens"] / seconds,
+                **speed_fields(record["model_flops"], seconds, self.world_size, self.peak_tflops)}
+
+    def describe(self) -> str:
+        """One line for the run plan: what the rates count and what MFU divides by."""
+        peak = f"MFU against {self.peak_tflops:g} TFLOP/s a GPU" if self.peak_tflops else \
+            "no peak known for this device and dtype: TFLOP/s only (--peak-tflops sets one)"
+        return (f"speed: pos/s = token positions, supervised = loss-masked tokens; TFLOP/s = model FLOPs / time / "
+                f"{self.world_size} GPU(s) (recipe.model.flops); {peak}")
+
+
+def speed_text(positions: float, supervised: float, tflops: float | None, mfu: float | None) -> str:
+    """The step line's speed part: ``12,345 pos/s (8,765 supervised)  41.2 TFLOP/s/GPU 4.2% MFU``, the parts with
+    no value left out (rates per second; ``tflops`` per GPU)."""
+    text = f"{positions:,.0f} pos/s ({supervised:,.0f} supervised)" if positions else f"{supervised:,.0f} sup tok/s"
+    if tflops is not None:
+        value = f"{tflops:.1f}" if tflops >= 0.1 else f"{tflops:.2g}"  # a tiny CPU model: 0.00028
+        text += f"  {value} TFLOP/s/GPU" + (f" {mfu:.1%} MFU" if mfu is not None else "")
+    return text
+
+
 class TrainProgress:
-    """Rich progress bar (loss, acc_0, tokens/s, lr) and a per-epoch table of acc_0..acc_{K-1}; rank 0 only.
+    """Rich progress bar (loss, acc_0, speed, lr) and a per-epoch table of acc_0..acc_{K-1}; rank 0 only.
 
     The bar advances every step; its statistics are refreshed every ``log_every`` steps and at the last step. When
     the console is not a terminal (a log file, where rich draws the bar only once at the end) those refreshes are
-    also printed as one line each: ``step 20/100  loss … acc0 … tok/s … lr …``. Raises ValueError on
-    ``log_every < 1``.
+    also printed as one line each: ``step 20/100  loss … acc0 … 12,345 pos/s (8,765 supervised)  41.2 TFLOP/s/GPU
+    41.7% MFU  lr …``. The speed is over the steps since the last refresh and their own ``time_s`` (validation and
+    checkpoints left out; the wall clock for records without it): token positions, supervised tokens, model TFLOP/s
+    a GPU and MFU (:func:`speed_text`; the records' ``StepSpeed.rates``). Raises ValueError on ``log_every < 1``.
     """
 
     def __init__(self, total_steps: int, start_step: int, enabled: bool, console: Console | None = None,
@@ -120,7 +183,8 @@ class TrainProgress:
         self.enabled, self.total_steps, self.log_every = enabled, total_steps, log_every
         self.console = console or Console(stderr=True)
         self.epoch_acc: list[list[float]] = []
-        self._t0, self._tokens = time.perf_counter(), 0
+        self._last = time.perf_counter()
+        self._window = dict.fromkeys(("time_s", "positions", "tokens", "tflop", "mfu"), 0.0)
         if not enabled:
             return
         self.progress = Progress(
@@ -130,9 +194,15 @@ class TrainProgress:
         self.progress.start()
 
     def update(self, record: dict) -> None:
-        """Account one finished step's metrics record (``step``, ``loss``, ``acc``, ``tokens``, ``lr``)."""
-        self._tokens += record["tokens"]
-        rate = self._tokens / max(time.perf_counter() - self._t0, 1e-9)
+        """Account one finished step's metrics record (``step``, ``loss``, ``acc``, ``tokens``, ``lr``; the speed
+        fields ``time_s``, ``positions``, ``model_tflops_per_gpu``, ``mfu`` when present)."""
+        w, seconds = self._window, record.get("time_s") or 0.0
+        w["time_s"] += seconds
+        w["positions"] += record.get("positions", 0)
+        w["tokens"] += record["tokens"]
+        tflops, mfu = record.get("model_tflops_per_gpu"), record.get("mfu")
+        w["tflop"] = None if tflops is None or w["tflop"] is None else w["tflop"] + tflops * seconds
+        w["mfu"] = None if mfu is None or w["mfu"] is None else w["mfu"] + mfu * seconds
         self.epoch_acc.append(record["acc"])
         if not self.enabled:
             return
@@ -140,7 +210,13 @@ class TrainProgress:
         if step % self.log_every and step != self.total_steps:
             self.progress.update(self.task, completed=step)
             return
-        stats = f"loss {record['loss']:.4f}  acc0 {record['acc'][0]:.3f}  {rate:,.0f} tok/s  lr {record['lr']:.2e}"
+        now = time.perf_counter()
+        span = w["time_s"] or max(now - self._last, 1e-9)
+        speed = speed_text(w["positions"] / span, w["tokens"] / span,
+                           w["tflop"] / span if w["tflop"] is not None and w["time_s"] else None,
+                           w["mfu"] / span if w["mfu"] is not None and w["time_s"] else None)
+        self._last, self._window = now, dict.fromkeys(w, 0.0)
+        stats = f"loss {record['loss']:.4f}  acc0 {record['acc'][0]:.3f}  {speed}  lr {record['lr']:.2e}"
         self.progress.update(self.task, completed=step, stats=stats)
         if not self.console.is_terminal:
             self.console.print(f"step {step}/{self.total_steps}  {stats}")

@@ -13,7 +13,12 @@ value. Events of a step that was not skipped (``--skip-nonfinite``):
     Train/Steps/acc_all_supervised_{k}  ... over all supervised positions (``acc_all_supervised[k]``)
     Train/Steps/lr              the learning rate the step ran with (``lr``)
     Train/Steps/grad_norm       the global gradient norm before clipping (``grad_norm``, when DeepSpeed reports one)
-    Train/Steps/tokens_per_s    supervised tokens of the step / its wall time (``tokens`` / ``time_s``)
+    Train/Steps/positions_per_s          token positions trained / the step's wall time (``positions_per_s``)
+    Train/Steps/supervised_tokens_per_s  supervised (loss-masked) tokens / the step's wall time (``tokens`` /
+                                         ``time_s``)
+    Train/Steps/model_tflops_per_gpu     the step's model FLOPs / its time / the world size, in TFLOP/s
+                                         (``recipe.model.flops``)
+    Train/Steps/mfu                      that / the device's dense peak (when one is known, ``--peak-tflops``)
 
 and of a validation record (``{"step", "eval"}``, ``recipe.train.validation``): ``Train/Steps/eval_loss``,
 ``eval_loss_{k}``, ``eval_acc_{k}`` and ``eval_acc_all_supervised_{k}``.
@@ -61,7 +66,10 @@ def step_events(record: dict) -> list[tuple[str, float, int]]:
     if record.get("grad_norm") is not None:
         values["grad_norm"] = record["grad_norm"]
     if record.get("time_s"):
-        values["tokens_per_s"] = record["tokens"] / record["time_s"]
+        values["supervised_tokens_per_s"] = record["tokens"] / record["time_s"]
+    for name in ("positions_per_s", "model_tflops_per_gpu", "mfu"):
+        if record.get(name) is not None:
+            values[name] = record[name]
     return [(PREFIX + name, float(value), step) for name, value in values.items()]
 
 

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from helpers.training import ROOT
+from recipe.train.metrics import TIMED_FIELDS
 
 
 TORCH_FULL_DISK = "[enforce fail at inline_container.cc:672] . unexpected pos 576 vs 534"  # torch.save, disk full
@@ -219,9 +220,10 @@ def run_jobs(rank: int, world_size: int, jobs: list[Job]) -> list[Outcome]:
 
 
 def same_curve(a: list[dict], b: list[dict]) -> None:
-    """Assert two metrics.jsonl record lists are identical except for wall time (bit-identical floats)."""
-    strip = [{k: v for k, v in r.items() if k != "time_s"} for r in a]
-    other = [{k: v for k, v in r.items() if k != "time_s"} for r in b]
+    """Assert two metrics.jsonl record lists are identical except for wall time and the rates from it
+    (``recipe.train.metrics.TIMED_FIELDS``; bit-identical floats)."""
+    strip = [{k: v for k, v in r.items() if k not in TIMED_FIELDS} for r in a]
+    other = [{k: v for k, v in r.items() if k not in TIMED_FIELDS} for r in b]
     assert [r["step"] for r in other] == [r["step"] for r in strip]
     for x, y in zip(strip, other):
         assert x == y, f"step {x['step']}: {y} != {x}"
