@@ -151,7 +151,7 @@ def print_report(report: dict, console: Console) -> None:
     table = Table(title=f"TTT step memory per rank (K={cfg['ttt_steps']}, Vd={cfg['draft_vocab']}, H={cfg['hidden']}, "
                         f"tp={cfg['tp']}, cp={cfg['cp']}, attention tile {tile}, {mlp}, {cfg['dtype']}, "
                         f"{cfg['device']})")
-    for col in ("length", "layout", "peak GiB", "step Δ GiB", "pred. step GiB", "pred. peak GiB", "s/step", "tok/s",
+    for col in ("length", "layout", "peak GiB", "step Δ GiB", "pred. step GiB", "pred. peak GiB", "s/step", "pos/s",
                 "status"):
         table.add_column(col, justify="left" if col in ("layout", "status") else "right", no_wrap=True)
     for row in report["results"]:
