@@ -33,6 +33,7 @@ from recipe.plan import states
 from recipe.plan.spec import DTYPES, BenchSpec
 from recipe.plan.states import gpu_bytes
 from recipe.plan.trace import ActivationFit, fit_activation, is_dense, trace_lengths, trace_step, uses_tiles
+from recipe.target.named import resolve_config
 
 __all__ = [
     "PlanError",
@@ -143,11 +144,14 @@ class PlanInputs:
 
 
 def _read_target_config(target: Path):
-    """The target's transformers config from a folder holding config.json or a config.json file."""
+    """The target's transformers config from a folder holding config.json, a config.json file, or the public name of
+    a shipped config (``recipe.target.named``: ``Llama-3.1-8B-Instruct``, ``meta-llama/Llama-3.1-8B-Instruct``)."""
     from transformers import AutoConfig  # import cost: transformers
 
-    path = Path(target)
-    file = path / "config.json" if path.is_dir() else path
+    try:
+        file = resolve_config(target)
+    except FileNotFoundError as exc:
+        raise PlanError(str(exc)) from None
     if not file.is_file():
         raise PlanError(f"--target {target}: no such folder with a config.json, nor a config.json file")
     try:

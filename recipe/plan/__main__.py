@@ -1,12 +1,15 @@
-"""``python -m recipe.plan --ds_config F --target DIR|config.json --length N[,N...] [--gpu h100|h200|a100-80g|<GiB>]
-[--world-size W] [--tp 1,2] [--cp 1,2,4] [--mlp-tile none,4096] [--sparse-anchors MASKS] [--supervised-fraction F]
-[--data SOURCE.. [--limit N]] [--ttt-steps K] [--draft-vocab-size Vd] [--offline] [--freeze-lm-head] [--json OUT]``:
+"""``python -m recipe.plan --ds_config F --target DIR|config.json|NAME --length N[,N...]
+[--gpu h100|h200|a100-80g|<GiB>] [--world-size W] [--tp 1,2] [--cp 1,2,4] [--mlp-tile none,4096]
+[--sparse-anchors MASKS] [--supervised-fraction F] [--data SOURCE.. [--limit N]] [--ttt-steps K]
+[--draft-vocab-size Vd] [--offline] [--freeze-lm-head] [--json OUT]``:
 the per-rank memory plan (``recipe.plan``) by component, whether it fits the GPU, and the longest length that fits
 each layout. ``--tp`` / ``--cp`` lists override the JSON's parallelism section and ``--mlp-tile`` its
 ``memory.mlp_tile_size`` ("none" or 0: untiled), one table per (tp, cp, MLP tile). ``--sparse-anchors`` adds a table
 with ``memory.sparse_anchors`` on per named supervision mask, ``--supervised-fraction F`` one for the mask whose last
 F of the positions are supervised, and ``--data`` measures F from the run's data (``recipe.plan.supervision``) when
-``--supervised-fraction`` is not given. Bad input: one line naming it, exit status 2.
+``--supervised-fraction`` is not given. ``--target NAME``: the public name of a shipped config
+(``recipe.target.named``), so a layout is planned before any weight is downloaded. Bad input: one line naming it,
+exit status 2.
 """
 from __future__ import annotations
 
@@ -81,7 +84,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="python -m recipe.plan", description=__doc__.split("\n\n")[0])
     p.add_argument("--ds_config", "--ds-config", dest="ds_config", type=Path, required=True,
                    help="the run's DeepSpeed JSON")
-    p.add_argument("--target", type=Path, required=True, help="target folder with config.json, or a config.json")
+    p.add_argument("--target", type=Path, required=True,
+                   help="target folder with config.json, a config.json, or the public name of a shipped config "
+                        "(Llama-3.1-8B-Instruct, Qwen3-8B, Llama-3.3-70B-Instruct; an org/ prefix is fine)")
     p.add_argument("--length", type=length_list, required=True, help="tokens per sequence, e.g. 32k or 4k,8k,128k")
     p.add_argument("--gpu", default="h200", help=f"one of {sorted(states.GPUS_MIB)} or a size in GiB")
     p.add_argument("--world-size", type=int, help="ranks (default tp·cp, i.e. dp = 1)")

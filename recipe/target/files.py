@@ -10,20 +10,23 @@ from pathlib import Path
 
 from safetensors import safe_open
 
+from recipe.target.named import missing_target_message
+
 RAW_WEIGHT_SUFFIXES = (".bin", ".pt", ".pth", ".gguf")
 """Weight files other than safetensors: read by transformers, sampled as raw bytes by the fingerprint."""
 
 
 def split_gguf(path: str | Path) -> tuple[str, dict]:
     """A ``*.gguf`` file path becomes ``(folder, {"gguf_file": name})``; a folder stays as it is. Raises
-    FileNotFoundError naming the path when it does not exist."""
+    FileNotFoundError naming the path when it does not exist (for the public name of a shipped config, where its
+    weights come from: ``recipe.target.named.missing_target_message``)."""
     path = Path(path)
     if path.suffix == ".gguf":
         if not path.is_file():
             raise FileNotFoundError(f"target GGUF file not found: {path}")
         return str(path.parent), {"gguf_file": path.name}
     if not path.is_dir():
-        raise FileNotFoundError(f"target folder not found: {path}")
+        raise FileNotFoundError(missing_target_message(path))
     return str(path), {}
 
 
