@@ -3,7 +3,8 @@
     python -m recipe.eval --target DIR --draft EXPORT_DIR [--draft EXPORT_DIR2 ...] [--prompts FILE]
         [--num-draft-tokens 5[,3]] [--max-new-tokens N] [--limit N] [--output JSON] [--draft-dtype bf16|fp32]
         [--tree-topk 4] [--tree-depth 5] [--tree-budget 16] [--dtype fp32|bf16] [--draft-window-size N]
-        [--context-lengths 0,1k,4k [--context-data FILE ...] [--context-request unrelated|about-context] [--seed S]]
+        [--context-lengths 0,1k,4k [--context-data FILE ...] [--context-request unrelated|about-context] [--seed S]
+         [--on-mismatch stop|record]]
 
 Chain drafting of k tokens per round and dynamic-tree drafting (EAGLE-2/3: top-k expansion per depth, a budget of
 draft tokens verified in one target forward; ``--tree-depth 0`` turns it off), greedy verification; every
@@ -29,7 +30,7 @@ from transformers import AutoConfig
 
 from recipe.assets import prepare_assets
 from recipe.cli import context_length_list, positive_int_list
-from recipe.eval.by_length import evaluate_by_length
+from recipe.eval.by_length import ON_MISMATCH, evaluate_by_length
 from recipe.eval.context import CONTEXT_REQUESTS, bucket_prompts, context_prompts, read_context_data
 from recipe.eval.harness import REFERENCE_MODES, evaluate
 from recipe.eval.length_report import NO_MATPLOTLIB, plot_tau_by_length
@@ -79,6 +80,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--reference", choices=REFERENCE_MODES, default="sequential",
                    help="greedy reference of the lossless check: prompt by prompt (also times greedy decoding), or "
                         "all prompts in one batch (fewer target forwards; greedy speed timed on the shortest prompt)")
+    p.add_argument("--on-mismatch", choices=ON_MISMATCH, default="stop",
+                   help="with --context-lengths: a speculative output that differs from greedy decoding stops the run "
+                        "(exit 1), or is recorded in the length's 'mismatches' and decoding goes on (exit 1 once the "
+                        "JSON is written): for a bf16 target, whose near-ties can round apart, when memory and time "
+                        "are what is measured")
     add_tree_arguments(p)
     return p
 
@@ -152,7 +158,7 @@ def _context_run(args, console, tree) -> dict:
                                 args.max_new_tokens, device=args.device, console=console,
                                 draft_dtype=DRAFT_DTYPES[args.draft_dtype] if args.draft_dtype else None, tree=tree,
                                 target_dtype=DRAFT_DTYPES[args.dtype] if args.dtype else None,
-                                window=windows, eos_token_id=tokenizer.eos_token_id)
+                                window=windows, eos_token_id=tokenizer.eos_token_id, on_mismatch=args.on_mismatch)
     result["draft_window_size"] = args.draft_window_size  # the flag; each draft's own: draft_window_sizes
     return {"context_lengths": args.context_lengths, "context_request": args.context_request, "seed": args.seed,
             "prompts": str(args.prompts), "bucketed_by_prompt_length": bucketed,
@@ -168,9 +174,14 @@ def main(argv: list[str] | None = None) -> int:
     try:
         tree = tree_from_args(args)
         if args.context_lengths is not None:
-            return _finish(args, console, _context_run(args, console, tree))
-        if args.context_data is not None or args.context_request != "unrelated":
-            raise ValueError("--context-data and --context-request need --context-lengths")
+            result = _context_run(args, console, tree)
+            code = _finish(args, console, result)
+            mismatches = [m for entry in result["lengths"] for m in entry["mismatches"]]
+            for message in mismatches:
+                console.print(f"[bold red]lossless check failed[/bold red] (recorded): {message}")
+            return 1 if mismatches else code
+        if args.context_data is not None or args.context_request != "unrelated" or args.on_mismatch != "stop":
+            raise ValueError("--context-data, --context-request and --on-mismatch need --context-lengths")
         if args.prompts is None:
             args.prompts = prepare_assets().prompts
         prompts = read_prompts(args.prompts, args.limit)

@@ -96,7 +96,7 @@ def prefill_prompt(target: CachedTarget, prompt_ids: list[int]) -> PromptPrefill
         raise ValueError("empty prompt")
     start = time.perf_counter()
     target.begin()
-    out = target.forward(prompt_ids)
+    out = target.forward(prompt_ids, logits_rows=1)  # only the last row is read: no [S, V] logits of the prompt
     return PromptPrefill(num_ids=len(prompt_ids), first=int(out.logits_SV[-1].argmax()), aux_SA=out.aux_SA,
                          seconds=time.perf_counter() - start)
 
@@ -118,7 +118,7 @@ def greedy_generate(target: CachedTarget, prompt_ids: list[int], max_new_tokens:
     if shared is None:
         start = time.perf_counter()
         target.begin()
-        first = int(target.forward(prompt_ids).logits_SV[-1].argmax())
+        first = int(target.forward(prompt_ids, logits_rows=1).logits_SV[-1].argmax())
     else:
         start, first = _reuse(target, shared, prompt_ids), shared.first
     tokens: list[int] = [first]

@@ -13,7 +13,8 @@ from recipe.target.capture import capture_layer_outputs
 
 @dataclass
 class TargetStep:
-    """One cached forward over new tokens: ``logits_SV`` [m, V] (fp32) and ``aux_SA`` [m, 3·H_t] for those tokens."""
+    """One cached forward over m new tokens: ``logits_SV`` [r, V] (fp32) of the last r of them (r = m unless the
+    forward kept fewer rows: ``CachedTarget.forward``'s ``logits_rows``) and ``aux_SA`` [m, 3·H_t] for all m."""
 
     logits_SV: torch.Tensor
     aux_SA: torch.Tensor
@@ -66,8 +67,13 @@ class CachedTarget:
 
     @torch.no_grad()
     def forward(self, input_ids: list[int] | torch.Tensor, positions: list[int] | None = None,
-                tree_mask: torch.Tensor | None = None) -> TargetStep:
+                tree_mask: torch.Tensor | None = None, logits_rows: int | None = None) -> TargetStep:
         """Run the target over ``input_ids`` (m new tokens), extending the cache.
+
+        ``logits_rows``: the logits of only the last r = ``logits_rows`` inputs are computed and returned (the
+        model's ``logits_to_keep``: ``lm_head`` runs on those rows only); None: all m. A prefill reads one row, and
+        the [m, V] fp32 logits of a long prompt would not fit (an 8B target's 128k-token prompt: 128k · 128256 ·
+        4 bytes = 63 GiB, plus the model-dtype copy).
 
         Without ``positions``/``tree_mask``: positions ``len(self) ..`` under causal attention. With them (tree
         verification): RoPE ``positions`` [m] and ``tree_mask`` [m, m] bool (True: input i reads input j); every
@@ -85,6 +91,10 @@ class CachedTarget:
             kwargs["attention_mask"] = mask.masked_fill(~allowed, torch.finfo(dtype).min)[None, None]
         if positions is not None:
             kwargs["position_ids"] = torch.as_tensor(positions, dtype=torch.long, device=self.device).view(1, -1)
+        if logits_rows is not None:
+            if logits_rows < 1:
+                raise ValueError(f"logits_rows must be >= 1, got {logits_rows}")
+            kwargs["logits_to_keep"] = logits_rows
         with capture_layer_outputs(self.layers, self.aux_layer_ids) as captured:
             out = self.model(input_ids=ids_BS, past_key_values=self.cache, use_cache=True, **kwargs)
         aux = (torch.cat([captured[i] for i in self.aux_layer_ids], dim=-1)[0] if self.aux_layer_ids
