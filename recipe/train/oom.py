@@ -45,6 +45,9 @@ def out_of_memory_message(error: BaseException, *, step: int, rank: int, device:
         switches.append('"memory": {"loss_chunk_size": 4096} (now null: the whole [K·S, V_d] logits are kept)')
     else:
         switches.append(f'a smaller "memory.loss_chunk_size" (now {memory.loss_chunk_size})')
+        if memory.teacher_logits_once:
+            switches.append('"memory": {"teacher_logits_once": false} (the chunked loss then keeps no [B, U, V_d] '
+                            "teacher logits: 2·K target-head passes instead of one)")
     if not memory.checkpoint_ttt_steps:
         switches.append('"memory": {"checkpoint_ttt_steps": true} (recompute each TTT step in backward)')
     if memory.attention_tile_size is None:
