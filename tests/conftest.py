@@ -17,6 +17,14 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
+def pytest_sessionstart(session):
+    """A build of DeepSpeed's CPU comm op killed in an earlier session (a timeout, Ctrl-C) leaves torch's build lock
+    behind, and every test that sets up DeepSpeed would wait on it forever: remove such a stale lock first."""
+    from recipe.train.distributed import clear_stale_build_locks
+
+    clear_stale_build_locks()
+
+
 # Fixtures that prepare the real SmolLM2 / ShareGPT / MT-Bench assets (minutes on a fresh checkout): a test that uses
 # one, directly or through another fixture, belongs to `make test` only and must be marked slow.
 REAL_ASSET_FIXTURES = frozenset({"assets", "real_store"})

@@ -12,6 +12,7 @@ from kernels.ring_attention import make_ring_causal_attention
 from kernels.ttt_attention import TTTKVCache
 from recipe.model.ttt import TTTModel
 from helpers.tp_reference import zigzag_unsplit
+from helpers.tolerance import FP32_AFTER_ADAM, FP32_REORDERED, max_rel, within
 from recipe.parallel.cp_shard import shard_ttt_batch
 
 K = 4
@@ -61,7 +62,7 @@ def test_checkpointed_steps_compose_with_chunked_loss():
     draft, ref_draft, head_VH, batch = model_pair(seed=9, K=K)
     got = run_model(TTTModel(draft, head_VH, loss_chunk_size=4, checkpoint_steps=True), batch)
     ref = run_model(TTTModel(ref_draft, head_VH), batch)
-    assert_same_run(got, ref, tol=1e-6)
+    assert_same_run(got, ref)
 
 
 def test_no_grad_forward_skips_checkpointing_and_matches():
@@ -122,7 +123,7 @@ def test_checkpointing_under_context_parallel_ring_attention(two_rank_results):
     for mode in ((False, None), (True, None), (True, 6)):
         aux_grad = zigzag_unsplit([r[mode][2] for r in ranks], 2, dim=1)
         out, grads = ranks[0][mode][:2]
-        assert_same_run((out, grads, aux_grad), ref, tol=1e-5)  # ring (blockwise fp32 merges) vs dense, one process
+        assert_same_run((out, grads, aux_grad), ref)  # ring (blockwise fp32 merges) vs dense, one process
         assert torch.equal(out.valid_K, ref[0].valid_K)
     plain, ckpt = ranks[0][(False, None)], ranks[0][(True, None)]
     _assert_identical(plain[:2] + (zigzag_unsplit([r[(False, None)][2] for r in ranks], 2, dim=1),),
@@ -147,6 +148,6 @@ def test_memory_switches_under_deepspeed_zero3(two_rank_results):
     for _, result in two_rank_results:
         (plain_loss, plain_params), (loss, params) = result[(None, False)], result[(4, True)]
         assert not torch.equal(plain_loss[0], plain_loss[1])  # the first step changed the weights
-        torch.testing.assert_close(loss, plain_loss, rtol=1e-6, atol=0)
+        within(max_rel(loss, plain_loss), FP32_REORDERED, "ZeRO-3 losses")
         for name, value in plain_params.items():
-            torch.testing.assert_close(params[name], value, rtol=1e-5, atol=1e-7, msg=name)
+            within(max_rel(params[name], value), FP32_AFTER_ADAM, name)

@@ -21,8 +21,9 @@ from recipe.parallel.parallelize import parallelize
 from helpers.cases import assert_rel_close, assert_same_run, build_case, model_pair, run_model, zero3_two_steps
 from helpers.parity import assert_parity, run_layout
 from helpers.ranks import run_ranks
+from helpers.tolerance import FP32_AFTER_ADAM, FP32_REORDERED
 
-TOL = 1e-5
+TOL = FP32_REORDERED  # compiled graphs fuse and reorder the same sums
 
 
 @pytest.fixture
@@ -183,15 +184,15 @@ def _compiled_ranks(rank, world):
 def test_tp2_and_zero3_with_compiled_small_ops_match_eager():
     """tp = 2: loss sums, counts and every gradient in float32 within 1e-5 of the single-process run; the
     vocab-parallel loss (it all-reduces) stays eager, every other op ran compiled on the local heads and MLP shard.
-    ZeRO-3: both steps' losses and every updated parameter within 1e-5."""
+    ZeRO-3: both steps' losses within 1e-5, every updated parameter within ``FP32_AFTER_ADAM``."""
     for rank, result in enumerate(run_ranks(2, _compiled_ranks)):
-        assert assert_parity(result["tp2"], 1e-5, f"tp=2 compiled small ops, rank {rank}") == 13
+        assert assert_parity(result["tp2"], FP32_REORDERED, f"tp=2 compiled small ops, rank {rank}") == 13
         stats = result["tp2_stats"]
         assert all(stats[name]["calls"] > 0 for name in ("rms_norm", "rope", "act_mul", "ttt_merge"))
         assert stats["soft_ce"]["calls"] == 0
         (eager_loss, eager_params), (loss, params) = result["zero3"]["eager"], result["zero3"]["compiled"]
         assert not torch.equal(eager_loss[0], eager_loss[1])  # the first step changed the weights
-        assert_rel_close(loss, eager_loss, 1e-5, "ZeRO-3 losses")
+        assert_rel_close(loss, eager_loss, FP32_REORDERED, "ZeRO-3 losses")
         for name, value in eager_params.items():
-            assert_rel_close(params[name], value, 1e-5, name)
+            assert_rel_close(params[name], value, FP32_AFTER_ADAM, name)
         assert result["zero3_stats"]["soft_ce"]["calls"] > 0

@@ -2,12 +2,13 @@
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
-from recipe.train.distributed import (EXPANDABLE_SEGMENTS, default_cuda_alloc_conf, free_port, launcher_environment,
-                                      release_shm_buffer)
+from recipe.train.distributed import (EXPANDABLE_SEGMENTS, clear_stale_build_locks, default_cuda_alloc_conf,
+                                      free_port, launcher_environment, release_shm_buffer)
 
 ROOT = Path(__file__).resolve().parent.parent
 MASTER = {"MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "6000"}
@@ -223,3 +224,19 @@ def test_expandable_segments_are_set_on_cuda_unless_the_user_set_the_allocator()
     env = {}
     assert default_cuda_alloc_conf(env, cuda=False) is None and env == {}  # CPU: nothing to set
 
+
+
+def test_a_killed_builds_lock_is_removed_and_a_live_one_kept(tmp_path, capsys):
+    """torch's extension build waits with no timeout while ``<build dir>/lock`` exists: one older than the build can
+    take is a killed build's and goes; a fresh one (a build running now in another process) stays."""
+    stale, live = tmp_path / "py311_cpu" / "deepspeed_shm_comm" / "lock", tmp_path / "other_op" / "lock"
+    for lock in (stale, live):
+        lock.parent.mkdir(parents=True)
+        lock.touch()
+    old = time.time() - 3600
+    os.utime(stale, (old, old))
+    assert clear_stale_build_locks(str(tmp_path), max_age_s=1200) == [str(stale)]
+    assert not stale.exists() and live.exists() and (tmp_path / "py311_cpu" / "deepspeed_shm_comm").is_dir()
+    err = capsys.readouterr().err
+    assert "stale build lock" in err and str(stale) in err
+    assert clear_stale_build_locks(str(tmp_path), max_age_s=1200) == []

@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from helpers.tolerance import FP32_REORDERED, assert_close_rel
 from recipe.eval.harness import GreedyReference, evaluate
 from recipe.eval.prompts import Prompt
 from recipe.eval.report import summarise_run
@@ -42,7 +43,7 @@ def test_packed_linear_matches_f_linear(bias):
         with torch.no_grad():
             got, want = packed(x), F.linear(x, linear.weight, linear.bias)
         assert got.shape == want.shape
-        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        assert_close_rel(got, want, FP32_REORDERED, f"packed linear {shape}")
         assert not torch.equal(got, torch.zeros_like(got))
     assert list(packed.state_dict()) == list(linear.state_dict())  # nn.Linear's keys
     with pytest.raises(RuntimeError, match="inference"):  # the parameter wants a gradient, the packed copy has none
@@ -67,7 +68,7 @@ def test_pack_linear_layers_on_a_target_keeps_its_logits(target):
     assert pack_linear_layers(tied) == 1 and tied[1].weight is tied[0].weight  # still one tensor
     with torch.no_grad():
         after = target.model(ids).logits
-    torch.testing.assert_close(after, before, rtol=1e-5, atol=1e-5)
+    assert_close_rel(after, before, FP32_REORDERED, "packed target logits")
     assert torch.equal(after.argmax(-1), before.argmax(-1))
 
 

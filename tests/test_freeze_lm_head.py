@@ -9,6 +9,7 @@ import pytest
 import torch
 from helpers.ranks import run_ranks
 from helpers.training import assert_curves_close, run_training, train_argv, write_ds_config
+from helpers.tolerance import FP32_AFTER_ADAM, FP32_CURVE, within
 
 STEPS = 6
 
@@ -73,13 +74,13 @@ def test_frozen_lm_head_tp2_zero3_matches_single_process(runs):
     from recipe.export import load_export
 
     target, out = runs
-    assert_curves_close(out["frozen-tp1"][0], out["frozen-tp2-z3"][0], 1e-5, "frozen-tp2-z3")
+    assert_curves_close(out["frozen-tp1"][0], out["frozen-tp2-z3"][0], FP32_CURVE, "frozen-tp2-z3")
     ref, _ = load_export(out["frozen-tp1"][1] / "export")
     sharded, _ = load_export(out["frozen-tp2-z3"][1] / "export")
     assert torch.equal(sharded["lm_head.weight"], _target_rows(target, sharded))
     for key, value in ref.items():
         if value.is_floating_point():
-            assert (sharded[key] - value).abs().max().item() <= 1e-4 * value.abs().max().item(), key
+            within((sharded[key] - value).abs().max().item() / value.abs().max().item(), FP32_AFTER_ADAM, key)
 
 
 def test_freeze_needs_a_target_initialised_head(capsys):

@@ -13,6 +13,7 @@ import zipfile
 import pytest
 
 from helpers.tiny_target import save_tiny_llama
+from helpers.tolerance import FP32_REORDERED, within
 from helpers.training import ROOT
 
 
@@ -215,7 +216,8 @@ def test_sparse_check_smoke_is_exact_on_the_cpu(tmp_path):
     assert [r["mask"] for r in report["exact"]] == ["sharegpt", "long10"]
     for row in report["exact"]:
         assert row["valid_equal"] and row["same_params"]
-        assert row["loss_rel"] <= 1e-6 and row["grad_rel_max"] <= 1e-6, row
+        within(row["loss_rel"], FP32_REORDERED, f"{row['mask']} loss")
+        within(row["grad_rel_max"], FP32_REORDERED, f"{row['mask']} gradients")
         assert sum(row["valid_K"]) > 0  # valid positions per TTT step
     for row in report["speed"]:
         assert row["dense"]["peak_bytes"] > 0 and row["sparse"]["seconds"] > 0

@@ -13,6 +13,7 @@ import sys
 import pytest
 
 from helpers.training import ROOT
+from helpers.tolerance import FP32_REORDERED
 
 GIB = 2 ** 30
 
@@ -137,8 +138,10 @@ def test_smoke_8k_rows_and_their_resume(smoke_work):
     assert straight["steps"] == [1, 2, 3] and resumed["steps"] == [3] and straight["length"] == 128
     assert straight["seconds_per_step"] > 0 and straight["tokens_per_s"]["supervised"] > 0
     assert straight["backend"] == "gloo on cpu" and straight["samples"] >= 3
-    # step 3 from the ZeRO-1 checkpoint of step 2 under ZeRO-3: the same weights, the same bf16 forward
-    assert resumed["resume"]["steps"] == [3] and resumed["resume"]["max_rel_diff"] <= 1e-6, resumed["resume"]
+    # step 3 from the ZeRO-1 checkpoint of step 2 under ZeRO-3: the same weights and the same bf16 forward, its
+    # loss a float32 sum in another order at most (FP32_REORDERED / 10: nothing of bf16 rounding is allowed)
+    assert resumed["resume"]["steps"] == [3], resumed["resume"]
+    assert resumed["resume"]["max_rel_diff"] <= FP32_REORDERED / 10, resumed["resume"]
     assert resumed["resume"]["straight"][0] > 0  # positions were valid: a loss to compare, not two zeros
     assert not (smoke_work / "work" / "8k_zero1" / "checkpoints").exists()  # deleted once resumed
     assert (smoke_work / "work" / "8k_zero3_resume" / "export" / "model.safetensors").is_file()

@@ -7,6 +7,7 @@ from torch import nn
 
 from helpers.ranks import run_ranks
 from helpers.tp_reference import group_rank_lists
+from helpers.tolerance import FP32_AFTER_ADAM, FP32_REORDERED, within
 from recipe.parallel.parallelize import gather_full_tensors
 from recipe.parallel.dims import ParallelDims
 from recipe.parallel.topology import ParallelState
@@ -147,10 +148,10 @@ def test_deepspeed_flat_mpu_grad_norm_and_step_match_single_process(world, tp, c
     with_control = stage == 1
     for runs in run_ranks(world, _ds_step, tp, cp, stage, clip, with_control):
         norm, params = runs[0]
-        assert abs(norm - ref_norm) <= 1e-6 * ref_norm, (norm, ref_norm)
+        within(abs(norm - ref_norm) / ref_norm, FP32_REORDERED, "grad norm")
         for key, value in ref_params.items():
             rel = ((params[key] - value).abs().max() / value.abs().max()).item()
-            assert rel <= 1e-6, (key, rel)
+            within(rel, FP32_AFTER_ADAM, f"{key} after the clipped AdamW step")
         if with_control:
             unmarked_norm = runs[1][0]
             assert abs(unmarked_norm - ref_norm) > 1e-3 * ref_norm, (unmarked_norm, ref_norm)

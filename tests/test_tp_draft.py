@@ -11,6 +11,7 @@ import torch
 from helpers.ranks import run_ranks
 from helpers.cases import PARITY, build_case
 from helpers.parity import assert_parity, run_layout
+from helpers.tolerance import FP32_REORDERED
 
 pytestmark = pytest.mark.slow  # every test reads the 2-rank launch
 
@@ -60,7 +61,7 @@ def test_tp2_loss_and_every_gradient_match_single_process(ranks, K, dtype):
     for rank, result in enumerate(ranks):
         r = result[f"K{K}-{dtype}"]
         assert r["tp_rank"] == rank and r["lm_head_shape"] == (32, 32)  # this rank's half of the draft vocab
-        n = assert_parity(r, 1e-5, f"tp=2 K={K} {dtype} rank {rank}")
+        n = assert_parity(r, FP32_REORDERED, f"tp=2 K={K} {dtype} rank {rank}")
         assert n == 13  # fc, 3 layer norms, q/k/v/o, gate/up/down, final norm, lm_head (embeddings frozen)
         assert r["ref"][1].shape == (K,)
 

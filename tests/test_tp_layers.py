@@ -17,11 +17,12 @@ from recipe.parallel.apply_tp import apply_tensor_parallel
 from recipe.parallel.parallelize import gather_full_tensors
 from helpers.tp_reference import gather_from_tp_region, scatter_to_tp_region
 from helpers.tp_stand_in import TTTStandIn, soft_ce
+from helpers.tolerance import FP32_REORDERED, FP64_REORDERED
 from recipe.parallel.mappings import copy_to_tp_region, reduce_from_tp_region
 from recipe.parallel.tp_layers import (ColumnParallelLinear, RowParallelLinear, VocabParallelLMHead, gather_tensor,
                                        vocab_parallel_soft_ce)
 
-TOL = {torch.float64: 1e-12, torch.float32: 1e-6}
+TOL = {torch.float64: FP64_REORDERED, torch.float32: FP32_REORDERED}
 
 
 def assert_close(actual, expected, dtype, what):

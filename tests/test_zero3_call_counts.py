@@ -11,8 +11,9 @@ import dataclasses
 
 import pytest
 import torch
-from helpers.cases import assert_same_run, build_case, run_model
+from helpers.cases import assert_rel_close, assert_same_run, build_case, run_model
 from helpers.ranks import run_ranks
+from helpers.tolerance import FP32_CURVE, FP32_REORDERED, max_rel, within
 
 from recipe.config import KernelOptions, MemoryOptions
 from recipe.model.call_extent import CallExtent
@@ -55,12 +56,13 @@ def test_a_shorter_rank_makes_the_longer_ranks_calls(sparse):
     # the longer rank with its own extent stated: nothing changes
     _, stated_calls = _counted_run(sparse, LONG, EXTENT)
     assert stated_calls == long_calls
-    if not sparse:  # dense: its own chunks and tiles, then empty ones adding exact zeros
+    if not sparse:  # dense: its own chunks and tiles, then empty ones adding exact zeros (a left fold of the chunk
+        # sums and autograd's accumulation: x + 0 = x), so the same operations on the same values: bitwise
         (out, grads, aux), (ref_out, ref_grads, ref_aux) = widened, alone
         assert torch.equal(out.loss_sum_K, ref_out.loss_sum_K) and torch.equal(aux, ref_aux)
         assert all(torch.equal(grads[n], ref_grads[n]) for n in ref_grads)
     else:  # sparse: as many near-equal pieces as the longer dense path cuts, float summation order apart
-        assert_same_run(widened, alone, tol=1e-6)
+        assert_same_run(widened, alone)
 
 
 def test_call_extent_checks_and_shards():
@@ -146,19 +148,18 @@ def _zero_worker(rank, world):
 @pytest.mark.slow
 def test_zero3_with_ranks_of_different_lengths_matches_zero1():
     """Before the extent, ZeRO-3 failed here (gloo: "Received data size doesn't match expected size"). Compared: both
-    steps' losses and every averaged gradient of the first step (rel ≤ 1e-6), which decide the weights; not the
-    weights after AdamW, whose g/sqrt(v) turns 1e-7 gradient differences on near-zero entries into ~1e-4 of them."""
-    from helpers.cases import assert_rel_close
-
+    steps' losses and every averaged gradient of the first step (rel ≤ ``FP32_REORDERED``), which decide the weights;
+    not the weights after AdamW, whose g/sqrt(v) amplifies gradient differences on near-zero entries."""
     for rank, result in enumerate(run_ranks(2, _zero_worker)):
         ref_loss, ref_grads = result[(1, False)]
         assert not torch.equal(ref_loss[0], ref_loss[1]) and len(ref_grads) == 13  # the first step moved the weights
         for stage, sparse in ((3, False), (3, True), (3, "mixed")):
             loss, grads = result[(stage, sparse)]
-            torch.testing.assert_close(loss, ref_loss, rtol=1e-6, atol=0)
+            within(max_rel(loss, ref_loss), FP32_REORDERED, f"rank {rank}, ZeRO-{stage}, sparse {sparse}: loss")
             assert grads.keys() == ref_grads.keys()
             for name, value in ref_grads.items():
-                assert_rel_close(grads[name], value, 1e-6, f"rank {rank}, ZeRO-{stage}, sparse {sparse}: {name}")
+                label = f"rank {rank}, ZeRO-{stage}, sparse {sparse}: {name}"
+                assert_rel_close(grads[name], value, FP32_REORDERED, label)
 
 
 @pytest.mark.slow
@@ -184,8 +185,9 @@ def test_training_zero3_with_chunks_and_tiles_matches_one_process(tiny_target_an
     train = [r for r in ref if "eval" not in r]
     assert len(train) == 3 and len(ref) == 5  # 3 steps and 2 evaluations
     for label, run in (("ZeRO-3 dense", dense), ("ZeRO-3 auto", auto)):
-        assert_curves_close(train, [r for r in run if "eval" not in r], 1e-5, label)
+        assert_curves_close(train, [r for r in run if "eval" not in r], FP32_CURVE, label)
         evals = [r["eval"] for r in run if "eval" in r]
         assert len(evals) == 2
         for a, b in zip([r["eval"] for r in ref if "eval" in r], evals):
-            assert abs(a["loss"] - b["loss"]) <= 1e-5 * a["loss"] and a["valid"] == b["valid"], label
+            within(abs(a["loss"] - b["loss"]) / a["loss"], FP32_CURVE, f"{label} validation loss")
+            assert a["valid"] == b["valid"], label

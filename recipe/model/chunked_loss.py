@@ -131,7 +131,7 @@ def teacher_table(target_hidden_BLH: torch.Tensor, rows_U: torch.Tensor, target_
     head matmul over all B·U rows (its temporaries, [B, U, Vd] each, at once); an int runs it ``chunk_size``
     flattened rows at a time into one preallocated output, so only one chunk's temporaries (the soft-cap's) exist
     beside it: ⌈B·U / chunk_size⌉ head matmuls. Row for row the same numbers either way, up to the BLAS's row
-    blocking (bitwise on MKL).
+    blocking (a BLAS may block a matmul by its row count: the last bits can differ).
     """
     b, u = target_hidden_BLH.shape[0], rows_U.shape[-1]
     if chunk_size is None or b * u <= chunk_size:

@@ -207,8 +207,8 @@ class TTTModel(nn.Module):
             docs/algorithm.md, "Loss, step weights and accuracy").
             False: the unchunked path recomputes each step's [B, S, Vd] target logits, the chunked loss streams
             them per chunk and step and again in the backward recompute (one chunk's logits alive at a time).
-            Both give bitwise-equal numbers where the BLAS computes a matmul row independently of the row count
-            (MKL on CPU; the tests check it).
+            Both give the same numbers up to float summation order (a BLAS may block a matmul by its row count,
+            so the rows of one big matmul and of K smaller ones can differ in the last bits).
         sparse_anchors: True computes each step only at its needed anchors (``recipe.model.sparse_anchors``;
             docs/algorithm.md, "Sparse anchors"): step 0's keys/values at every position, everything else (queries,
             attention output, o_proj, MLP, norms, lm_head, teacher logits) only where some step's loss reads it.

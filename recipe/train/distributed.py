@@ -32,6 +32,7 @@ import importlib.util
 import os
 import socket
 import sys
+import time
 from collections.abc import Mapping
 
 import torch
@@ -196,6 +197,8 @@ def init_distributed(timeout=None) -> tuple[torch.device, bool]:
         device = torch.device("cuda", local_rank)
     else:
         device = torch.device("cpu")
+    if device.type == "cpu":
+        clear_stale_build_locks()
     deepspeed.init_distributed(**({} if timeout is None else {"timeout": timeout}))
     formed = (dist.get_rank(), dist.get_world_size())
     if created and formed != (int(found["RANK"]), int(found["WORLD_SIZE"])):
@@ -203,6 +206,38 @@ def init_distributed(timeout=None) -> tuple[torch.device, bool]:
         raise ValueError(f"{name} launcher described rank {found['RANK']} of {found['WORLD_SIZE']}, but the process "
                          f"group is rank {formed[0]} of {formed[1]}: set MASTER_ADDR (and MASTER_PORT) yourself")
     return device, created
+
+
+STALE_BUILD_LOCK_S = 1200  # a JIT build lock older than this is a killed build's: the build takes ~2 min on 2 cores
+
+
+def clear_stale_build_locks(root: str | None = None, max_age_s: float = STALE_BUILD_LOCK_S) -> list[str]:
+    """Remove torch C++-extension build locks left by a killed build; returns the removed paths.
+
+    DeepSpeed JIT-compiles its CPU shared-memory all-reduce op (``deepspeed_shm_comm``) the first time a process group
+    is set up on a CPU-only machine; torch's ``cpp_extension`` holds ``<build dir>/lock`` while ninja runs (about two
+    minutes on 2 cores) and every other process waits for it to go away, with no timeout. A build killed on the way
+    (a job's time limit, a test timeout, Ctrl-C) leaves the file behind and every later run waits forever. The lock
+    holds no process id, so its age decides: one older than ``max_age_s`` is removed (printed to stderr).
+    ``root``: the extensions folder (default ``TORCH_EXTENSIONS_DIR``, else torch's default build root).
+    """
+    if root is None:
+        from torch.utils.cpp_extension import get_default_build_root  # import cost: torch's C++ toolchain helpers
+
+        root = os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root()
+    removed = []
+    for dirpath, _, files in os.walk(root):
+        if "lock" not in files:
+            continue
+        lock = os.path.join(dirpath, "lock")
+        try:
+            if time.time() - os.stat(lock).st_mtime > max_age_s:
+                os.unlink(lock)
+                removed.append(lock)
+                print(f"removed a stale build lock (a killed build's): {lock}", file=sys.stderr, flush=True)
+        except OSError:  # another process removed it, or it is not ours to remove
+            continue
+    return removed
 
 
 def release_shm_buffer() -> None:

@@ -16,6 +16,7 @@ import torch
 from recipe.model.draft import Eagle3Draft
 from recipe.model.draft_config import Eagle3DraftConfig
 from recipe.model.ttt import TTTBatch, TTTModel, make_ttt_batch, target_in_draft_vocab
+from helpers.tolerance import FP32_REORDERED, within
 from helpers.tp_reference import pad_to_multiple
 from recipe.target.head import lm_head_argmax
 
@@ -139,12 +140,13 @@ def assert_rel_close(got: torch.Tensor, ref: torch.Tensor, tol: float, name: str
     are sums with cancellation, whose absolute error is set by the tensor's scale), and the shapes/dtypes agree."""
     assert got.shape == ref.shape and got.dtype == ref.dtype, (name, got.shape, ref.shape, got.dtype, ref.dtype)
     assert ref.norm() > 0, f"{name}: reference is zero, the comparison would be vacuous"
-    rel = ((got - ref).norm() / ref.norm()).item()
-    assert rel <= tol, f"{name}: relative error {rel:.3g} > {tol:g}"
+    within(((got - ref).norm() / ref.norm()).item(), tol, f"{name}: relative error")
 
 
-def assert_same_run(got, ref, tol: float = 1e-6) -> None:
-    """Two ``run_model`` results agree: loss sums and every gradient within relative error ``tol``, counts exactly."""
+def assert_same_run(got, ref, tol: float = FP32_REORDERED) -> None:
+    """Two ``run_model`` results agree: loss sums and every gradient within relative error ``tol`` (default: the same
+    function in another summation order, ``helpers.tolerance``), correct/valid counts exactly (integer counts of
+    argmax matches: a flip needs two logits within ~1e-6 relative of each other)."""
     (out, grads, aux_grad), (ref_out, ref_grads, ref_aux_grad) = got, ref
     assert_rel_close(out.loss_sum_K, ref_out.loss_sum_K, tol, "loss_sum_K")
     assert torch.equal(out.correct_K, ref_out.correct_K) and torch.equal(out.valid_K, ref_out.valid_K)

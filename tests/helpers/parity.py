@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from helpers.cases import PARITY, answer_only, build_case
+from helpers.tolerance import max_rel, within
 from recipe.config import KernelOptions, MemoryOptions
 from recipe.model.ttt import TTTModel, ttt_objective
 from recipe.parallel.parallelize import parallelize
@@ -108,24 +109,16 @@ def run_layout(rank: int, world: int, tp: int, cp: int, K: int, seed: int, seq_l
             "real_positions": int(batch.key_valid_BS.sum())}
 
 
-def max_rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    """max |a - b| / max |b| (0 when both are 0)."""
-    scale = b.abs().max().item()
-    diff = (a - b).abs().max().item()
-    return diff / scale if scale else diff
-
-
 def assert_parity(result: dict, rtol: float, label: str) -> int:
     """Loss sums rel ≤ rtol, correct/valid counts exact, every gradient rel ≤ rtol; returns the gradient count."""
     loss_r, correct_r, valid_r, grads_r = result["ref"]
     loss_p, correct_p, valid_p, grads_p = result["par"]
     assert valid_r.min() > 0 and correct_r.sum() > 0, f"{label}: vacuous case (no valid or correct positions)"
-    assert max_rel(loss_p, loss_r) <= rtol, f"{label}: loss {loss_p} vs {loss_r}"
+    within(max_rel(loss_p, loss_r), rtol, f"{label}: loss {loss_p} vs {loss_r}, rel")
     assert torch.equal(correct_p, correct_r), f"{label}: correct {correct_p} vs {correct_r}"
     assert torch.equal(valid_p, valid_r), f"{label}: valid {valid_p} vs {valid_r}"
     assert grads_p.keys() == grads_r.keys(), f"{label}: parameter names differ"
     for name, g in grads_r.items():
         assert g.abs().max() > 0, f"{label}: reference gradient of {name} is zero (vacuous)"
-        rel = max_rel(grads_p[name], g)
-        assert rel <= rtol, f"{label}: grad {name} rel {rel:.2e}"
+        within(max_rel(grads_p[name], g), rtol, f"{label}: grad {name} rel")
     return len(grads_r)
