@@ -274,7 +274,8 @@ def test_srun_turns_a_term_into_a_kill_and_a_cancelled_job_can_still_be_requeued
     cluster.wait_job(job, lambda f: (tmp_path / "cancel" / "started").exists(), 120, "started")
     cluster.run("scancel", str(job))
     try:
-        cluster.wait_job(job, lambda f: "requeue exited" in _log(tmp_path / "cancel", job), 120, "requeued by its script")
+        cluster.wait_job(job, lambda f: "requeue exited" in _log(tmp_path / "cancel", job), 120,
+                         "requeued by its script")
         fields = cluster.job(job)  # scontrol requeue answers once slurmctld has requeued the job
     finally:
         cluster.run("scancel", str(job), check=False)
