@@ -85,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
     from kernels.compile_policy import CompileError  # import cost: pulls in torch
     from kernels.flex_attention import flex_compile_stats  # import cost: pulls in torch
     from recipe.train.checkpoint import CheckpointError  # import cost: pulls in torch
-    from recipe.train.distributed import init_distributed, release_shm_buffer  # import cost: pulls in torch
+    from recipe.train.distributed import close_process_group, init_distributed, release_shm_buffer  # import cost: torch
     from recipe.train.oom import StepOutOfMemory  # import cost: pulls in torch
 
     console = Console(stderr=True)
@@ -106,6 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     # one stop request for the whole run (the loop's shares it): signals during set-up count, the launcher's death
     # counts (watch_launcher), a forced exit still unlinks the /dev/shm buffer, and signals while closing are ignored
     stop = StopRequest(watch_launcher=True, on_abort=release_shm_buffer).__enter__()
+    finished = False  # every rank returned from training (then they all reach the barrier before the teardown)
     try:
         # import cost: DeepSpeed and transformers, once the process group is up
         from recipe.train.loop import Trainer, TrainSettings
@@ -138,6 +139,7 @@ def main(argv: list[str] | None = None) -> int:
         if any(op["calls"] for op in small.values()) and dist.get_rank() == 0:
             console.print("compiled small ops: " + ", ".join(f"{name} {op['compiles']}" for name, op in small.items())
                           + f" compile(s) (limit {next(iter(small.values()))['recompile_limit']} each)")
+        finished = True
         return code
     except (ValueError, KeyError, OSError, CheckpointError, StepOutOfMemory, CompileError) as exc:
         if os.environ.get("RECIPE_DEBUG"):
@@ -148,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         stop.closing()
         if owns_group and dist.is_initialized():
-            dist.destroy_process_group()
+            close_process_group(device, barrier=finished)
         release_shm_buffer()
         stop.__exit__(None, None, None)
 

@@ -38,6 +38,8 @@ from collections.abc import Mapping
 import torch
 import torch.distributed as dist
 
+from recipe.parallel.collectives import Collectives
+
 DEFAULT_PORT = 29500  # deepspeed.constants.TORCH_DISTRIBUTED_DEFAULT_PORT: the runner's --master_port, mpi_discovery's
 # local rank of a PMI/PMIx world: Hydra (MPICH, Intel MPI), Cray PALS, Cray ALPS, Slurm's pmi2/pmix plugins, Flux
 _LOCAL = ("MPI_LOCALRANKID", "PALS_LOCAL_RANKID", "PMI_LOCAL_RANK", "SLURM_LOCALID", "FLUX_TASK_LOCAL_ID")
@@ -238,6 +240,20 @@ def clear_stale_build_locks(root: str | None = None, max_age_s: float = STALE_BU
         except OSError:  # another process removed it, or it is not ours to remove
             continue
     return removed
+
+
+def close_process_group(device: torch.device, barrier: bool) -> None:
+    """Destroy the default process group; with ``barrier`` (every rank got here normally) after a barrier, so that no
+    rank tears its connections down while a peer is still inside the last collective: gloo's transport threads abort
+    the process (SIGABRT, a launcher exit code of 250) when a peer's connection closes under a pending operation.
+    Without ``barrier`` (an error path, where a peer may be gone) the group is destroyed at once; so it is when the
+    barrier fails because a peer left on its own error path (its error is that rank's to report)."""
+    if barrier and dist.get_world_size() > 1:
+        try:
+            Collectives(device).barrier()
+        except RuntimeError:  # DistBackendError included: a peer closed its connections first
+            pass
+    dist.destroy_process_group()
 
 
 def release_shm_buffer() -> None:
