@@ -54,6 +54,7 @@ class TrainArgs:
     eval_fraction: float | None = None
     eval_every: int = 0
     peak_tflops: float | None = None
+    memory_budget: float | None = None
 
 
 def int_list(text: str, minimum: int | None = None) -> list[int]:
@@ -297,6 +298,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--peak-tflops", type=_positive_float, metavar="TFLOPS",
                    help="the GPU's dense peak TFLOP/s for the run's dtype, which MFU divides by (default: the "
                         "bf16 peak of a known device, recipe.model.flops.PEAK_TFLOPS; otherwise TFLOP/s only)")
+    p.add_argument("--memory-budget", type=_positive_float, metavar="GIB",
+                   help='plan the memory section\'s "auto" switches against this many GiB a rank instead of the '
+                        "device's free memory (also on the CPU, where they otherwise take the defaults)")
     p.add_argument("--local_rank", "--local-rank", type=int, default=-1, help=argparse.SUPPRESS)
     return p
 

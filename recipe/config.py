@@ -30,7 +30,6 @@ from kernels.attention_backends import backend_names
 from kernels.registry import sequence_parallel_names
 from recipe.config_keys import (
     KERNELS_SECTION,
-    MEMORY_SECTION,
     ConfigError,
     check_config_keys,
     check_section_keys,
@@ -39,6 +38,7 @@ from recipe.config_keys import (
     model_keys,
     strip_comments,
 )
+from recipe.config_memory import MemoryOptions, MemoryReport
 from recipe.parallel.dims import PARALLEL_SECTION, ParallelDims
 from recipe.target.options import TARGET_SECTION, TargetOptions
 
@@ -49,8 +49,6 @@ if TYPE_CHECKING:  # annotations only: reading a config does not import torch
 MONITOR_PACKAGES = {"tensorboard": "tensorboard", "csv_monitor": None, "wandb": "wandb", "comet": "comet_ml"}
 MONITOR_INSTALL = {"tensorboard": "pip install -e '.[monitor]' (or pip install tensorboard)",
                    "wandb": "pip install wandb", "comet": "pip install 'comet_ml>=3.41.0'"}
-ARGMAX_LOGITS_BYTES = 128 * 1024 ** 2
-"""The default budget of one argmax chunk's [chunk, V] target logits (``MemoryOptions.argmax_positions``)."""
 
 
 def read_ds_config(path: Path) -> tuple[dict, dict]:
@@ -73,87 +71,6 @@ def read_ds_config(path: Path) -> tuple[dict, dict]:
     if not isinstance(section, dict):
         raise ConfigError(f"{path}: '{PARALLEL_SECTION}' must be an object like {{\"tp_size\": 2, \"cp_size\": 1}}")
     return cfg, section
-
-
-@dataclass(frozen=True)
-class MemoryOptions:
-    """Our ``"memory"`` section of the DeepSpeed JSON (removed before DeepSpeed sees the config).
-
-    ``loss_chunk_size``: positions per chunk of the soft cross-entropy (None: whole sequence at once); one chunk's
-    [chunk, Vd] logits are alive at a time and are recomputed in backward. ``checkpoint_ttt_steps``: recompute each
-    TTT step's draft layer in backward (activation checkpointing). ``attention_tile_size``: positions per query/key
-    tile of the causal block attention (``kernels.tiled_attention``; under CP, tiles within each zigzag chunk of the
-    ring); score memory is O(H·tile²) and nothing of size S² is kept for backward. Absent: 1024;
-    null: no tiling: on one cp rank the dense block (O(H·S²) scores kept for backward; short sequences only), under
-    CP one tile per zigzag chunk of the ring. ``mlp_tile_size``: positions per sequence tile of the draft's MLP
-    and the norm before it (``recipe.model.tiled_mlp``): each tile's [tile, I/tp] intermediates and fp32 norm copy
-    exist one tile at a time, in forward and again (recomputed) in backward; None (absent): the whole sequence at
-    once. ``argmax_chunk_size``: positions per lm_head matmul of the online target's argmax
-    (``recipe.target.head.lm_head_argmax``); None (absent): sized from the target's vocabulary and dtype, the most
-    positions whose [chunk, V] logits fit :data:`ARGMAX_LOGITS_BYTES` (:meth:`argmax_positions`).
-    ``sparse_anchors``: compute each TTT step only at the anchors some step's loss reads (``recipe.model.sparse_anchors``;
-    step 0's keys/values still at every position): the same numbers as false (the dense path) up to float rounding,
-    and work proportional to the supervised positions. ``"auto"`` (absent): per micro-batch and rank, sparse where
-    step 0's needed anchors are under 85 % of the positions (chat turns, long documents with short answers), dense
-    on fully supervised batches, where the compacted copies would raise the peak (``sparse_pays``); true/false
-    force one path. ``teacher_logits_once``: true (absent): the target head's logits over the draft vocabulary are
-    computed once per micro-batch for every label row and kept until the backward ([B, U, Vd] in the head's dtype,
-    U ~ S/cp + K rows: 1.95 GiB for an 8B target's Vd = 32000 in bf16 at 32k, 7.8 GiB at 128k on one rank); with
-    ``loss_chunk_size`` they are built that many rows at a time and every chunk of every TTT step reads its rows
-    there, forward and backward recompute, so the chunked loss recomputes only the draft's lm_head. false: the
-    chunked loss computes each chunk's teacher rows in every step and again in the backward (2·K head matmuls per
-    row, nothing of size [B, U, Vd] kept), the unchunked path each step's ([B, S, Vd] once per step).
-    Which kernel computes the causal block is not a memory trade-off: it is the ``kernels`` section
-    (:class:`KernelOptions`). DeepSpeed's own ``activation_checkpointing`` section configures
-    ``deepspeed.checkpointing`` only, which this recipe does not use, so it is not read.
-    """
-
-    loss_chunk_size: int | None = None
-    checkpoint_ttt_steps: bool = False
-    attention_tile_size: int | None = 1024
-    mlp_tile_size: int | None = None
-    argmax_chunk_size: int | None = None
-    sparse_anchors: bool | str = "auto"
-    teacher_logits_once: bool = True
-
-    def argmax_positions(self, vocab_size: int, dtype: torch.dtype) -> int:
-        """Positions per argmax matmul for a target of ``vocab_size`` logits of ``dtype``: ``argmax_chunk_size`` if
-        set, else ``max(1, ARGMAX_LOGITS_BYTES // (vocab_size · itemsize))`` (e.g. 682 for SmolLM2's 49152 fp32
-        logits, 523 for a 128256-token vocabulary in bf16)."""
-        if self.argmax_chunk_size is not None:
-            return self.argmax_chunk_size
-        return max(1, ARGMAX_LOGITS_BYTES // (vocab_size * dtype.itemsize))
-
-    @classmethod
-    def pop_from(cls, cfg: dict, path: Path | str) -> "MemoryOptions":
-        """Remove and parse the ``memory`` section of ``cfg``; ConfigError names the file and field."""
-        section = cfg.pop(MEMORY_SECTION, None)
-        section = {} if section is None else section
-        if not isinstance(section, dict):
-            raise ConfigError(f"{path}: '{MEMORY_SECTION}' must be an object like "
-                              '{"loss_chunk_size": 4096, "checkpoint_ttt_steps": true, "attention_tile_size": 1024}')
-        known = ("loss_chunk_size", "checkpoint_ttt_steps", "attention_tile_size", "mlp_tile_size",
-                 "argmax_chunk_size", "sparse_anchors", "teacher_logits_once")
-        unknown = sorted(k for k in set(section) - set(known) if not k.startswith("_"))
-        if unknown:
-            hint = did_you_mean(unknown[0], known)
-            raise ConfigError(f"{path}: unknown key(s) {unknown} in '{MEMORY_SECTION}'"
-                              f"{'; did you mean ' + hint + '?' if hint else ''}; known keys: {list(known)}")
-        sizes = {}
-        for key in ("loss_chunk_size", "attention_tile_size", "mlp_tile_size", "argmax_chunk_size"):
-            value = section.get(key, getattr(cls, key))
-            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value <= 0):
-                raise ConfigError(f"{path}: '{MEMORY_SECTION}.{key}' must be a positive integer or null, got {value!r}")
-            sizes[key] = value
-        flags = {}
-        for key in ("checkpoint_ttt_steps", "sparse_anchors", "teacher_logits_once"):
-            flags[key] = section.get(key, getattr(cls, key))
-            if key == "sparse_anchors" and flags[key] == "auto":
-                continue
-            if not isinstance(flags[key], bool):
-                also = ' or "auto"' if key == "sparse_anchors" else ""
-                raise ConfigError(f"{path}: '{MEMORY_SECTION}.{key}' must be true or false{also}, got {flags[key]!r}")
-        return cls(**flags, **sizes)
 
 
 @dataclass(frozen=True)
@@ -301,7 +218,9 @@ class RunConfig:
         path: the JSON file (error messages name it).
         dims: the parallel layout (``parallelism`` section and the ``--tp-size``/``--cp-size`` overrides).
         plan: samples per optimizer step and how they are read (:func:`resolve_batch`).
-        memory: the ``memory`` section (:class:`MemoryOptions`).
+        memory: the ``memory`` section (``recipe.config_memory.MemoryOptions``); after :meth:`with_memory`, its
+            "auto" values resolved for the run (``MemoryOptions.resolve``).
+        memory_report: how they were resolved (``recipe.config_memory.MemoryReport``; None before).
         kernels: the ``kernels`` section (:class:`KernelOptions`); after :meth:`for_device`, a kernel name for
             the device instead of "auto".
         bf16: ``bf16.enabled`` of the JSON; the draft's inputs are then bfloat16 (:attr:`dtype`).
@@ -323,6 +242,7 @@ class RunConfig:
     monitor: dict = field(default_factory=dict)
     target: TargetOptions = field(default_factory=TargetOptions)
     kernels: KernelOptions = field(default_factory=KernelOptions)
+    memory_report: MemoryReport | None = None
 
     @property
     def dtype(self):
@@ -356,6 +276,11 @@ class RunConfig:
                                       compile_small_ops=compile_on(self.kernels.compile_small_ops, device))
         return dataclasses.replace(self, kernels=kernels)
 
+    def with_memory(self, memory: MemoryOptions, report: MemoryReport) -> "RunConfig":
+        """A copy with the resolved ``memory`` section and its report (``MemoryOptions.resolve``). Raises ValueError
+        when ``memory`` still holds "auto"."""
+        return dataclasses.replace(self, memory=memory.check_resolved(), memory_report=report)
+
     def deepspeed_config(self) -> dict:
         """The dict for ``deepspeed.initialize(config=...)``. Raises ValueError before :meth:`with_total_steps`
         (the scheduler's ``"auto"`` values would reach DeepSpeed unresolved)."""
@@ -365,10 +290,13 @@ class RunConfig:
 
     def record(self) -> dict:
         """The resolved settings as JSON-able values (the ``run_config.json`` keys ``deepspeed``, ``parallelism``,
-        ``batch``, ``memory``, ``kernels``, ``dtype``, ``total_steps``, ``monitor``, ``target``)."""
+        ``batch``, ``memory``, ``memory_auto`` (the report of its resolution, once resolved), ``kernels``,
+        ``dtype``, ``total_steps``, ``monitor``, ``target``)."""
         d = self.dims
+        report = None if self.memory_report is None else self.memory_report.record()
         return {"deepspeed": self.deepspeed, "parallelism": {"tp": d.tp, "cp": d.cp, "dp": d.dp},
                 "batch": dataclasses.asdict(self.plan), "memory": dataclasses.asdict(self.memory),
+                "memory_auto": report,
                 "kernels": dataclasses.asdict(self.kernels),
                 "dtype": "bfloat16" if self.bf16 else "float32", "total_steps": self.total_steps,
                 "monitor": self.monitor, "target": self.target.record()}

@@ -18,7 +18,8 @@ Stages (e2e at world size 1; DeepSpeed picks NCCL on CUDA, gloo on the CPU):
 1. ``target``: a SmolLM2-135M-Instruct-shaped target (its config and tokenizer, carried) with **seeded random
    weights** in bf16: the point is the code path, not τ.
 2. ``online``: ``python run.py --data ...`` (the target runs every step), ZeRO-3 bf16 (``ds_configs/zero3_bf16.json``,
-   every memory switch but the MLP tiles on, attention ``auto`` = flex on CUDA), 5 optimizer steps, export.
+   its memory switches "auto": chosen at start for the GPU's free memory; attention ``auto`` = flex on CUDA), 5
+   optimizer steps, export.
 3. ``check_export``: ``python -m recipe.export --check`` of the export. When ``online`` left none (timed out, failed),
    a random-weight draft of the same geometry is exported first (``"export_source"`` says which), so the export
    check and the eval still run.

@@ -63,14 +63,22 @@ def row_length(row: Row, smoke: bool, longest: int | None) -> int | None:
     return longest if row.length == "longest" else int(row.length)
 
 
+ROW_MEMORY = {"loss_chunk_size": 4096, "checkpoint_ttt_steps": True, "attention_tile_size": 1024,
+              "teacher_logits_once": True, "mlp_tile_size": None}
+"""The memory switches every row runs with, written out (the shipped bf16 configs say "auto", which a run resolves
+for its free memory): the rows compare the allocator with the planner for these fixed switches."""
+
+
 def row_ds_config(row: Row, smoke: bool) -> dict:
-    """The row's DeepSpeed JSON: ``ds_configs/<base>`` at global batch 1 (micro 1, no accumulation), with
-    ``memory.mlp_tile_size`` when the row tiles the MLP. The planner plans from this same dict (``--plan-rows``)."""
+    """The row's DeepSpeed JSON: ``ds_configs/<base>`` at global batch 1 (micro 1, no accumulation), its memory
+    section :data:`ROW_MEMORY` with ``memory.mlp_tile_size`` when the row tiles the MLP. The planner plans from this
+    same dict (``--plan-rows``)."""
     cfg = json.loads((ROOT / "ds_configs" / row.base).read_text())
     cfg.pop("_comment", None)
     cfg.update(train_batch_size=1, train_micro_batch_size_per_gpu=1)
+    cfg["memory"] = dict(ROW_MEMORY)
     if row.mlp_tile:
-        cfg.setdefault("memory", {})["mlp_tile_size"] = SMOKE_MLP_TILE if smoke else row.mlp_tile
+        cfg["memory"]["mlp_tile_size"] = SMOKE_MLP_TILE if smoke else row.mlp_tile
     return cfg
 
 

@@ -17,11 +17,15 @@ from helpers.ranks import run_ranks
 from helpers.training import ROOT, run_training
 from helpers.tolerance import within
 
+from recipe.config_memory import PLANNED
+
 STEPS = 6
 
 
 def test_long_run_configs_have_the_memory_switches():
-    """Every shipped config a long run would use (bf16, or tp/cp > 1) sets all three memory switches."""
+    """Every shipped config a long run would use (bf16, or tp/cp > 1) sets the memory switches: the bf16 ones "auto"
+    (chosen at start for the longest sample and the device, recipe.config_memory), the fp32 tp/cp ones the chunked
+    loss, step checkpointing and attention tiles."""
     long_run = []
     for path in sorted((ROOT / "ds_configs").glob("*.json")):
         cfg = json.loads(path.read_text())
@@ -29,6 +33,9 @@ def test_long_run_configs_have_the_memory_switches():
         if (cfg.get("bf16") or {}).get("enabled") or parallel.get("tp_size", 1) > 1 or parallel.get("cp_size", 1) > 1:
             long_run.append(path.name)
             memory = cfg.get("memory") or {}
+            if (cfg.get("bf16") or {}).get("enabled"):
+                assert all(memory.get(key) == "auto" for key in PLANNED), path
+                continue
             assert isinstance(memory.get("loss_chunk_size"), int) and memory["loss_chunk_size"] > 0, path
             assert memory.get("checkpoint_ttt_steps") is True, path
             assert isinstance(memory.get("attention_tile_size"), int) and memory["attention_tile_size"] > 0, path

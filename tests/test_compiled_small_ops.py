@@ -12,7 +12,8 @@ from torch._dynamo.utils import counters
 from transformers.activations import ACT2FN
 
 from kernels.tracing import tracing
-from recipe.config import KernelOptions, MemoryOptions
+from recipe.config import KernelOptions
+from recipe.config_memory import MemoryOptions
 from recipe.config_keys import ConfigError
 from recipe.model.small_ops import (EAGER_SMALL_OPS, SmallOps, SmallOpsCompileError, compile_small_ops,
                                     install_small_ops, process_small_ops)

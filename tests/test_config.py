@@ -3,8 +3,8 @@ unknown keys refused with the nearest valid name. The shipped ds_configs/*.json:
 import pytest
 from helpers.training import write_ds_config
 
-from recipe.config import (BatchPlan, KernelOptions, MemoryOptions, load_run_config, resolve_batch,
-                           resolve_scheduler)
+from recipe.config import BatchPlan, KernelOptions, load_run_config, resolve_batch, resolve_scheduler
+from recipe.config_memory import MemoryOptions
 from recipe.config_keys import ConfigError, deepspeed_top_level_keys
 from recipe.parallel.dims import ParallelDims
 
@@ -19,8 +19,13 @@ def test_memory_section_parsed_and_removed():
     assert dense.attention_tile_size is None
     assert MemoryOptions.pop_from({"memory": {"attention_tile_size": 256}}, "x.json").attention_tile_size == 256
     assert MemoryOptions.pop_from({}, "x.json").sparse_anchors == "auto"  # sparse where it pays
-    for mode in (True, False, "auto"):
+    for mode in (True, False, "auto", "auto:cpu", "auto:h200"):
         assert MemoryOptions.pop_from({"memory": {"sparse_anchors": mode}}, "x.json").sparse_anchors == mode
+    every = {k: "auto" for k in ("loss_chunk_size", "checkpoint_ttt_steps", "attention_tile_size", "mlp_tile_size",
+                                 "teacher_logits_once")}
+    auto = MemoryOptions.pop_from({"memory": every}, "x.json")
+    assert auto == MemoryOptions(**every) and not auto.resolved
+    assert set(auto.auto_switches) == set(every)
 
 
 def test_kernels_section_parsed_and_removed():
@@ -45,13 +50,17 @@ def test_kernels_section_errors_name_file_and_field(section, message):
 
 @pytest.mark.parametrize("section, message", [
     ({"loss_chunk": 4}, "unknown key(s) ['loss_chunk']"),
-    ({"loss_chunk_size": 0}, "memory.loss_chunk_size' must be a positive integer"),
-    ({"loss_chunk_size": True}, "memory.loss_chunk_size' must be a positive integer"),
-    ({"checkpoint_ttt_steps": "yes"}, "memory.checkpoint_ttt_steps' must be true or false"),
-    ({"sparse_anchors": "on"}, "memory.sparse_anchors' must be true or false or \"auto\", got 'on'"),
-    ({"sparse_anchors": 1}, "memory.sparse_anchors' must be true or false or \"auto\", got 1"),
-    ({"attention_tile_size": 0}, "memory.attention_tile_size' must be a positive integer or null"),
-    ({"attention_tile_size": 1.5}, "memory.attention_tile_size' must be a positive integer or null"),
+    ({"loss_chunk_size": 0}, "memory.loss_chunk_size' must be a positive integer, null or \"auto\", got 0"),
+    ({"loss_chunk_size": True}, "memory.loss_chunk_size' must be a positive integer, null or \"auto\""),
+    ({"argmax_chunk_size": "auto"}, "memory.argmax_chunk_size' must be a positive integer or null, got 'auto'"),
+    ({"checkpoint_ttt_steps": "yes"}, "memory.checkpoint_ttt_steps' must be true, false or \"auto\", got 'yes'"),
+    ({"teacher_logits_once": 1}, "memory.teacher_logits_once' must be true, false or \"auto\", got 1"),
+    ({"sparse_anchors": "on"}, "memory.sparse_anchors' must be one of false, true, \"auto\", \"auto:cpu\", "
+                               "\"auto:h200\", got 'on'"),
+    ({"sparse_anchors": 1}, "memory.sparse_anchors' must be one of false, true, \"auto\""),
+    ({"sparse_anchors": "auto:tpu"}, "memory.sparse_anchors' must be one of false, true, \"auto\""),
+    ({"attention_tile_size": 0}, "memory.attention_tile_size' must be a positive integer, null or \"auto\""),
+    ({"attention_tile_size": 1.5}, "memory.attention_tile_size' must be a positive integer, null or \"auto\""),
     ({"attention_backend": "flash"}, "unknown key(s) ['attention_backend'] in 'memory'"),
     ([1], "'memory' must be an object"),
     (0, "'memory' must be an object"),

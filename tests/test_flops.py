@@ -139,7 +139,8 @@ L = 20  # two rows of 20 real tokens: no padding, a multiple of 2·cp·tp
 
 
 def _layout_counts(rank, world_size, layout):
-    from recipe.config import KernelOptions, MemoryOptions
+    from recipe.config import KernelOptions
+    from recipe.config_memory import MemoryOptions
     from recipe.parallel.dims import ParallelDims
     from recipe.parallel.parallelize import parallelize
     from recipe.parallel.cp_shard import shard_ttt_batch

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from recipe.config import MemoryOptions
+from recipe.config_memory import MemoryOptions
 from recipe.train.oom import out_of_memory_message
 
 

@@ -19,7 +19,8 @@ from helpers.parity import assert_parity, run_layout
 from helpers.ranks import run_ranks
 from helpers.tolerance import FP32_AFTER_ADAM, FP32_CURVE, FP32_REORDERED, max_rel, within
 
-from recipe.config import KernelOptions, MemoryOptions
+from recipe.config import KernelOptions
+from recipe.config_memory import MemoryOptions
 from recipe.model.sparse_anchors import AUTO_SPARSE_SHARE, anchor_sets, needed_share, needed_steps, sparse_pays
 from recipe.model.ttt import TTTBatch, TTTModel
 from recipe.parallel.parallelize import parallelize

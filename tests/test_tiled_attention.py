@@ -131,7 +131,8 @@ def test_ttt_draft_with_tiled_attention_matches_dense(K, memory_switches):
 
 def test_parallelize_installs_the_configured_attention_or_refuses():
     from kernels.sdpa_attention import sdpa_available
-    from recipe.config import KernelOptions, MemoryOptions
+    from recipe.config import KernelOptions
+    from recipe.config_memory import MemoryOptions
     from recipe.parallel.parallelize import parallelize
 
     tiled = KernelOptions(attention="tiled")

@@ -16,7 +16,8 @@ from helpers.tolerance import FP32_AFTER_ADAM, FP32_REORDERED, max_rel, within
 from helpers.ranks import run_ranks
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from recipe.config import KernelOptions, MemoryOptions
+from recipe.config import KernelOptions
+from recipe.config_memory import MemoryOptions
 from recipe.model.tiled_mlp import MLPTiling, tiled_norm_mlp
 from recipe.model.ttt import TTTModel
 from recipe.parallel.parallelize import parallelize

@@ -15,7 +15,8 @@ from helpers.cases import assert_rel_close, assert_same_run, build_case, run_mod
 from helpers.ranks import run_ranks
 from helpers.tolerance import FP32_CURVE, FP32_REORDERED, max_rel, within
 
-from recipe.config import KernelOptions, MemoryOptions
+from recipe.config import KernelOptions
+from recipe.config_memory import MemoryOptions
 from recipe.model.call_extent import CallExtent
 from recipe.model.ttt import TTTModel
 from recipe.parallel.cp_shard import shard_ttt_batch

@@ -31,7 +31,7 @@ from rich.table import Table
 from recipe.bench.common import MIB, add_draft_shape_arguments, tensor_bytes, write_json
 from recipe.bench.ranks import spawn_gloo_ranks
 from recipe.cli import positive_int_list
-from recipe.config import MemoryOptions
+from recipe.config_memory import MemoryOptions
 from recipe.parallel.dims import ParallelDims
 
 SMOLLM2_SHAPE = dict(hidden_size=576, intermediate_size=1536, num_attention_heads=9, num_key_value_heads=3,

@@ -16,17 +16,24 @@ position 0 when the row has none): padded rows have ``valid`` False, so they add
 gradient, and ``N_k ≥ 1`` keeps every module called (ZeRO-3's hooks fire for every parameter on every rank even when a
 rank has no needed anchor). Positions stay non-decreasing along each row.
 
-``"auto"`` (the switch's default) takes the sparse path for a micro-batch only when it pays: :func:`sparse_pays`, step
-0's compacted rows (B·N_0, N_0 = the longest row's needed count) under :data:`AUTO_SPARSE_SHARE` of the dense rows
-(B·S). Measured (docs/benchmarks.md, tiled kernel, fp32, K = 7): at 8k positions on an H200 the sparse step's peak is
-1.07× dense fully supervised, 0.77× at ShareGPT's 69 % and 0.17× at 10 %; the time 0.99×, 0.72× and 0.36×. A line
-through the memory points crosses 1.0 near a share of 0.9, so below 0.85 sparse wins memory and time with a margin,
-and a fully supervised batch (packed pretraining-style text) keeps the dense path's smaller peak. Each rank decides
-on its own rows: the two paths call every module equally often (ZeRO-3 gathers per call) and exchange the same K/V
-blocks in the ring, so ranks of one step may differ (tests/test_sparse_anchors.py runs such mixes).
+``"auto"`` takes the sparse path for a micro-batch only where it pays in memory and in time (:func:`sparse_pays`):
+step 0's compacted rows (B·N_0, N_0 = the longest row's needed count) under :data:`AUTO_SPARSE_SHARE` of the dense
+rows (B·S), and the sparse/dense step time measured on this kind of device at this length, interpolated at this
+share (:func:`sparse_time_ratio`, the table :data:`SPARSE_TIME_RATIOS`), under 1. Memory (docs/benchmarks.md, tiled
+kernel, fp32, K = 7): at 8k positions on an H200 the sparse step's peak is 1.07× dense fully supervised, 0.77× at
+ShareGPT's 69 % and 0.17× at 10 %; a line through those points crosses 1.0 near a share of 0.9, so below 0.85 the
+sparse path never raises the peak, and a fully supervised batch keeps the dense path's smaller one (the planner
+plans that dense step for "auto"). Time: the CPU's sparse step is faster at every measured share (0.86× even fully
+supervised), but a 2k step on an H200 is launch-bound (0.1 s) and the compaction's extra kernels cost more than the
+rows they save (1.12× at ShareGPT's share, 0.98× at 10 %); from 8k the GPU's time follows the share (0.72× at 69 %).
+The device kind is fixed once at start (``recipe.config_memory.MemoryOptions.resolve``: ``"auto"`` becomes
+``"auto:cpu"`` or ``"auto:h200"``, :func:`sparse_timing_kind`); the length and share are the micro-batch's. Each
+rank decides on its own rows: the two paths call every module equally often (ZeRO-3 gathers per call) and exchange
+the same K/V blocks in the ring, so ranks of one step may differ (tests/test_sparse_anchors.py runs such mixes).
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -36,7 +43,53 @@ from kernels.host_positions import attach_host_copies, host_copy
 
 
 AUTO_SPARSE_SHARE = 0.85
-SPARSE_ANCHORS_MODES = (False, True, "auto")
+"""The needed share (:func:`needed_share`) at and above which "auto" keeps the dense path (its smaller peak)."""
+
+SPARSE_TIME_RATIOS = {
+    "cpu": {2048: ((0.103, 0.13), (0.71, 0.56), (0.999, 0.86)), 8192: ((0.101, 0.15),)},
+    "h200": {2048: ((0.103, 0.98), (0.71, 1.12), (0.999, 1.36)), 8192: ((0.101, 0.36), (0.723, 0.72), (1.0, 0.99))},
+}
+"""Measured sparse / dense step time by device kind and sequence length: ``{kind: {S: ((needed share, ratio),
+...)}}``, the shares those of the ``long10``, ``sharegpt`` and ``full`` masks (``recipe.plan.spec.MASKS``; K = 7),
+the ratios the ``sparse_vs_dense`` of ``python -m recipe.bench step --masks full,sharegpt,long10 --sparse both``
+(the issue-38 geometry, fp32, tiled kernel): ``cpu`` from docs/results/step_sparse_cpu_2k.json and
+step_sparse_cpu_8k.json (2 cores), ``h200`` from docs/results/gpu/step_sparse_gpu_2026-12-04.json (one H200).
+tests/test_memory_auto.py checks the table against those files."""
+
+SPARSE_ANCHORS_MODES = (False, True, "auto", *(f"auto:{kind}" for kind in SPARSE_TIME_RATIOS))
+
+
+def check_sparse_mode(mode) -> bool | str:
+    """``mode`` if it is a ``memory.sparse_anchors`` value (:data:`SPARSE_ANCHORS_MODES`: true, false, ``"auto"`` or
+    ``"auto:KIND"`` of a measured device kind); ValueError naming it and the choices otherwise."""
+    if mode is True or mode is False or (isinstance(mode, str) and mode in SPARSE_ANCHORS_MODES):
+        return mode
+    raise ValueError(f"sparse_anchors={mode!r}: choose from {list(SPARSE_ANCHORS_MODES)}")
+
+
+def sparse_timing_kind(device_name: str | None) -> str:
+    """The :data:`SPARSE_TIME_RATIOS` row set that decides ``"auto"`` on a device: ``"cpu"`` for None or a name
+    starting with "cpu"; every CUDA device uses the H200's rows (``"h200"``, the one GPU measured so far)."""
+    return "cpu" if device_name is None or str(device_name).lower().startswith("cpu") else "h200"
+
+
+def _interpolate(points, x: float) -> float:
+    """Piecewise-linear through ``points`` ((x, y), ... sorted by x), constant beyond the first and last."""
+    if x <= points[0][0]:
+        return points[0][1]
+    for (x0, y0), (x1, y1) in zip(points, points[1:]):
+        if x <= x1:
+            return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+    return points[-1][1]
+
+
+def sparse_time_ratio(kind: str, seq_len: int, share: float) -> float:
+    """The sparse / dense step time :data:`SPARSE_TIME_RATIOS` predicts for device ``kind`` at ``seq_len`` positions
+    (a rank's S) and needed ``share``: linear in the share between the measured masks at each measured length, then
+    linear in log2(S) between measured lengths (constant outside both ranges). KeyError for an unknown kind."""
+    rows = sorted(SPARSE_TIME_RATIOS[kind].items())
+    at = [(math.log2(length), _interpolate(points, share)) for length, points in rows]
+    return _interpolate(at, math.log2(max(seq_len, 1)))
 
 
 def needed_share(valid_KBS: torch.Tensor) -> float:
@@ -50,14 +103,16 @@ def needed_share(valid_KBS: torch.Tensor) -> float:
 
 
 def sparse_pays(mode, valid_KBS: torch.Tensor) -> bool:
-    """Whether ``memory.sparse_anchors`` = ``mode`` (False, True or "auto") runs this micro-batch on the needed
-    anchors: ``mode`` itself when a bool; for "auto", :func:`needed_share` below :data:`AUTO_SPARSE_SHARE`.
-    Raises ValueError for another mode."""
-    if mode is True or mode is False:
+    """Whether ``memory.sparse_anchors`` = ``mode`` runs this micro-batch on the needed anchors: ``mode`` itself when
+    a bool; for ``"auto:KIND"`` (``"auto"``: the kind of ``valid_KBS``'s device, :func:`sparse_timing_kind`), the
+    :func:`needed_share` under :data:`AUTO_SPARSE_SHARE` and :func:`sparse_time_ratio` at this S (``valid_KBS``'s
+    last dim) and share under 1 (module docstring). Raises ValueError for another mode."""
+    mode = check_sparse_mode(mode)
+    if isinstance(mode, bool):
         return mode
-    if mode != "auto":
-        raise ValueError(f"sparse_anchors={mode!r}: choose from {list(SPARSE_ANCHORS_MODES)}")
-    return needed_share(valid_KBS) < AUTO_SPARSE_SHARE
+    kind = mode.partition(":")[2] or sparse_timing_kind(valid_KBS.device.type)
+    share = needed_share(valid_KBS)
+    return share < AUTO_SPARSE_SHARE and sparse_time_ratio(kind, valid_KBS.shape[2], share) < 1.0
 
 
 class QueryRows(NamedTuple):

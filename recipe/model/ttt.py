@@ -21,7 +21,7 @@ from recipe.model.call_extent import CallExtent, piece_count
 from recipe.model.chunked_loss import chunked_soft_ce, teacher_table
 from recipe.model.draft import Eagle3Draft
 from recipe.model.loss import soft_ce, target_logits
-from recipe.model.sparse_anchors import QueryRows, sparse_pays
+from recipe.model.sparse_anchors import QueryRows, check_sparse_mode, sparse_pays
 from recipe.model.ttt_sparse import sparse_steps
 
 
@@ -213,11 +213,11 @@ class TTTModel(nn.Module):
             docs/algorithm.md, "Sparse anchors"): step 0's keys/values at every position, everything else (queries,
             attention output, o_proj, MLP, norms, lm_head, teacher logits) only where some step's loss reads it.
             Same loss sums, counts and gradients as False (the dense path, the reference) up to float rounding.
-            "auto": per micro-batch, the sparse path where it pays (``recipe.model.sparse_anchors.sparse_pays``:
-            step 0's needed rows under 85 % of the positions), else the dense one.
+            "auto" / "auto:KIND": per micro-batch, the sparse path where it pays in memory and in the time measured
+            on that kind of device at that length (``recipe.model.sparse_anchors.sparse_pays``), else the dense one.
     ``trace_hints``: the tracing hook, a ``recipe.model.trace_hints.TraceHints`` in the planner's trace, else None.
-    Raises ValueError on a loss_chunk_size that is not None or a positive integer, or a sparse_anchors other than
-    True, False or "auto".
+    Raises ValueError on a loss_chunk_size that is not None or a positive integer, or a sparse_anchors that is not
+    one of ``recipe.model.sparse_anchors.SPARSE_ANCHORS_MODES``.
     """
 
     def __init__(self, draft: Eagle3Draft, target_lm_head_weight: torch.Tensor, loss_fn: Callable = soft_ce,
@@ -234,9 +234,7 @@ class TTTModel(nn.Module):
         self.loss_chunk_size = loss_chunk_size
         self.checkpoint_steps = bool(checkpoint_steps)
         self.teacher_logits_once = bool(teacher_logits_once)
-        if not (isinstance(sparse_anchors, bool) or sparse_anchors == "auto"):
-            raise ValueError(f"sparse_anchors={sparse_anchors!r} must be true, false or \"auto\"")
-        self.sparse_anchors = sparse_anchors
+        self.sparse_anchors = check_sparse_mode(sparse_anchors)
         self.trace_hints = None  # recipe.model.trace_hints.TraceHints during a fake-tensor trace (recipe.plan.trace)
         self.register_buffer("target_head_d", torch.empty(0), persistent=False)
         self.set_target_head(target_lm_head_weight)
@@ -277,7 +275,7 @@ class TTTModel(nn.Module):
     def forward(self, batch: TTTBatch) -> TTTOutput:
         """Unroll the draft ``batch.num_steps`` times; sums per step (the loop normalises by global counts)."""
         self._match_head_dtype()
-        if self.sparse_anchors == "auto" and self.trace_hints is not None:  # the planner's trace: what it planned
+        if isinstance(self.sparse_anchors, str) and self.trace_hints is not None:  # the planner's trace: as planned
             sparse = self.trace_hints.anchor_sets is not None
         else:
             sparse = sparse_pays(self.sparse_anchors, batch.valid_KBS)

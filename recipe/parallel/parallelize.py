@@ -44,7 +44,7 @@ def parallelize(model: nn.Module, pstate, memory, device=None, kernel_options=No
     Small ops: with ``kernel_options.compile_small_ops`` on for ``device`` (``kernels.compile_policy.compile_on``:
     "auto" is on for CUDA) the draft's norms, RoPE, SwiGLU, TTT merge and (tp = 1) soft CE are the process's
     compiled ones (``recipe.model.small_ops.process_small_ops``), else the eager ones (``install_small_ops``).
-    ``memory``: the run's ``recipe.config.MemoryOptions`` (read: ``attention_tile_size`` and
+    ``memory``: the run's ``recipe.config_memory.MemoryOptions`` (read: ``attention_tile_size`` and
     ``mlp_tile_size``, None when the object lacks it); ``kernel_options``: its
     ``recipe.config.KernelOptions`` (read: ``attention``, ``sequence_parallel``, ``compile_small_ops``; None:
     "auto", resolved for ``device``, and "ring"); ``device`` (where
@@ -78,15 +78,20 @@ def build_training_model(draft: Eagle3Draft, target_head: torch.Tensor, memory, 
     Args:
         draft: the single-device ``Eagle3Draft`` with its full weights (seeded, embeddings and vocabulary map set).
         target_head: the target lm_head [V, H_t] or its draft rows [Vd, H_t] (``TTTModel.set_target_head``).
-        memory: ``recipe.config.MemoryOptions`` (read: ``loss_chunk_size``, ``checkpoint_ttt_steps``,
+        memory: ``recipe.config_memory.MemoryOptions`` (read: ``loss_chunk_size``, ``checkpoint_ttt_steps``,
             ``sparse_anchors``, ``teacher_logits_once``, and what ``parallelize`` reads); kernel_options:
             ``recipe.config.KernelOptions`` (None: "auto" and the ring).
         pstate, device: as :func:`parallelize`.
         target_softcap: the target's final logit soft-cap (``recipe.target.registry.final_logit_softcap``).
         before_split: called with the single-device model before the layout is applied (weights loaded into it
             are cut by TP and ZeRO as a fresh run's initial weights are: ``--init-draft``, a resharded resume).
-    Raises ValueError as ``TTTModel`` (a bad loss chunk) and :func:`parallelize` do.
+    Raises ValueError as ``TTTModel`` (a bad loss chunk) and :func:`parallelize` do, and for a switch still
+    ``"auto"`` (``recipe.config_memory.MemoryOptions.resolve`` decides them first; ``sparse_anchors`` "auto" is
+    decided per micro-batch by the model).
     """
+    auto = getattr(memory, "auto_switches", ())
+    if auto:
+        raise ValueError(f"memory switches {list(auto)} are still \"auto\": resolve them first (MemoryOptions.resolve)")
     model = TTTModel(draft, target_head, loss_chunk_size=memory.loss_chunk_size,
                      checkpoint_steps=memory.checkpoint_ttt_steps, target_softcap=target_softcap,
                      sparse_anchors=memory.sparse_anchors, teacher_logits_once=memory.teacher_logits_once)

@@ -26,17 +26,20 @@ from pathlib import Path
 
 import torch
 
-from recipe.config import load_run_config, read_ds_config
+from recipe.config import RunConfig, load_run_config, read_ds_config
 from recipe.config_keys import ConfigError
+from recipe.config_memory import CPU_AUTO, MemoryOptions, MemoryReport
+from recipe.model.flops import DraftShape, Recompute, step_flops
 from recipe.parallel.dims import seq_divisor
 from recipe.plan import states
-from recipe.plan.spec import DTYPES, BenchSpec
+from recipe.plan.spec import DTYPES, BenchSpec, spec_for_memory
 from recipe.plan.states import gpu_bytes
 from recipe.plan.trace import ActivationFit, fit_activation, is_dense, trace_lengths, trace_step, uses_tiles
 from recipe.target.named import resolve_config
 
 __all__ = [
     "PlanError",
+    "PlanFacts",
     "PlanInputs",
     "layout_fit",
     "load_inputs",
@@ -44,6 +47,8 @@ __all__ = [
     "plan_length",
     "plan_rows",
     "predict_step",
+    "resolve_inputs",
+    "run_inputs",
     "trace_limit",
 ]
 
@@ -121,7 +126,10 @@ class PlanInputs:
     ``target`` (``states.TargetShape``), ``offline``, ``partitioned_target``, ``gpu`` (name), ``gpu_bytes``,
     whether the bf16 run accumulates gradients (``fp32_grad_accum``) and reduces them (``fp32_comm``) in fp32,
     whether the online target's attention can be routed (``routable_attention``: its forward is then split over
-    the cp·tp ranks, ``recipe.target.split``) and the argmax chunk (``argmax_chunk``, positions)."""
+    the cp·tp ranks, ``recipe.target.split``), the argmax chunk (``argmax_chunk``, positions), the ``memory``
+    section as configured (``"auto"`` values until :func:`resolve_inputs`: ``spec`` then holds the CPU's values,
+    ``recipe.config_memory.CPU_AUTO``, and :func:`plan_length` refuses to plan; ``sparse_anchors`` "auto" is planned
+    dense, the larger peak of a fully supervised batch) and the ``memory_report`` of its resolution."""
 
     spec: BenchSpec
     dp: int
@@ -137,6 +145,8 @@ class PlanInputs:
     fp32_comm: bool = False
     routable_attention: bool = True
     argmax_chunk: int = 1024
+    memory: MemoryOptions = MemoryOptions()
+    memory_report: MemoryReport | None = None
 
     @property
     def world(self) -> int:
@@ -163,13 +173,15 @@ def _read_target_config(target: Path):
 
 def load_inputs(ds_config: Path, target: Path, gpu: str = "h200", world_size: int | None = None,
                 tp: int | None = None, cp: int | None = None, ttt_steps: int = 7, draft_vocab_size: int = 32000,
-                offline: bool = False, freeze_lm_head: bool = False) -> PlanInputs:
+                offline: bool = False, freeze_lm_head: bool = False, length: int | None = None) -> PlanInputs:
     """Resolve a ds_config (``recipe.config.load_run_config``: parallelism, memory, target sections, batch, bf16,
-    ZeRO stage) and a target config into :class:`PlanInputs`, the draft geometry derived as run.py derives it
-    (``recipe.target.registry.draft_config_for``, draft vocab capped at V). ``tp`` / ``cp`` override the JSON's
-    parallelism; ``world_size`` defaults to tp·cp (dp = 1). The attention backend is resolved for CUDA ("auto" →
-    flex). Raises PlanError naming the input for a missing/bad file, layout or GPU name."""
-    from recipe.target.registry import arch_facts, draft_config_for, splits_target  # import cost: pulls in transformers
+    ZeRO stage) and a target config into :class:`PlanInputs` (:func:`run_inputs`), the draft geometry derived as
+    run.py derives it (``recipe.target.registry.draft_config_for``, draft vocab capped at V). ``tp`` / ``cp``
+    override the JSON's parallelism; ``world_size`` defaults to tp·cp (dp = 1). The attention backend is resolved
+    for CUDA ("auto" → flex). ``length``: the memory section's "auto" values are resolved for ``gpu`` at this many
+    tokens (:func:`resolve_inputs`, as a run of that longest sample does); None leaves them to the caller. Raises
+    PlanError naming the input for a missing/bad file, layout or GPU name."""
+    from recipe.target.registry import draft_config_for, splits_target  # import cost: pulls in transformers
 
     try:
         size = gpu_bytes(gpu)
@@ -195,33 +207,82 @@ def load_inputs(ds_config: Path, target: Path, gpu: str = "h200", world_size: in
             splits_target(hf, config.dims.cp, config.dims.tp)
         except ValueError as exc:
             raise PlanError(f"--target {target} online at cp_size={config.dims.cp}: {exc}") from None
-    mem = config.memory
-    layout = {(False, False): "full", (True, False): "chunked", (False, True): "ckpt",
-              (True, True): "chunked+ckpt"}[(mem.loss_chunk_size is not None, mem.checkpoint_ttt_steps)]
-    dims = config.dims
     try:
-        spec = BenchSpec(seq_len=2 * dims.cp * dims.tp, layout=layout, hidden=draft.hidden_size,
-                         heads=draft.num_attention_heads, kv_heads=draft.num_key_value_heads, head_dim=draft.head_dim,
-                         intermediate=draft.intermediate_size, draft_vocab=draft.draft_vocab_size,
-                         vocab=draft.vocab_size, target_hidden=draft.target_hidden_size, ttt_steps=ttt_steps,
-                         batch=config.plan.micro_batch, tp=dims.tp, cp=dims.cp,
-                         dtype="bf16" if config.bf16 else "fp32", loss_chunk_size=mem.loss_chunk_size or 1024,
-                         attention_tile=mem.attention_tile_size, attention_backend=config.kernels.attention,
-                         mlp_tile=mem.mlp_tile_size,
-                         # "auto" is dense on the fully supervised batch planned here: the larger of the two
-                         sparse_anchors=mem.sparse_anchors is True, teacher_logits_once=mem.teacher_logits_once)
+        inputs = run_inputs(config, hf, draft, ttt_steps=ttt_steps, offline=offline, freeze_lm_head=freeze_lm_head,
+                            gpu=str(gpu), gpu_size=size)
     except ValueError as exc:
         raise PlanError(f"--ds_config {ds_config} with --target {target}: {exc}") from None
+    if length is not None:
+        _check_length(inputs, length)
+        inputs, _ = resolve_inputs(inputs, length, str(gpu), size)
+    return inputs
+
+
+def run_inputs(config: RunConfig, hf, draft, *, ttt_steps: int, offline: bool, freeze_lm_head: bool, gpu: str,
+               gpu_size: int) -> PlanInputs:
+    """The :class:`PlanInputs` of a run: its resolved ``RunConfig`` (layout, batch, dtype, ZeRO stage, the kernels
+    resolved for its device, its ``memory`` section, "auto" values included), the target's transformers config
+    ``hf``, the draft's ``Eagle3DraftConfig`` ``draft``, run.py's ``--ttt-steps``, offline or online,
+    ``--freeze-lm-head``, and the GPU planned for (``gpu`` name, ``gpu_size`` bytes). The one place a memory
+    section becomes the planned step (``recipe.plan.spec.spec_for_memory``). Raises ValueError for a geometry
+    BenchSpec rejects."""
+    from recipe.target.registry import arch_facts  # import cost: pulls in transformers
+
+    mem, dims = config.memory, config.dims
+    planned = dataclasses.replace(mem, sparse_anchors=mem.sparse_anchors is True,
+                                  **{k: CPU_AUTO[k] for k in mem.auto_switches})
+    spec = BenchSpec(seq_len=2 * dims.cp * dims.tp, hidden=draft.hidden_size, heads=draft.num_attention_heads,
+                     kv_heads=draft.num_key_value_heads, head_dim=draft.head_dim,
+                     intermediate=draft.intermediate_size, draft_vocab=draft.draft_vocab_size, vocab=draft.vocab_size,
+                     target_hidden=draft.target_hidden_size, ttt_steps=ttt_steps, batch=config.plan.micro_batch,
+                     tp=dims.tp, cp=dims.cp, dtype="bf16" if config.bf16 else "fp32", loss_chunk_size=1024,
+                     attention_backend=config.kernels.attention)
     zero = config.deepspeed.get("zero_optimization") or {}
-    return PlanInputs(spec=spec, dp=dims.dp, zero_stage=int(zero.get("stage", 0)),
+    return PlanInputs(spec=spec_for_memory(spec, planned), dp=dims.dp, zero_stage=int(zero.get("stage", 0)),
                       reduce_bucket=int(zero.get("reduce_bucket_size", states.DEFAULT_REDUCE_BUCKET)),
                       params=states.count_draft_params(draft, dims.tp, freeze_lm_head),
                       target=states.target_shape(hf), offline=offline,
-                      partitioned_target=config.target.partitioned, gpu=str(gpu), gpu_bytes=size,
+                      partitioned_target=config.target.partitioned, gpu=gpu, gpu_bytes=gpu_size,
                       fp32_grad_accum=(config.deepspeed.get("data_types") or {}).get("grad_accum_dtype") == "fp32",
                       fp32_comm=config.deepspeed.get("communication_data_type") == "fp32",
                       routable_attention=arch_facts(hf).routable_attention,
-                      argmax_chunk=mem.argmax_positions(int(hf.vocab_size), torch.bfloat16))
+                      argmax_chunk=mem.argmax_positions(int(hf.vocab_size), torch.bfloat16), memory=mem)
+
+
+@dataclass
+class PlanFacts:
+    """What ``recipe.config_memory.MemoryOptions.resolve`` asks of a run (its ``MemoryFacts``), answered by the
+    planner for ``inputs`` at ``length`` tokens a sample: ``rank_tokens`` (length / cp), ``hardware_flops(memory)``
+    (``recipe.model.flops.step_flops`` of the micro-batch with those switches and the planned attention backend)
+    and ``peak_bytes(memory)`` (:func:`plan_length`'s per-rank ``total``)."""
+
+    inputs: PlanInputs
+    length: int
+
+    @property
+    def rank_tokens(self) -> int:
+        return self.length // self.inputs.spec.cp
+
+    def hardware_flops(self, memory: MemoryOptions) -> int:
+        s = self.inputs.spec
+        shape = DraftShape(hidden=s.hidden, intermediate=s.intermediate, heads=s.heads, kv_heads=s.kv_heads,
+                           head_dim=s.head_dim, draft_vocab=s.draft_vocab, target_hidden=s.target_hidden,
+                           ttt_steps=s.ttt_steps)
+        return step_flops(shape, [self.length] * s.batch, Recompute.of_memory(memory, s.attention_backend),
+                          cp=s.cp).hardware_total
+
+    def peak_bytes(self, memory: MemoryOptions) -> int:
+        spec = spec_for_memory(self.inputs.spec, memory)
+        return plan_length(dataclasses.replace(self.inputs, spec=spec, memory=memory), self.length)["total"]
+
+
+def resolve_inputs(inputs: PlanInputs, length: int, device_name: str | None,
+                   free_bytes: int | None) -> tuple[PlanInputs, MemoryReport]:
+    """``inputs`` with its memory section resolved (``MemoryOptions.resolve`` with :class:`PlanFacts` at ``length``
+    tokens, against ``free_bytes``; None: the CPU's values) and the spec planning it, and the report."""
+    memory, report = inputs.memory.resolve(PlanFacts(inputs, length), device_name, free_bytes)
+    return dataclasses.replace(inputs, spec=spec_for_memory(inputs.spec, memory), memory=memory,
+                               memory_report=report), report
 
 
 def _check_length(inputs: PlanInputs, seq_len: int) -> None:
@@ -234,8 +295,12 @@ def _check_length(inputs: PlanInputs, seq_len: int) -> None:
 def plan_length(inputs: PlanInputs, seq_len: int, fit: ActivationFit | None = None) -> dict:
     """The plan at ``seq_len`` tokens: every ``COMPONENTS`` entry (bytes), ``total``, ``fits`` (total ≤ the GPU),
     ``method`` of the activation figure. ``fit`` (default: a direct trace when cheap, else ``layout_fit``) as in
-    :func:`predict_step`. Raises PlanError for a length the layout cannot split."""
+    :func:`predict_step`. Raises PlanError for a length the layout cannot split or a memory section still holding
+    "auto" (:func:`resolve_inputs`)."""
     _check_length(inputs, seq_len)
+    if inputs.memory.auto_switches:
+        raise PlanError(f"memory switches {list(inputs.memory.auto_switches)} are \"auto\": resolve them for a GPU and "
+                        "length first (recipe.plan.resolve_inputs, or load_inputs(..., length=))")
     spec = dataclasses.replace(inputs.spec, seq_len=seq_len)
     step = predict_step(spec, fit)
     w = DTYPES[spec.dtype].itemsize
@@ -273,8 +338,9 @@ def longest_fit(inputs: PlanInputs, fit: ActivationFit | None = None, granularit
 
 
 def plan_rows(inputs: PlanInputs, lengths: list[int]) -> dict:
-    """One layout's table: ``{"tp", "cp", "dp", "world", "layout", "backend", "mlp_tile", "fit": {a, b, c, kind,
-    trace_lengths}, "rows": [plan_length per length], "longest_fit"}``."""
+    """One layout's table: ``{"tp", "cp", "dp", "world", "layout", "backend", "mlp_tile", "sparse_anchors",
+    "teacher_logits_once", "mask", "fit": {a, b, c, kind, trace_lengths}, "rows": [plan_length per length],
+    "longest_fit"}``."""
     for n in lengths:
         _check_length(inputs, n)
     spec = inputs.spec
@@ -282,6 +348,7 @@ def plan_rows(inputs: PlanInputs, lengths: list[int]) -> dict:
     rows = [plan_length(inputs, n, None if n <= trace_limit(spec) else fit) for n in lengths]
     return {"tp": spec.tp, "cp": spec.cp, "dp": inputs.dp, "world": inputs.world, "layout": spec.layout,
             "backend": spec.attention_backend, "mlp_tile": spec.mlp_tile, "sparse_anchors": spec.sparse_anchors,
+            "teacher_logits_once": spec.teacher_logits_once,
             "mask": spec.mask,
             "fit": {"a": fit.a, "b": fit.b, "c": fit.c, "kind": fit.kind,
                     "trace_lengths": [t.seq_len for t in fit.traces]},

@@ -8,8 +8,11 @@ each layout. ``--tp`` / ``--cp`` lists override the JSON's parallelism section a
 with ``memory.sparse_anchors`` on per named supervision mask, ``--supervised-fraction F`` one for the mask whose last
 F of the positions are supervised, and ``--data`` measures F from the run's data (``recipe.plan.supervision``) when
 ``--supervised-fraction`` is not given. ``--target NAME``: the public name of a shipped config
-(``recipe.target.named``), so a layout is planned before any weight is downloaded. Bad input: one line naming it,
-exit status 2.
+(``recipe.target.named``), so a layout is planned before any weight is downloaded. The JSON's ``"auto"`` memory
+switches are resolved per table for ``--gpu`` at the longest ``--length``, as a run of that longest sample on that
+GPU resolves them (``recipe.config_memory.MemoryOptions.resolve``): every row of the table plans that choice, and a
+line under it says what was chosen, its predicted peak and the alternative rejected (the plan's JSON:
+``"memory_auto"`` per layout). Bad input: one line naming it, exit status 2.
 """
 from __future__ import annotations
 
@@ -25,9 +28,11 @@ from rich.console import Console
 from rich.table import Table
 
 from recipe.cli import add_data_arguments, check_data_arguments, length_list
-from recipe.plan import PlanError, load_inputs, plan_rows, states
+from recipe.config_keys import ConfigError
+from recipe.config_memory import MemoryOptions, MemoryReport
+from recipe.plan import PlanError, PlanInputs, load_inputs, longest_fit, plan_rows, resolve_inputs, states
 from recipe.plan.states import GIB
-from recipe.plan.spec import MASKS, check_fraction, fraction_mask, mask_fraction, spec_draft_config
+from recipe.plan.spec import MASKS, check_fraction, fraction_mask, mask_fraction, spec_draft_config, spec_for_memory
 from recipe.plan.supervision import measure_supervision
 
 SHOWN = (("activations", ("draft_activations",)), ("ZeRO states", ("weights", "grads", "optimizer")),
@@ -66,6 +71,22 @@ def _tiles(text: str) -> list[int | None]:
     return out
 
 
+def _memory(text: str) -> dict:
+    """``"loss_chunk_size=4096,checkpoint_ttt_steps=true"`` -> {"loss_chunk_size": 4096, "checkpoint_ttt_steps":
+    True}: each value read as JSON (true, null, 4096), else kept as text (auto); the keys are checked against the
+    memory section's (``recipe.config_memory.MemoryOptions.pop_from``) when applied."""
+    out = {}
+    for item in (x.strip() for x in text.split(",") if x.strip()):
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise argparse.ArgumentTypeError(f"bad --memory item {item!r}: expected KEY=VALUE")
+        try:
+            out[key.strip()] = json.loads(value)
+        except json.JSONDecodeError:
+            out[key.strip()] = value.strip()
+    return out
+
+
 def _masks(text: str) -> list[str]:
     out = [x.strip() for x in text.split(",") if x.strip()]
     if not out or any(m not in MASKS for m in out):
@@ -94,6 +115,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cp", type=_ints, help="context-parallel degree(s), overriding the JSON, e.g. 1,2,4")
     p.add_argument("--mlp-tile", type=_tiles, help="memory.mlp_tile_size value(s), overriding the JSON, e.g. "
                    "none,4096 (none or 0: untiled)")
+    p.add_argument("--memory", type=_memory, metavar="KEY=VALUE,...",
+                   help="override keys of the JSON's memory section, e.g. loss_chunk_size=4096,"
+                        "checkpoint_ttt_steps=true,mlp_tile_size=null (values as in the JSON; auto for \"auto\")")
     p.add_argument("--sparse-anchors", type=_masks,
                    help="also plan with memory.sparse_anchors on, for each supervision mask listed (full, sharegpt: "
                         "69%% supervised turns, long10: the last 10%% supervised), e.g. sharegpt,long10")
@@ -123,13 +147,17 @@ def make_plan(args, argv: list[str]) -> dict:
         masks.append(fraction_mask(planned["fraction"]))
     for tp in args.tp or [None]:
         for cp in args.cp or [None]:
-            inputs = load_inputs(args.ds_config, args.target, args.gpu, args.world_size, tp, cp, args.ttt_steps,
+            loaded = load_inputs(args.ds_config, args.target, args.gpu, args.world_size, tp, cp, args.ttt_steps,
                                  args.draft_vocab_size, args.offline, args.freeze_lm_head)
-            supervision = [(inputs.spec.sparse_anchors, "full")] + [(True, m) for m in masks]
-            for tile in args.mlp_tile or [inputs.spec.mlp_tile]:
+            loaded = dataclasses.replace(loaded, memory=_override(loaded.memory, args.memory))
+            for tile in args.mlp_tile or [loaded.memory.mlp_tile_size]:
+                inputs = resolved_inputs(loaded, tile, max(args.length))
+                supervision = [(inputs.spec.sparse_anchors, "full")] + [(True, m) for m in masks]
                 for sparse, mask in supervision:
-                    spec = dataclasses.replace(inputs.spec, mlp_tile=tile, sparse_anchors=sparse, mask=mask)
+                    spec = dataclasses.replace(inputs.spec, sparse_anchors=sparse, mask=mask)
                     layouts.append({**plan_rows(dataclasses.replace(inputs, spec=spec), args.length),
+                                    "memory_auto": inputs.memory_report.record(),
+                                    "longest_fit_auto": _longest_auto(loaded, tile, spec),
                                     "trainable_params_per_rank": inputs.params.trainable})
     spec = inputs.spec
     whole = states.count_draft_params(spec_draft_config(spec), 1, args.freeze_lm_head)  # the draft, unsplit
@@ -153,6 +181,37 @@ def make_plan(args, argv: list[str]) -> dict:
             **({"supervision": planned} if planned else {}),
             "layouts": layouts,
             "longest_fit": {_layout_key(t): t["longest_fit"] for t in layouts}}
+
+
+def _override(memory: MemoryOptions, changes: dict | None) -> MemoryOptions:
+    """``memory`` with ``--memory``'s keys replaced, validated as the JSON's section is; PlanError naming them."""
+    if not changes:
+        return memory
+    try:
+        return MemoryOptions.pop_from({"memory": {**dataclasses.asdict(memory), **changes}}, "--memory")
+    except ConfigError as exc:
+        raise PlanError(str(exc)) from None
+
+
+def _longest_auto(loaded: PlanInputs, mlp_tile, spec) -> int | None:
+    """With "auto" switches (``loaded.memory``, ``mlp_tile`` as ``--mlp-tile`` sets it), the longest length that
+    fits with every saving "auto" may choose (``MemoryOptions.most_saving``), on ``spec``'s supervision; None
+    without "auto" switches (the table's own ``longest_fit`` is then the answer)."""
+    memory = dataclasses.replace(loaded.memory, mlp_tile_size=mlp_tile)
+    if not memory.auto_switches:
+        return None
+    most = dataclasses.replace(memory.most_saving(), sparse_anchors=spec.sparse_anchors)
+    inputs = dataclasses.replace(loaded, memory=most, spec=spec_for_memory(spec, most))
+    return longest_fit(inputs)
+
+
+def resolved_inputs(inputs: PlanInputs, mlp_tile, length: int) -> PlanInputs:
+    """``inputs`` with ``memory.mlp_tile_size`` = ``mlp_tile`` (``--mlp-tile``; the JSON's value, perhaps "auto",
+    without it) and the memory section's "auto" values resolved for the planned GPU at ``length`` tokens, the longest
+    planned: what a run of that longest sample on that GPU chooses (``recipe.plan.resolve_inputs``)."""
+    memory = dataclasses.replace(inputs.memory, mlp_tile_size=mlp_tile)
+    resolved, _ = resolve_inputs(dataclasses.replace(inputs, memory=memory), length, inputs.gpu, inputs.gpu_bytes)
+    return resolved
 
 
 def supervision(args) -> dict | None:
@@ -193,6 +252,7 @@ def print_plan(plan: dict, console: Console) -> None:
         table = Table(title=f"per-rank GiB, tp={lay['tp']} cp={lay['cp']} dp={lay['dp']}, {lay['layout']}, "
                             f"{lay['backend']} attention, "
                             f"{'MLP tile ' + str(lay['mlp_tile']) if lay.get('mlp_tile') else 'untiled MLP'}, "
+                            f"{'' if lay.get('teacher_logits_once', True) else 'teacher logits per step, '}"
                             f"{'sparse anchors, ' + _mask_title(lay['mask']) + ', ' if lay.get('sparse_anchors') else ''}"
                             f"{plan['gpu']['name']} ({plan['gpu']['gib']:.1f} GiB)")
         for col in ("length", *(name for name, _ in SHOWN), "total", "fits"):
@@ -202,9 +262,13 @@ def print_plan(plan: dict, console: Console) -> None:
             table.add_row(f"{row['length'] // 1024}k" if row["length"] % 1024 == 0 else str(row["length"]), *cells,
                           f"{row['total'] / GIB:.2f}", "fits" if row["fits"] else "does not fit")
         console.print(table)
+        if lay["memory_auto"]["rule"] == "planned":
+            console.print(MemoryReport(**lay["memory_auto"]).line())
         best = lay["longest_fit"]
         console.print(f"longest length that fits: {best if best else 'none'} tokens "
-                      f"(activation fit {lay['fit']['kind']}, traced at {lay['fit']['trace_lengths']})")
+                      f"(activation fit {lay['fit']['kind']}, traced at {lay['fit']['trace_lengths']})"
+                      + (f"; {lay['longest_fit_auto'] or 'none'} with every saving \"auto\" may choose"
+                         if lay["memory_auto"]["rule"] == "planned" else ""))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -2,6 +2,7 @@
 layout, parallel degrees and dtype (:class:`BenchSpec`), the draft config it stands for."""
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 from dataclasses import dataclass
@@ -9,7 +10,8 @@ from fractions import Fraction
 
 import torch
 
-from recipe.config import KernelOptions, MemoryOptions
+from recipe.config import KernelOptions
+from recipe.config_memory import MemoryOptions
 from recipe.model.flops import DraftShape, Recompute, StepFlops, speed_fields, step_flops
 from recipe.parallel.dims import check_tp_divides, seq_divisor
 
@@ -150,6 +152,24 @@ def spec_memory(spec: BenchSpec) -> MemoryOptions:
     return MemoryOptions(loss_chunk_size=spec.loss_chunk_size if chunked else None, checkpoint_ttt_steps=ckpt,
                          attention_tile_size=spec.attention_tile, mlp_tile_size=spec.mlp_tile,
                          sparse_anchors=spec.sparse_anchors, teacher_logits_once=spec.teacher_logits_once)
+
+
+def spec_for_memory(spec: BenchSpec, memory: MemoryOptions) -> BenchSpec:
+    """``spec`` with the switches of a resolved ``memory`` section (the inverse of :func:`spec_memory`): its layout
+    from ``loss_chunk_size`` and ``checkpoint_ttt_steps`` (``LAYOUTS``; an unchunked spec keeps its
+    ``loss_chunk_size`` field, unused), the attention and MLP tiles, ``sparse_anchors`` (true only when forced:
+    "auto" runs a fully supervised batch dense, the larger of the two peaks) and ``teacher_logits_once``. The one
+    mapping from a memory section to the planned step. Raises ValueError for a switch of
+    ``recipe.config_memory.PLANNED`` still "auto"."""
+    if memory.auto_switches:
+        raise ValueError(f"memory switches {list(memory.auto_switches)} are still \"auto\": resolve them first "
+                         "(MemoryOptions.resolve)")
+    chunked, ckpt = memory.loss_chunk_size is not None, bool(memory.checkpoint_ttt_steps)
+    layout = next(name for name, switches in LAYOUTS.items() if switches == (chunked, ckpt))
+    return dataclasses.replace(spec, layout=layout, loss_chunk_size=memory.loss_chunk_size or spec.loss_chunk_size,
+                               attention_tile=memory.attention_tile_size, mlp_tile=memory.mlp_tile_size,
+                               sparse_anchors=memory.sparse_anchors is True,
+                               teacher_logits_once=bool(memory.teacher_logits_once))
 
 
 def spec_kernels(spec: BenchSpec, attention: str | None = None) -> KernelOptions:

@@ -256,9 +256,11 @@ def zero0_grad_norm(engine, comm, tp_group) -> float:
 
 
 def plan_summary(parts) -> str:
-    """One line: layout, ZeRO stage, batch plan, steps, samples and dtype of a built run (``parts``:
-    ``recipe.train.setup.RunParts``)."""
+    """The run plan: one line of layout, ZeRO stage, batch plan, steps, samples and dtype of a built run (``parts``:
+    ``recipe.train.setup.RunParts``), then the memory switches' line (``recipe.config_memory.MemoryReport.line``:
+    what "auto" chose, the predicted peak against the free memory and the alternative it rejected)."""
     config = parts.config
+    memory = "" if config.memory_report is None else "\n" + config.memory_report.line()
     d, p = config.dims, config.plan
     return (f"layout dp={d.dp} cp={d.cp} tp={d.tp} (world {d.world_size}); ZeRO stage "
             f"{parts.engine.zero_optimization_stage()}; global batch {p.global_batch} = micro {p.micro_batch} × "
@@ -270,4 +272,4 @@ def plan_summary(parts) -> str:
             f"collectives {dist.get_backend()} on "
             f"{parts.pstate.device}" + (f"; {parts.resharding}" if parts.resharding else "")
             + (f"; target forward split over {parts.builder.target.split_size} ranks (cp·tp)"
-               if parts.builder.split_target else ""))
+               if parts.builder.split_target else "") + memory)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from recipe.config import MemoryOptions
+from recipe.config_memory import MemoryOptions
 
 GIB = 1024 ** 3
 

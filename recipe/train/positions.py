@@ -42,13 +42,18 @@ def anchor_offset_positions(indices: list[int], seq: int, offset_max: int, seed:
 
 
 def longest_sample(builder) -> int:
-    """Tokens of the longest training sample of a ``recipe.train.batches.BatchBuilder``: from the store's index
-    (offline) or the examples' ``input_ids`` lengths (online, computed by Arrow without reading the tokens out)."""
-    if builder.store is not None:
-        return max(builder.store.lengths, default=0)
+    """Tokens of the longest training sample of a ``recipe.train.batches.BatchBuilder`` (:func:`longest_of`)."""
+    return longest_of(builder.examples, builder.store)
+
+
+def longest_of(examples, store) -> int:
+    """Tokens of the longest sample of a store's index (offline, ``store`` not None) or of the examples'
+    ``input_ids`` lengths (online, computed by Arrow without reading the tokens out); 0 when there are none."""
+    if store is not None:
+        return max(store.lengths, default=0)
     import pyarrow.compute as pc  # import cost: pyarrow
 
-    lengths = pc.list_value_length(builder.examples.with_format("arrow")["input_ids"])
+    lengths = pc.list_value_length(examples.with_format("arrow")["input_ids"])
     return int(pc.max(lengths).as_py() or 0)
 
 

@@ -29,6 +29,7 @@ from recipe.target.registry import draft_config_for, final_logit_softcap
 from recipe.train import checkpoint, init_draft, positions, reshard, resume_checks
 from recipe.train.batches import BatchBuilder
 from recipe.train.distributed import rank0_first
+from recipe.train.memory_plan import resolve_run_memory, run_plan_inputs
 from recipe.train.output_dir import check_output, clear_previous_run
 from recipe.train.sampler import StepSampler
 from recipe.train.validation import Validator, held_out_data
@@ -103,7 +104,7 @@ def build_run(args: TrainArgs, device: torch.device, console: Console) -> RunPar
     config = load_run_config(args.ds_config, dist.get_world_size(),
                              {"tp_size": args.tp_size, "cp_size": args.cp_size})
     config = config.for_device(device)
-    dims, memory = config.dims, config.memory
+    dims = config.dims
     pstate = ParallelState(dims, device)
     resume = check_output(args, pstate.comm)  # before anything is written into --output or data is read
     if args.resume == "auto" and dist.get_rank() == 0:
@@ -167,6 +168,9 @@ def build_run(args: TrainArgs, device: torch.device, console: Console) -> RunPar
         if dist.get_rank() == 0:
             console.print(vocab_coverage_report(rows, vocab, store))
 
+    # the memory section's "auto" resolved for the longest sample and this device (recipe.train.memory_plan)
+    config = resolve_run_memory(config, pstate, device, args.memory_budget,
+                                run_plan_inputs(config, args, hf_config, draft_config, examples, store))
     draft = Eagle3Draft(draft_config, seed=args.seed)
     draft.load_target_embeddings(embed_VH)
     draft.set_vocab_map(vocab.d2t, vocab.t2d)
@@ -179,8 +183,8 @@ def build_run(args: TrainArgs, device: torch.device, console: Console) -> RunPar
         if resharding is not None:  # the layout is cut from the saved masters, as a fresh run's initial weights
             reshard.load_master_weights(model, resume_from)
 
-    model = build_training_model(draft, lm_head_VH[vocab.draft_ids].clone(), memory, config.kernels, pstate, device,
-                                 target_softcap=final_logit_softcap(hf_config), before_split=before_split)
+    model = build_training_model(draft, lm_head_VH[vocab.draft_ids].clone(), config.memory, config.kernels, pstate,
+                                 device, target_softcap=final_logit_softcap(hf_config), before_split=before_split)
     if args.freeze_lm_head:  # whichever module holds lm_head now (vocab-parallel under tp)
         model.draft.lm_head.weight.requires_grad_(False)
 
@@ -253,7 +257,8 @@ def layout_state(config: RunConfig) -> dict:
 
 def write_resolved_config(args: TrainArgs, parts: RunParts, console: Console | None = None) -> None:
     """OUTPUT/run_config.json (rank 0): ``args`` (the flags), the resolved settings (``RunConfig.record``:
-    ``deepspeed``, ``parallelism``, ``batch``, ``memory``, ``kernels``, ``dtype``, ``total_steps``, ``monitor``,
+    ``deepspeed``, ``parallelism``, ``batch``, ``memory`` (every "auto" resolved), ``memory_auto`` (how:
+    ``recipe.config_memory.MemoryReport.record``), ``kernels``, ``dtype``, ``total_steps``, ``monitor``,
     ``target``), ``draft_config``, ``positions`` (``recipe.train.positions``), ``init_draft`` (where an
     ``--init-draft`` run's draft came from) and, online, ``online_target`` (:func:`online_target_record`). Call it
     once every check has passed (after the ``Trainer`` is built: a refused resume leaves the folder as it was).

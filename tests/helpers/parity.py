@@ -15,7 +15,8 @@ import torch.distributed as dist
 
 from helpers.cases import PARITY, answer_only, build_case
 from helpers.tolerance import max_rel, within
-from recipe.config import KernelOptions, MemoryOptions
+from recipe.config import KernelOptions
+from recipe.config_memory import MemoryOptions
 from recipe.model.ttt import TTTModel, ttt_objective
 from recipe.parallel.parallelize import parallelize
 from recipe.parallel.cp_shard import shard_ttt_batch
