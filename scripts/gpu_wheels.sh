@@ -6,6 +6,9 @@
 # pandas, xxhash, fsspec, huggingface-hub, pyyaml, msgpack, einops, psutil, py-cpuinfo, ninja, tqdm and packaging;
 # it lacks hjson, pydantic (+ pydantic-core, annotated-types, typing-inspection), datasets, dill and multiprocess.
 # typing-extensions travels too: pydantic-core needs >= 4.16 and the image's version is not known here.
+# SpecForge 0.2.0 (pure Python) travels for scripts/gpu_perf_check.py, which times its draft step beside ours:
+# installed --no-deps like the rest (its sglang, yunchang, wandb... are not needed by the modules the adapter imports,
+# scripts/gpu_perf_specforge.py); its sha256 is checked below.
 # Versions: deepspeed and datasets as pyproject.toml pins them, the others as this venv has them (the versions the
 # tests pass with). Keep one version of each: two stop the device's install.
 #   usage: bash scripts/gpu_wheels.sh [DIR]      (default .whl; git-ignored; name it in the device call's carry)
@@ -21,7 +24,7 @@ rm -f "$dir"/*.whl
 "$py" -m pip wheel -q --no-deps --no-build-isolation deepspeed==0.19.8 -w "$dir"
 pins=$("$py" - <<'EOF'
 from importlib.metadata import version
-fixed = {"datasets": "5.2.0"}
+fixed = {"datasets": "5.2.0", "specforge": "0.2.0"}
 names = ["hjson", "pydantic", "pydantic_core", "annotated-types", "typing-inspection", "typing_extensions", "dill",
          "multiprocess"]
 print(" ".join([f"{n}=={v}" for n, v in fixed.items()] + [f"{n}=={version(n)}" for n in names]))
@@ -31,6 +34,9 @@ EOF
 "$py" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
     --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64 \
     --platform manylinux2014_x86_64 --platform manylinux1_x86_64 -d "$dir" $pins
+sf_sha=fbc79517adf483c6a8beea52561b1a8c8c8a99a54c820b47d2033a73966b55b0
+echo "$sf_sha  $dir/specforge-0.2.0-py3-none-any.whl" | sha256sum -c --quiet - \
+    || { echo "specforge wheel: not the one scripts/gpu_perf_specforge.py was written against" >&2; exit 1; }
 ls -l "$dir"
 # The travelling size: every file git would send (tracked, and untracked but not ignored) plus the carried folders.
 tree=$(git ls-files -z --cached --others --exclude-standard | xargs -0 stat -L -c %s 2>/dev/null | awk '{s+=$1} END {print s+0}')
