@@ -64,7 +64,7 @@ def schedule(gpu: str, plans: dict) -> list[dict]:
     rate = ESTIMATES_S["h100_rate"] if gpu == "h100" else 1.0
     done, out, total = set(), [], ESTIMATES_S["start"] + ESTIMATES_S["cuda"] + sum(setup_estimate().values())
     for row in ROWS:
-        switches, _ = row_switches(row, False, "cuda", gpu_bytes(gpu), plans)
+        switches, _ = row_switches(row, False, "cuda", gpu_bytes(gpu), plans, gpu)
         memory = memory_fit(row, switches, gpu_bytes(gpu), plans)
         runs = memory is None or memory["fits"]  # a row the plan says does not fit is skipped at once
         parts = row_estimate(row, switches, done if runs else set(done), ESTIMATES_S, rate)
@@ -73,8 +73,8 @@ def schedule(gpu: str, plans: dict) -> list[dict]:
     return out
 
 
-def row_switches(row, smoke: bool, device: str, device_bytes, plans: dict):
-    switches, source = auto_switches(row, smoke, device, device_bytes, plans)
+def row_switches(row, smoke: bool, device: str, device_bytes, plans: dict, gpu: str | None):
+    switches, source = auto_switches(row, smoke, device, device_bytes, plans, gpu)
     return flipped(switches, row.flip), source
 
 
@@ -110,6 +110,7 @@ def dry_run(gpu: str) -> int:
     print(f"{'child setup':<27} est {sum(setup_estimate().values()):>4.0f} s  end "
           f"{setup + sum(setup_estimate().values()):>4.0f} s  [{_terms(setup_estimate())}]")
     rows = schedule(gpu, plans)
+    print(f"auto switches: {row_switches(ROWS[0], False, 'cuda', gpu_bytes(gpu), plans, gpu)[1]}")
     for item in rows:
         row, mem = item["row"], item["memory"]
         what = item["switches"].label if row.kind in ("ours", "profile") else row.backend or "SpecForge"
@@ -172,18 +173,19 @@ def run_rows_child(args, out: Path) -> int:
     rows = [ROW[n] for n in args.rows.split(",")]
     device = "cpu" if smoke else "cuda"
     device_bytes = None if smoke else torch.cuda.get_device_properties(0).total_memory
+    gpu = None if smoke else gpu_key(torch.cuda.get_device_name(0))
     plans = {} if smoke else json.loads(PLAN_FILE.read_text()) if PLAN_FILE.is_file() else {}
     deadline = args.deadline or time.time() + BUDGET_S
-    first, _ = row_switches(rows[0], smoke, device, device_bytes, plans)
+    first, _ = row_switches(rows[0], smoke, device, device_bytes, plans, gpu)
     longest = max(r.length for r in rows if r.kind != "attention") if any(r.kind != "attention" for r in rows) else 2048
     t0 = time.monotonic()
     bench = Bench(smoke, longest, 1, first)
     report.setdefault("children", []).append({"rows": [r.name for r in rows], "setup_s": round(time.monotonic() - t0,
                                                                                                   1)})
     done = set()
-    rate = ESTIMATES_S["h100_rate"] if gpu_key(report["info"].get("device")) == "h100" else 1.0
+    rate = ESTIMATES_S["h100_rate"] if gpu == "h100" else 1.0
     for row in rows:
-        switches, source = row_switches(row, smoke, device, device_bytes, plans)
+        switches, source = row_switches(row, smoke, device, device_bytes, plans, gpu)
         parts = row_estimate(row, switches, set(done), ESTIMATES_S, rate)
         predicted = 0.0 if smoke else sum(parts.values())
         left = deadline - time.time() - ESTIMATES_S["margin"]

@@ -1,15 +1,15 @@
 """The rows of ``scripts/gpu_perf_check.py``: what each measures, in order of importance, the memory switches of each
 (the set ``auto`` picks, and the ablations that flip one switch of it), and the time each is predicted to take.
 
-Switch sets. Item 2 of issue 50 resolves ``"auto"`` memory switches in the recipe itself; until that lands,
-:func:`auto_switches` (the hook: :func:`recipe_auto_switches`) falls back to a stand-in with the same rule: of the
-candidate sets (:func:`candidates`: step checkpointing off/on, the loss chunked or not, the teacher logits once or
-per step with a chunked loss, MLP tiles where a sample is longer than a tile), the one with the fewest hardware FLOPs
-(``recipe.plan.spec.spec_flops``: what the switches recompute; ties in that listing's order) whose planned total fits
-the GPU (:func:`planned_total`: the planner's step peak, ``recipe.plan.predict_step``, made here by
-``--plan-rows``, plus DeepSpeed's ZeRO-1 bf16 states and the CUDA context, with the planner's allocator slack); when
-none fits, the one saving the most. Kernels as ``auto`` picks them on the device: small ops compiled and flex with
-dynamic shapes on CUDA, eager small ops and sdpa on the CPU.
+Switch sets. Our ``auto`` rows run the switches the recipe's own ``"auto"`` resolves to (``recipe.config_memory.
+MemoryOptions.resolve``, issue 50 item 2): for the geometry's longest sample and the GPU, the candidate with the fewest
+hardware FLOPs whose planned per-rank total fits. That resolution traces the planner (seconds to a minute per
+candidate at 8B), which the call's time cannot spare, so ``--plan-rows`` makes it here for an H100 and an H200 (as
+``run.py`` would at start on that GPU, ``ds_configs/zero1_bf16.json`` at one rank, offline, the named
+Llama-3.1-8B-Instruct target's geometry) and the call reads the device's entry (:func:`recipe_auto_switches`, the
+hook). On another GPU the stand-in (:func:`stand_in`) applies the same rule to the plan file's predicted totals;
+on the CPU smoke ``resolve`` itself gives its CPU values. Kernels as ``auto`` picks them on the device: small ops
+compiled and flex with dynamic shapes on CUDA, eager small ops and sdpa on the CPU.
 
 Estimates (``ESTIMATES_S``, seconds on one H200; ``--gpu h100`` scales the step rate): a step is its hardware FLOPs
 (``recipe.plan.spec.spec_flops``, the memory switches' recompute included) at an effective rate (``tflops``), plus
@@ -31,6 +31,8 @@ BUDGET_S = 540
 LLAMA_8B = dict(hidden=4096, heads=32, kv_heads=8, head_dim=128, intermediate=14336, draft_vocab=32000,
                 vocab=128256, target_hidden=4096)
 """SpecForge's published draft geometry (Llama-3.1-8B's draft: hidden 4096, 32/8 heads, MLP 14336, Vd 32000)."""
+TARGET = "Llama-3.1-8B-Instruct"
+"""The shipped named config whose draft that is (``recipe.target.named``): the planner's target."""
 SMOKE = dict(hidden=64, heads=4, kv_heads=2, head_dim=16, intermediate=128, draft_vocab=96, vocab=128,
              target_hidden=48)
 TTT_STEPS = {False: 7, True: 3}
@@ -207,7 +209,8 @@ def write_plan_rows(path: Path = PLAN_FILE) -> Path:
         picks[gpu] = {f"{r.batch}x{r.length}": stand_in(r, gpu_bytes(gpu), {"rows": rows}).label
                       for r in ROWS if r.kind == "ours" and r.flip is None}
     path.write_text(json.dumps({"command": "python scripts/gpu_perf_check.py --plan-rows",
-                                "date": date.today().isoformat(), "rows": rows, "stand_in": picks}, indent=1) + "\n")
+                                "date": date.today().isoformat(), "target": TARGET, "recipe_auto": recipe_auto_plans(),
+                                "rows": rows, "stand_in": picks}, indent=1) + "\n")
     return path
 
 
@@ -230,28 +233,69 @@ def stand_in(row: Row, device_bytes: int, plans: dict) -> Switches:
     return max(sets, key=_savings)
 
 
-def recipe_auto_switches(row: Row, smoke: bool, device: str) -> Switches | None:
-    """AUTO HOOK (issue 50, item 2): the switches ``recipe.config.MemoryOptions`` resolves ``"auto"`` to for this
-    row's geometry on ``device``, once that resolution exists; None until then (``auto_switches`` then uses the
-    stand-in). Wire it here: resolve a MemoryOptions with every memory switch ``"auto"`` for the row's longest sample
-    and map the result onto :class:`Switches`."""
-    return None
+def switches_of(memory) -> Switches:
+    """The memory switches of a resolved ``recipe.config_memory.MemoryOptions`` (its chunk and tile sizes are
+    ``LOSS_CHUNK`` / ``MLP_TILE`` here, the values its ``"auto"`` takes: ``AUTO_LOSS_CHUNK``, ``AUTO_MLP_TILE``)."""
+    return Switches(checkpoint=bool(memory.checkpoint_ttt_steps), chunked=memory.loss_chunk_size is not None,
+                    teacher_once=bool(memory.teacher_logits_once), mlp_tiles=memory.mlp_tile_size is not None)
 
 
-def auto_switches(row: Row, smoke: bool, device: str, device_bytes: int | None, plans: dict) -> tuple[Switches, str]:
-    """(switches, source) of the row's ``auto`` set: the recipe's own resolution (:func:`recipe_auto_switches`) when
-    it exists, else the stand-in (the CPU smoke: nothing to fit); the kernels as ``auto`` picks them for
-    ``device``."""
+def recipe_auto_plans() -> dict:
+    """gpu -> geometry -> the recipe's resolution (``recipe.plan.load_inputs(..., length=)``, which calls
+    ``MemoryOptions.resolve``): ``switches``, ``predicted_peak_bytes``, ``fits``, ``rejected`` and the run plan's
+    ``line``, for each ``auto`` row's geometry on an H100 and an H200."""
+    import tempfile
+
+    from recipe.plan import load_inputs
+
+    out = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for gpu in ("h100", "h200"):
+            out[gpu] = {}
+            for row in [r for r in ROWS if r.kind == "ours" and r.flip is None]:
+                cfg = json.loads((ROOT / "ds_configs" / "zero1_bf16.json").read_text())
+                cfg.update(train_batch_size=row.batch, train_micro_batch_size_per_gpu=row.batch)
+                path = Path(tmp) / f"zero1_bf16_{row.batch}.json"
+                path.write_text(json.dumps(cfg))
+                inputs = load_inputs(path, TARGET, gpu, world_size=1, ttt_steps=TTT_STEPS[False],
+                                     draft_vocab_size=LLAMA_8B["draft_vocab"], offline=True, length=row.length)
+                report = inputs.memory_report
+                out[gpu][f"{row.batch}x{row.length}"] = {
+                    "switches": dataclasses.asdict(switches_of(inputs.memory)), "fits": report.fits,
+                    "predicted_peak_bytes": report.predicted_peak_bytes, "rejected": report.rejected,
+                    "line": report.line()}
+    return out
+
+
+def recipe_auto_switches(row: Row, smoke: bool, gpu: str | None, plans: dict) -> tuple[Switches, str] | None:
+    """THE AUTO HOOK: (switches, source) the recipe's ``"auto"`` resolves to for ``row`` on ``gpu`` ("h100",
+    "h200"; from the plan file, module docstring), or on the CPU (``resolve`` without device memory); None for a
+    GPU the plan file does not cover."""
+    if smoke:
+        from recipe.config_memory import PLANNED, MemoryOptions
+
+        memory, report = MemoryOptions(**dict.fromkeys(PLANNED, "auto")).resolve(None, "cpu", None)
+        return switches_of(memory), f"recipe auto ({report.rule}: MemoryOptions.resolve without device memory)"
+    entry = plans.get("recipe_auto", {}).get(gpu or "", {}).get(f"{row.batch}x{row.length}")
+    if entry is None:
+        return None
+    return Switches(**entry["switches"]), f"recipe auto: MemoryOptions.resolve for an {gpu} (--plan-rows)"
+
+
+def auto_switches(row: Row, smoke: bool, device: str, device_bytes: int | None, plans: dict,
+                  gpu: str | None = None) -> tuple[Switches, str]:
+    """(switches, source) of the row's ``auto`` set: the recipe's resolution (:func:`recipe_auto_switches`), else
+    the stand-in for ``device_bytes``; the kernels as ``auto`` picks them for ``device``."""
     from kernels.compile_policy import compile_on
 
     kernels = dict(compile=compile_on("auto", device), flex_dynamic=True)
-    resolved = recipe_auto_switches(row, smoke, device)
+    resolved = recipe_auto_switches(row, smoke, gpu, plans)
     if resolved is not None:
-        return dataclasses.replace(resolved, **kernels), "recipe auto (MemoryOptions)"
-    if smoke or device_bytes is None:
-        return Switches(**kernels), "stand-in (CPU smoke: nothing recomputed)"
+        return dataclasses.replace(resolved[0], **kernels), resolved[1]
+    if device_bytes is None:
+        return Switches(**kernels), "no device memory to plan against: nothing recomputed"
     return (dataclasses.replace(stand_in(row, device_bytes, plans), **kernels),
-            "stand-in for item 2's auto: the cheapest candidate the plan fits")
+            "stand-in (a GPU the plan file does not cover): the cheapest candidate the plan fits")
 
 
 def flipped(switches: Switches, flip: str | None) -> Switches:

@@ -103,6 +103,22 @@ def test_stand_in_takes_the_cheapest_set_the_plan_fits():
     assert rows_mod.flipped(switches, "checkpoint").layout == "ckpt"
 
 
+def test_auto_rows_take_the_recipes_own_resolution():
+    """The hook reads the recipe's ``MemoryOptions.resolve`` (made by ``--plan-rows`` for an H100 and an H200);
+    the CPU smoke calls it without device memory (its CPU values: nothing recomputed)."""
+    plans = json.loads(rows_mod.PLAN_FILE.read_text())
+    autos = [r for r in rows_mod.ROWS if r.kind == "ours" and r.flip is None]
+    for gpu in ("h100", "h200"):
+        for r in autos:
+            entry = plans["recipe_auto"][gpu][f"{r.batch}x{r.length}"]
+            switches, source = rows_mod.auto_switches(r, False, "cuda", None, plans, gpu)
+            assert entry["fits"] and switches == rows_mod.Switches(**entry["switches"]) and "recipe auto" in source
+            assert plans["rows"][rows_mod.plan_key(r, switches)]["total"] > 0  # its ablations are gated on these
+    small, source = rows_mod.auto_switches(autos[0], True, "cpu", None, {})
+    assert small == rows_mod.Switches(compile=False) and "recipe auto (cpu" in source
+    assert rows_mod.auto_switches(autos[1], False, "cuda", 100 * GIB, plans, "a100")[1].startswith("stand-in")
+
+
 def test_a_row_that_cannot_finish_or_fit_is_not_started():
     check = _check()
     assert "not started" in check.skip_reason(61.0, 60.0, None, None)
