@@ -18,6 +18,10 @@ run recorded, ``stages_skipped`` names those, ``total`` is this run's wall time 
 curves ``OUTPUT/curves.png`` (``recipe.plot``, with matplotlib). The seed-initialised draft is not evaluated: a
 random draft does not propose the target's greedy token, so its τ is 1. The defaults are sized for under 30 minutes
 on 2 CPU cores, setup and the long-context rows included (docs/results/demo_cpu.md).
+
+Scale (``cli``): with ``DEMO_SCALE=gpu``, or ``DEMO_SCALE`` unset and a CUDA device, ``python -m recipe.demo`` hands
+its flags to ``python -m recipe.bench demo-gpu`` (the demo at GPU scale, ``recipe.bench.demo_gpu``); ``DEMO_SCALE=cpu``
+keeps this demo on a GPU machine. ``main`` is always the CPU demo (``recipe.bench data`` runs it per arm).
 """
 from __future__ import annotations
 
@@ -164,8 +168,23 @@ def stage_train(args, assets, store: Path | None, console: Console, data_args: l
     else:
         launch = [str(Path(sys.executable).parent / "torchrun"), "--nproc_per_node", str(ranks),
                   "--master_port", port]
+    argv = train_argv(args, assets, store, data_args, extra)
+    env = subprocess_env(1)
+    if not gpus:
+        env["DS_ACCELERATOR"] = "cpu"
+    _run(launch + argv, env, console, "training")
+    return False
+
+
+def train_argv(args, assets, store: Path | None, data_args: list[str] | None = None,
+               extra: list[str] | tuple = ()) -> list[str]:
+    """``run.py`` and its flags for :func:`stage_train` (writes ``OUTPUT/ds_config.json``): the samples are ``store``
+    or ``data_args``, then ``extra``; ``--resume`` when ``OUTPUT`` holds a checkpoint, ``--overwrite`` when it holds
+    a run that stopped before its first one. ``recipe.bench demo-gpu`` launches the same argv itself (one GPU, a
+    deadline)."""
     samples = data_args if data_args is not None else ["--hidden-states", str(store)]
-    argv = ["run.py", "--ds_config", str(_ds_config(args)), "--target", str(assets.target), *samples, "--output", str(args.output), "--max-length", str(args.max_length),
+    argv = ["run.py", "--ds_config", str(_ds_config(args)), "--target", str(assets.target), *samples,
+            "--output", str(args.output), "--max-length", str(args.max_length),
             "--ttt-steps", str(args.ttt_steps), "--draft-vocab-size", str(args.draft_vocab_size),
             "--epochs", str(args.epochs), "--seed", str(args.seed), "--cache-dir", str(args.output / "cache"),
             "--save-every", str(args.save_every)]
@@ -178,11 +197,7 @@ def stage_train(args, assets, store: Path | None, console: Console, data_args: l
         argv.append("--resume")
     elif (args.output / "metrics.jsonl").is_file():
         argv.append("--overwrite")  # an earlier run stopped before its first checkpoint: nothing to continue from
-    env = subprocess_env(1)
-    if not gpus:
-        env["DS_ACCELERATOR"] = "cpu"
-    _run(launch + argv, env, console, "training")
-    return False
+    return argv
 
 
 def _settings(args) -> dict:
@@ -351,5 +366,35 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+SCALES = ("cpu", "gpu")
+"""``DEMO_SCALE`` values: the CPU demo above, or the GPU-sized demo (``python -m recipe.bench demo-gpu``)."""
+
+
+def demo_scale(environ: dict | None = None) -> str:
+    """The scale ``python -m recipe.demo`` (``make demo``) runs at: ``DEMO_SCALE`` from ``environ`` (default
+    ``os.environ``) when set, else ``gpu`` when torch sees a CUDA device, else ``cpu``. Raises ValueError naming
+    ``DEMO_SCALE`` for another value."""
+    value = (environ if environ is not None else os.environ).get("DEMO_SCALE", "").strip().lower()
+    if value and value not in SCALES:
+        raise ValueError(f"DEMO_SCALE={value!r}: choose from {', '.join(SCALES)} (unset: gpu when CUDA is available)")
+    return value or ("gpu" if _cuda_count() else "cpu")
+
+
+def cli(argv: list[str] | None = None) -> int:
+    """``python -m recipe.demo``: :func:`main` at the CPU scale; at the GPU scale (:func:`demo_scale`) the flags go to
+    ``python -m recipe.bench demo-gpu`` in a process of its own (docs/results/demo_gpu.md)."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    try:
+        scale = demo_scale()
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if scale == "gpu":
+        cmd = [sys.executable, "-m", "recipe.bench", "demo-gpu", *argv]
+        print(f"DEMO_SCALE gpu: $ {' '.join(cmd)}", flush=True)
+        return subprocess.call(cmd, cwd=REPO)
+    return main(argv)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(cli())

@@ -4,7 +4,8 @@
 # use, and the recipe's configs use none: torch_adam). The rest are downloaded for the device's CPython 3.12 on
 # x86-64 (manylinux). The device image already has torch, transformers, safetensors, accelerate, rich, pyarrow,
 # pandas, xxhash, fsspec, huggingface-hub, pyyaml, msgpack, einops, psutil, py-cpuinfo, ninja, tqdm and packaging;
-# it lacks hjson, pydantic (+ pydantic-core, annotated-types, typing-inspection), datasets, dill and multiprocess.
+# it lacks hjson, pydantic (+ pydantic-core, annotated-types, typing-inspection), datasets, dill and multiprocess,
+# and gguf (pure Python: transformers' GGUF reader, for scripts/gpu_demo.py's conversion of the SmolLM2 target).
 # typing-extensions travels too: pydantic-core needs >= 4.16 and the image's version is not known here.
 # SpecForge 0.2.0 (pure Python) travels for scripts/gpu_perf_check.py, which times its draft step beside ours:
 # installed --no-deps like the rest (its sglang, yunchang, wandb... are not needed by the modules the adapter imports,
@@ -13,7 +14,8 @@
 # tests pass with). Keep one version of each: two stop the device's install.
 #   usage: bash scripts/gpu_wheels.sh [DIR]      (default .whl; git-ignored; name it in the device call's carry)
 # Then it checks that the tree that travels (tracked + untracked-not-ignored files) plus DIR and .gpu_assets (if
-# present) fits the device call's 64 MiB, and fails (exit 1) when it does not.
+# present) fits the device call's 64 MiB, and fails (exit 1) when it does not (scripts/gpu_demo.py --prepare checks
+# its own two calls, .gpu_demo with DIR).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 dir="${1:-.whl}"
@@ -26,7 +28,7 @@ pins=$("$py" - <<'EOF'
 from importlib.metadata import version
 fixed = {"datasets": "5.2.0", "specforge": "0.2.0"}
 names = ["hjson", "pydantic", "pydantic_core", "annotated-types", "typing-inspection", "typing_extensions", "dill",
-         "multiprocess"]
+         "multiprocess", "gguf"]
 print(" ".join([f"{n}=={v}" for n, v in fixed.items()] + [f"{n}=={version(n)}" for n in names]))
 EOF
 )

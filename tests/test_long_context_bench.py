@@ -133,7 +133,7 @@ def test_arm_summary_from_metrics(tmp_path):
 def test_one_eval_run_for_every_arm_and_its_skip_stamp(tmp_path, monkeypatch):
     seen = []
 
-    def fake_call(cmd, env, cwd):
+    def fake_call(cmd, env, cwd, **kwargs):
         seen.append((cmd, cwd))
         Path(cmd[cmd.index("--output") + 1]).write_text(json.dumps({"context_lengths": [256], "lengths": []}))
         return 0
@@ -166,7 +166,7 @@ def test_one_eval_run_for_every_arm_and_its_skip_stamp(tmp_path, monkeypatch):
 def test_fewer_prompts_at_the_longest_length_and_threads_shared_by_jobs(tmp_path, monkeypatch):
     seen = {}
 
-    def fake_call(cmd, env, cwd):
+    def fake_call(cmd, env, cwd, **kwargs):
         seen[cmd[cmd.index("--context-lengths") + 1]] = (cmd[cmd.index("--limit") + 1], env["OMP_NUM_THREADS"])
         Path(cmd[cmd.index("--output") + 1]).write_text(json.dumps({"context_lengths": [0], "lengths": []}))
         return 0

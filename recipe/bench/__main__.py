@@ -1,5 +1,5 @@
-"""``python -m recipe.bench {tp,cp,memory,attention,step,target,data,decode,long-context} ...``: run one benchmark (each has its own
-``--help``)."""
+"""``python -m recipe.bench {tp,cp,memory,attention,step,target,data,decode,long-context,demo-gpu} ...``: run one
+benchmark (each has its own ``--help``)."""
 from __future__ import annotations
 
 import importlib
@@ -8,8 +8,9 @@ import sys
 COMMANDS = {"tp": "recipe.bench.tp", "cp": "recipe.bench.cp", "memory": "recipe.bench.memory",
             "attention": "recipe.bench.attention", "step": "recipe.bench.step", "target": "recipe.bench.target",
             "data": "recipe.bench.data", "decode": "recipe.bench.decode",
-            "long-context": "recipe.bench.long_context"}
-USAGE = ("usage: python -m recipe.bench {tp,cp,memory,attention,step,target,data,decode,long-context} [options]\n"
+            "long-context": "recipe.bench.long_context", "demo-gpu": "recipe.bench.demo_gpu"}
+USAGE = ("usage: python -m recipe.bench {tp,cp,memory,attention,step,target,data,decode,long-context,demo-gpu} "
+         "[options]\n"
          "  tp         per-rank parameter/gradient/optimizer bytes and step peak memory for tp = 1, 2, 4\n"
          "  cp         per-rank activation memory, step time, longest length in a budget and attention work per cp\n"
          "  memory     peak memory and time of a TTT step vs sequence length, per loss/checkpointing layout\n"
@@ -18,7 +19,9 @@ USAGE = ("usage: python -m recipe.bench {tp,cp,memory,attention,step,target,data
          "  target     per-rank peak memory and time of the online target forward per cp\n"
          "  data       τ per data recipe (ShareGPT or regenerated answers, samples vs epochs) at equal compute\n"
          "  decode     CPU decoding: target forward with plain vs packed linear layers, batched greedy reference\n"
-         "  long-context  τ by context length of short-, long-, warm-started and position-robust drafts (and windows)")
+         "  long-context  τ by context length of short-, long-, warm-started and position-robust drafts (and "
+         "windows)\n"
+         "  demo-gpu   the demo at GPU scale (make demo with CUDA): a 2k draft, its 8k continuation, τ by length")
 
 
 def main(argv: list[str] | None = None) -> int:

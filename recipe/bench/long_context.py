@@ -35,6 +35,7 @@ the CPU run and what to change for an 8B target.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import os
@@ -93,7 +94,7 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _arm_args(base: list[str], output: Path, **flags) -> argparse.Namespace:
+def arm_args(base: list[str], output: Path, **flags) -> argparse.Namespace:
     argv = list(base) + ["--output", str(output)]
     for key, value in flags.items():
         argv += [f"--{key.replace('_', '-')}", str(value)]
@@ -114,7 +115,7 @@ def train_arms(args, demo_flags: list[str], assets, console: Console) -> dict[st
     out, arms = args.output, [a for a in args.arms.split(",") if a]
     short_flags = {"conversations": args.short_conversations, "max_length": args.short_length}
     runs = {}
-    short = _arm_args(demo_flags, args.short_run.resolve() if args.short_run else out / "short", **short_flags)
+    short = arm_args(demo_flags, args.short_run.resolve() if args.short_run else out / "short", **short_flags)
     runs["short"] = short.output
     store = runs["short"] / f"store-{short.answers}-n{short.conversations}-len{short.max_length}"
     if args.short_run is None or not (runs["short"] / "export" / "config.json").is_file():
@@ -126,11 +127,11 @@ def train_arms(args, demo_flags: list[str], assets, console: Console) -> dict[st
                   "ranks": args.cp_size * args.long_batch_size}
     cp = ["--cp-size", str(args.cp_size)]
     if "long" in arms:
-        a = _arm_args(demo_flags, out / "long", epochs=args.long_epochs, **long_flags)
+        a = arm_args(demo_flags, out / "long", epochs=args.long_epochs, **long_flags)
         demo.stage_train(a, assets, None, console, data_args=chained, extra=cp)
         runs["long"] = a.output
     if "warm" in arms:
-        a = _arm_args(demo_flags, out / "warm", epochs=args.warm_fraction, **{**long_flags, "lr": args.warm_lr})
+        a = arm_args(demo_flags, out / "warm", epochs=args.warm_fraction, **{**long_flags, "lr": args.warm_lr})
         demo.stage_train(a, assets, None, console, data_args=chained,
                          extra=cp + ["--init-draft", str(runs["short"] / "export")])
         runs["warm"] = a.output
@@ -138,7 +139,7 @@ def train_arms(args, demo_flags: list[str], assets, console: Console) -> dict[st
         offset = args.position_offset_max
         if offset is None:
             offset = _target_positions(assets.target) - args.short_length
-        a = _arm_args(demo_flags, out / "posrobust", **short_flags)
+        a = arm_args(demo_flags, out / "posrobust", **short_flags)
         demo.stage_dump(a, assets, assets.conversations, store, console)  # the short arm's store: skipped
         demo.stage_train(a, assets, store, console, extra=["--position-offset-max", str(offset)])
         runs["posrobust"] = a.output
@@ -148,16 +149,20 @@ def train_arms(args, demo_flags: list[str], assets, console: Console) -> dict[st
     return runs
 
 
-def _eval_one(assets, args, drafts_dir: Path, drafts: list[str], length: int, request: str, out: Path,
-              console: Console, prompts: int, threads: int) -> dict:
+def eval_one(assets, args, drafts_dir: Path, drafts: list[str], length: int, request: str, out: Path,
+             console: Console, prompts: int, threads: int, extra: list[str] | tuple = (), log: Path | None = None,
+             timeout: float | None = None) -> dict:
     """One ``python -m recipe.eval --context-lengths LENGTH --limit PROMPTS`` run in ``drafts_dir`` with every draft
-    of ``drafts`` and ``threads`` OpenMP threads; skipped when ``out`` holds the result of the same command. Returns
-    the JSON. Raises RuntimeError when it fails."""
+    of ``drafts``, ``threads`` OpenMP threads and the further ``recipe.eval`` flags ``extra`` (``recipe.bench
+    demo-gpu``: ``--seed``, ``--on-mismatch record``), its output to ``log`` (default: this process's), killed
+    after ``timeout`` seconds; skipped when ``out`` holds the result of the same command. Returns the JSON. Raises
+    RuntimeError when it fails or times out; with ``--on-mismatch record`` its exit code 1 after writing the JSON
+    (outputs that differed from greedy decoding, listed in each length's ``mismatches``) is a result."""
     cmd = [sys.executable, "-m", "recipe.eval", "--target", str(assets.target), "--prompts", str(assets.prompts),
            "--context-data", str(assets.conversations), "--context-lengths", str(length),
            "--context-request", request, "--limit", str(prompts), "--num-draft-tokens",
            ",".join(map(str, args.num_draft_tokens)), "--max-new-tokens", str(args.max_new_tokens), "--output",
-           str(out)] + [x for d in drafts for x in ("--draft", d)]
+           str(out)] + [x for d in drafts for x in ("--draft", d)] + list(extra)
     stamp = out.with_suffix(".command.json")
     if out.is_file() and stamp.is_file() and json.loads(stamp.read_text()) == cmd[1:]:
         console.print(f"eval: {out} is up to date, skipped")
@@ -165,7 +170,14 @@ def _eval_one(assets, args, drafts_dir: Path, drafts: list[str], length: int, re
     console.print(f"[bold]$ (cd {drafts_dir}) {' '.join(cmd)}[/bold]")
     env = subprocess_env(threads)
     env["PYTHONPATH"] = os.pathsep.join([str(demo.REPO), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
-    if subprocess.call(cmd, env=env, cwd=drafts_dir) != 0:
+    out.unlink(missing_ok=True)
+    try:
+        with open(log, "w") if log else contextlib.nullcontext() as sink:
+            rc = subprocess.call(cmd, env=env, cwd=drafts_dir, stdout=sink, stderr=sink, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        raise RuntimeError(f"evaluation timed out after {timeout:.0f} s: {' '.join(cmd)}") from None
+    recorded = rc == 1 and "record" in extra and out.is_file()
+    if rc != 0 and not recorded:
         raise RuntimeError(f"evaluation failed: {' '.join(cmd)}")
     stamp.write_text(json.dumps(cmd[1:]) + "\n")
     return json.loads(out.read_text())
@@ -186,7 +198,7 @@ def _eval(assets, args, drafts_dir: Path, drafts: list[str], lengths: list[int],
             prompts = args.contrast_prompts or args.prompts
         else:
             prompts = args.prompts_longest if n == longest and args.prompts_longest else args.prompts
-        return _eval_one(assets, args, drafts_dir, drafts, n, request, prefix.with_name(f"{prefix.name}-L{n}.json"),
+        return eval_one(assets, args, drafts_dir, drafts, n, request, prefix.with_name(f"{prefix.name}-L{n}.json"),
                          console, prompts, threads)
 
     with ThreadPoolExecutor(max_workers=jobs) as pool:

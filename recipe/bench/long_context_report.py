@@ -5,7 +5,8 @@
 row per (draft label, context length) with chain τ at the first k and tree τ, each with its standard error over
 prompts, the prompt count and the mean context tokens. ``report_table`` prints it (arm × context length);
 ``plot_report`` draws τ against mean context tokens per arm (chain, and tree dashed). ``about_context`` also holds
-``paired``: each arm minus the short arm on the same prompts (``paired_rows``, printed by ``paired_table``).
+``paired``: each arm minus the short arm on the same prompts (``paired_rows``, printed by ``paired_table``), and so
+does ``unrelated`` (empty when the contrast ran the short draft alone).
 """
 from __future__ import annotations
 
@@ -91,14 +92,15 @@ def paired_rows(evaluation: dict, reference: str = "short") -> list[dict]:
     return rows
 
 
-def paired_table(result: dict) -> Table | None:
-    """Arm × context length: τ − τ(short) on the same prompts (chain / tree) ± paired standard error; None when no
-    length has per-prompt counts."""
-    rows = [r for r in result["about_context"].get("paired", []) if r["delta_tau"] is not None]
+def paired_table(result: dict, section: str = "about_context") -> Table | None:
+    """Arm × context length: τ − τ(short) on the same prompts (chain / tree) ± paired standard error, of the
+    ``section`` (``about_context`` or ``unrelated``); None when no length has per-prompt counts."""
+    rows = [r for r in (result.get(section) or {}).get("paired", []) if r["delta_tau"] is not None]
     if not rows:
         return None
     lengths = sorted({r["context_length"] for r in rows})
-    t = Table(title="τ − τ(short) on the same prompts (chain / tree; ± paired standard error)")
+    what = "" if section == "about_context" else f", {section} requests"
+    t = Table(title=f"τ − τ(short) on the same prompts (chain / tree; ± paired standard error{what})")
     t.add_column("arm")
     for n in lengths:
         t.add_column(f"{n}", justify="right")
@@ -122,8 +124,8 @@ def report(args, arms: dict, about: dict, contrast: dict | None) -> dict:
     return {"settings": settings, "arms": arms,
             "about_context": {"lengths": about["context_lengths"], "rows": length_rows(about),
                               "paired": paired_rows(about)},
-            "unrelated": ({"lengths": contrast["context_lengths"], "rows": length_rows(contrast)}
-                          if contrast else None),
+            "unrelated": ({"lengths": contrast["context_lengths"], "rows": length_rows(contrast),
+                           "paired": paired_rows(contrast)} if contrast else None),
             "evals": {"about_context": about, "unrelated": contrast}}
 
 

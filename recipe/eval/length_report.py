@@ -59,6 +59,55 @@ def length_entry(length: int, context_prompts: list, prompts: list, greedy: list
     }
 
 
+def merge_entries(entries: list[dict]) -> dict:
+    """One :func:`length_entry` from entries of the same context length measured on disjoint prompt sets (the
+    parallel chunks of ``recipe.bench demo-gpu``), in the given order: every run's ``per_prompt`` counts
+    concatenated, its counts summed (``verify_steps``, ``new_tokens``, ``seconds``, ``drafted_per_position``,
+    ``accepted_per_position``), τ = Σ emitted / Σ steps and ``tau_se`` recomputed over all prompts (as
+    :func:`tau_standard_error`), ``tokens_per_s`` = new tokens / seconds; what the entries cannot give over all
+    prompts (``tau_by_category``, ``greedy_tokens_per_s``, ``speedup``) is left empty / nan. The entry's prompt
+    count, means (weighted by prompts), ``prefill_seconds``, ``device_memory`` (largest of each peak) and
+    ``mismatches`` are combined the same way. Raises ValueError when the entries differ in length or in their
+    (draft, k) runs, or a run has no per-prompt counts."""
+    if len({e["context_length"] for e in entries}) != 1:
+        raise ValueError(f"entries of different context lengths: {[e['context_length'] for e in entries]}")
+    keys = [[(r["draft"], r["num_draft_tokens"]) for r in e["runs"] + e["tree_runs"]] for e in entries]
+    if any(k != keys[0] for k in keys):
+        raise ValueError(f"entries with different (draft, k) runs: {keys}")
+    n = sum(e["num_prompts"] for e in entries)
+    runs = [_merge_runs([e["runs"][i] for e in entries]) for i in range(len(entries[0]["runs"]))]
+    trees = [_merge_runs([e["tree_runs"][i] for e in entries]) for i in range(len(entries[0]["tree_runs"]))]
+    peaks = [e.get("device_memory") for e in entries if e.get("device_memory")]
+    return {"context_length": entries[0]["context_length"], "num_prompts": n,
+            **{key: sum(e[key] * e["num_prompts"] for e in entries) / n if n else None
+               for key in ("mean_context_tokens", "mean_prompt_tokens")},
+            "tau": runs[0]["tau"] if runs else None, "tau_se": runs[0]["tau_se"] if runs else None,
+            "tau_tree": trees[0]["tau"] if trees else None, "tau_tree_se": trees[0]["tau_se"] if trees else None,
+            "runs": runs, "tree_runs": trees, "prefill_seconds": sum(e.get("prefill_seconds", 0.0) for e in entries),
+            "device_memory": {k: max(p[k] for p in peaks) for k in peaks[0]} if peaks else None,
+            "mismatches": [m for e in entries for m in e.get("mismatches", [])], "merged_from": len(entries)}
+
+
+def _merge_runs(parts: list[dict]) -> dict:
+    if any(not p.get("per_prompt") for p in parts):
+        raise ValueError(f"run {parts[0]['draft']} has no per-prompt counts to merge")
+    emitted = [x for p in parts for x in p["per_prompt"]["emitted"]]
+    steps = [x for p in parts for x in p["per_prompt"]["verify_steps"]]
+    drafted = [sum(col) for col in zip(*(p["drafted_per_position"] for p in parts))]
+    accepted = [sum(col) for col in zip(*(p["accepted_per_position"] for p in parts))]
+    tokens, seconds = sum(p["new_tokens"] for p in parts), sum(p["seconds"] for p in parts)
+    rows = [(e, s) for e, s in zip(emitted, steps) if s]
+    z = ratio_residuals(rows)[1] if len(rows) >= 2 else []
+    merged = {**parts[0], "tau": sum(emitted) / sum(steps) if sum(steps) else float("nan"), "tau_by_category": {},
+              "verify_steps": sum(steps), "new_tokens": tokens, "drafted_per_position": drafted,
+              "accepted_per_position": accepted,
+              "acceptance_rate_per_position": [a / d if d else float("nan") for a, d in zip(accepted, drafted)],
+              "seconds": seconds, "tokens_per_s": tokens / max(seconds, 1e-9), "greedy_tokens_per_s": float("nan"),
+              "speedup": float("nan"), "per_prompt": {"emitted": emitted, "verify_steps": steps},
+              "tau_se": math.sqrt(sum(x * x for x in z) / (len(z) * (len(z) - 1))) if z else float("nan")}
+    return merged
+
+
 def _fmt(tau, se) -> str:
     return "—" if tau is None else f"{tau:.3f} ± {se:.3f}"
 
