@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from helpers.tolerance import FP32_REORDERED, assert_close_rel
 from recipe import assets as assets_module
 from recipe.assets import cache as assets_cache
 from recipe.assets import data as assets_data
@@ -111,10 +112,12 @@ def test_target_folder_matches_gguf(assets):
     assert ids[0].tolist() == reference["input_ids"]
     with torch.no_grad():
         logits = model(ids).logits[0]
-    assert torch.equal(logits[:, :8], torch.tensor(reference["first_8_vocab_logits"], dtype=torch.float32))
+    # the reference was computed from the GGUF model when the cache was built, perhaps by another torch or with
+    # another CPU dispatch: the same function, not necessarily the same kernels
+    assert_close_rel(logits[:, :8], torch.tensor(reference["first_8_vocab_logits"]), FP32_REORDERED, "first logits")
     top = logits[-1].topk(8)
     assert top.indices.tolist() == reference["last_top8_ids"]
-    assert torch.equal(top.values, torch.tensor(reference["last_top8_logits"], dtype=torch.float32))
+    assert_close_rel(top.values, torch.tensor(reference["last_top8_logits"]), FP32_REORDERED, "last top-8")
 
 
 @pytest.mark.slow
