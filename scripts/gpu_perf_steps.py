@@ -89,7 +89,8 @@ class Bench:
         draft.set_vocab_map(self.draft_ids - torch.arange(vd), t2d)
         self.head_d = torch.randn(vd, ht, generator=g) / ht ** 0.5  # teacher logits of O(1) on O(1) hidden states
         self.rest = torch.randn(v, ht, generator=g) / ht ** 0.5 if smoke else None  # non-draft rows (GPU: zeros)
-        self.initial = export_tensors(draft.state_dict())  # the host copy SpecForge's draft is built from
+        # the host copy SpecForge's draft is built from (cloned: export_tensors returns the CPU parameters themselves)
+        self.initial = {name: t.clone() for name, t in export_tensors(draft.state_dict()).items()}
         self.embed = draft.embed_tokens.weight.detach().clone()
         memory = spec_memory(spec)  # the first row's switches (every row sets its own: apply)
         pstate = ParallelState(ParallelDims(world_size=1), self.device)
