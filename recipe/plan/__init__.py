@@ -13,8 +13,10 @@ Per rank, by component (bytes; GiB in the table):
 target_forward)`` (the target's forward ends before the draft's step begins); a layout fits when total ≤ the GPU.
 
 Public API: :func:`predict_step` (one ``recipe.plan.spec.BenchSpec`` row: the step bytes ``time_step`` would
-measure), :class:`PlanInputs` / :func:`load_inputs` (from a ds_config and a target), :func:`plan_rows` (the table
-of one layout) and :func:`longest_fit`.
+measure), :class:`PlanInputs` / :func:`load_inputs` (from a ds_config and a target) / :func:`run_inputs` (from a
+run's resolved config), :func:`plan_rows` (the table of one layout), :func:`longest_fit`, and for the memory
+section's ``"auto"`` (``recipe.config_memory.MemoryOptions.resolve``) :class:`PlanFacts` (each candidate's hardware
+FLOPs and per-rank total) and :func:`resolve_inputs` (the inputs with the section resolved for a GPU and length).
 """
 from __future__ import annotations
 
