@@ -76,6 +76,14 @@ def test_the_device_call_schedule_ends_within_its_budget(capsys):
     assert total <= 540 < 575 and "budget 540" in lines[-1]
 
 
+def test_only_the_demos_own_import_failures_stop_the_call():
+    script = _script()
+    failed = ["specforge-0.2.0-py3-none-any.whl:specforge", "gguf-0.19.0-py3-none-any.whl:gguf", "recipe.bench.x",
+              "cuda: no CUDA device"]
+    assert script.demo_failures(failed) == failed[1:]
+    assert script.demo_failures(["specforge-0.2.0-py3-none-any.whl:specforge"]) == []
+
+
 def test_tiny_steps_are_fixed_and_estimates_scale_with_the_target():
     assert plan(TINY)["steps"] == {"short": 3, "warm": 2}
     big = json.loads((ROOT / "recipe" / "target" / "configs" / "Llama-3.1-8B-Instruct.json").read_text())
