@@ -9,6 +9,8 @@ import math
 
 import torch
 
+from kernels.documents import readable
+
 
 def accum_dtype(dtype: torch.dtype) -> torch.dtype:
     """Accumulation dtype: float32 for half types, else the input's (float64 stays float64 for gradchecks)."""
@@ -39,8 +41,9 @@ def block_attention(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Softmax attention of queries over one block of keys, returning the normalised output and its LSE.
 
-    Query i may read key j when ``k_valid[j]`` and ``k_pos[j] <= q_pos[i]`` (position-causal: positions are global,
-    so the same rule serves one device, a context-parallel shard and an inference KV cache).
+    Query i may read key j when ``k_valid[j]`` and ``k_pos[j] <= q_pos[i]`` in the same document (position-causal:
+    positions are global, so the same rule serves one device, a context-parallel shard and an inference KV cache;
+    packed documents are encoded in the positions, ``kernels.documents.readable``).
 
     Args:
         q_BHSD: [B, H, Sq, D] queries.  k_BHkvSD, v_BHkvSD: [B, Hkv, Sk, D] keys and values.
@@ -58,7 +61,7 @@ def block_attention(
     k = expand_kv(k_BHkvSD, h).to(acc)
     v = expand_kv(v_BHkvSD, h).to(acc)
     s_BHQK = torch.matmul(q_BHSD.to(acc), k.transpose(-1, -2)) * scale
-    allowed_BQK = k_pos_BS[:, None, :] <= q_pos_BS[:, :, None]
+    allowed_BQK = readable(q_pos_BS[:, :, None], k_pos_BS[:, None, :])
     if k_valid_BS is not None:
         allowed_BQK = allowed_BQK & k_valid_BS[:, None, :]
     s_BHQK = s_BHQK.masked_fill(~allowed_BQK[:, None], float("-inf"))

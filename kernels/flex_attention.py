@@ -1,7 +1,8 @@
 """Flex attention (``torch.nn.attention.flex_attention``, public PyTorch) for the causal block on CUDA.
 
-The mask is a ``mask_mod(b, h, q_idx, kv_idx) = k_valid[b, kv] & (k_pos[b, kv] <= q_pos[b, q])`` over the captured
-GLOBAL positions and validity, so one function serves one device, every ring hop and an inference KV cache. The
+The mask is a ``mask_mod(b, h, q_idx, kv_idx) = k_valid[b, kv] & (q_start[b, q] <= k_pos[b, kv] <= q_pos[b, q])``
+over the captured GLOBAL positions and validity (``q_start``: the start of the query's packed document,
+``kernels.documents``; 0 unpacked), so one function serves one device, every ring hop and an inference KV cache. The
 ``BlockMask`` is built from per-block position ranges (``flex_block_mask``: O((S/128)²) work and memory, no S x S
 mask is ever evaluated): blocks no query can read are skipped, fully readable ones run without the mask_mod, the
 rest apply it. ``flex_attention`` is called compiled on CUDA (:class:`CompiledFlex`, created lazily on first use);
@@ -62,6 +63,7 @@ import torch
 
 from kernels.block_attention import accum_dtype
 from kernels.compile_policy import CompiledFunction, CompileError
+from kernels.documents import document_start, has_readable_key
 from kernels.registry import AttentionBackend, BlockKernel, register_attention_backend
 from kernels.tiled_attention import check_block_shapes, keys_valid, recompute_block_backward
 from kernels.tracing import flex_stand_in, is_tracing
@@ -188,11 +190,13 @@ def _ordered(blocks_BQK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def flex_block_mask(q_pos_BS: torch.Tensor, k_pos_BS: torch.Tensor, k_valid_BS: torch.Tensor | None,
                     block_size: int = FLEX_BLOCK):
-    """The ``BlockMask`` of "query i reads key j iff k_valid[j] and k_pos[j] <= q_pos[i]" for [B, Sq] / [B, Sk]
-    int64 positions and [B, Sk] bool validity (None: all valid), on their device, broadcast over heads.
+    """The ``BlockMask`` of "query i reads key j iff k_valid[j] and document_start(q_pos[i]) <= k_pos[j] <=
+    q_pos[i]" (``kernels.documents.readable``) for [B, Sq] / [B, Sk] int64 positions and [B, Sk] bool validity
+    (None: all valid), on their device, broadcast over heads.
 
-    Per (query block, key block): skipped when no valid key is at or before the block's latest query; "full" (no
-    mask_mod) when every key of the block is valid and at or before the block's earliest query; otherwise the
+    Per (query block, key block): skipped when no valid key is at or before the block's latest query and at or after
+    the start of its earliest query's document; "full" (no mask_mod) when every key of the block is valid, at or
+    before the block's earliest query and in its latest query's document (so every pair is readable); otherwise the
     mask_mod decides per element. Positions are padded to whole blocks (padding keys invalid) so the mask_mod never
     indexes past its tensors. Raises ValueError when ``block_size`` is not a positive integer.
     """
@@ -205,6 +209,7 @@ def flex_block_mask(q_pos_BS: torch.Tensor, k_pos_BS: torch.Tensor, k_valid_BS: 
     nq, nk = -(-sq // block_size), -(-sk // block_size)
     valid = keys_valid(k_pos_BS, k_valid_BS)
     q_pos = _pad(q_pos_BS.long(), nq * block_size, _INT64_MIN)
+    q_start = document_start(q_pos)
     k_pos = _pad(k_pos_BS.long(), nk * block_size, _INT64_MAX)
     k_ok = _pad(valid, nk * block_size, False)
     real_q = _pad(torch.ones_like(q_pos_BS, dtype=torch.bool), nq * block_size, False).view(b, nq, block_size)
@@ -213,24 +218,26 @@ def flex_block_mask(q_pos_BS: torch.Tensor, k_pos_BS: torch.Tensor, k_valid_BS: 
     q_first = q_blocks.masked_fill(~real_q, _INT64_MAX).amin(dim=-1)
     k_blocks, ok_blocks = k_pos.view(b, nk, block_size), k_ok.view(b, nk, block_size)
     k_first = k_blocks.masked_fill(~ok_blocks, _INT64_MAX).amin(dim=-1)
+    k_latest = k_blocks.masked_fill(~ok_blocks, _INT64_MIN).amax(dim=-1)
     k_last = k_blocks.amax(dim=-1)
-    readable = k_first[:, None, :] <= q_last[:, :, None]
-    full = ok_blocks.all(dim=-1)[:, None, :] & (k_last[:, None, :] <= q_first[:, :, None])
+    readable = ((k_first[:, None, :] <= q_last[:, :, None])
+                & (k_latest[:, None, :] >= document_start(q_first)[:, :, None]))
+    full = (ok_blocks.all(dim=-1)[:, None, :] & (k_last[:, None, :] <= q_first[:, :, None])
+            & (k_first[:, None, :] >= document_start(q_last)[:, :, None]))
     partial_num, partial_idx = _ordered(readable & ~full)
     full_num, full_idx = _ordered(full)
 
     def mask_mod(b_idx, h_idx, q_idx, kv_idx):
-        return k_ok[b_idx, kv_idx] & (k_pos[b_idx, kv_idx] <= q_pos[b_idx, q_idx])
+        k = k_pos[b_idx, kv_idx]
+        return k_ok[b_idx, kv_idx] & (k <= q_pos[b_idx, q_idx]) & (k >= q_start[b_idx, q_idx])
 
     return BlockMask.from_kv_blocks(partial_num, partial_idx, full_num, full_idx, BLOCK_SIZE=block_size,
                                     mask_mod=mask_mod, seq_lengths=(sq, sk))
 
 
 def _has_key(q_pos_BS, k_pos_BS, k_valid_BS) -> torch.Tensor:
-    """[B, 1, Sq] bool: the query has at least one readable key (its position is at or after the first valid key)."""
-    valid = keys_valid(k_pos_BS, k_valid_BS)
-    first_BS = k_pos_BS.long().masked_fill(~valid, _INT64_MAX).amin(dim=1, keepdim=True)
-    return (q_pos_BS.long() >= first_BS)[:, None, :]
+    """[B, 1, Sq] bool: the query has at least one readable key (``kernels.documents.has_readable_key``)."""
+    return has_readable_key(q_pos_BS, k_pos_BS, keys_valid(k_pos_BS, k_valid_BS))[:, None, :]
 
 
 def flex_block_attention(q_BHSD, k_BHkvSD, v_BHkvSD, q_pos_BS, k_pos_BS, k_valid_BS=None, scale=None, *,

@@ -11,11 +11,11 @@ j <= i); a row with no readable key gets out 0 and lse 0 (set to -inf here); the
 the diagonal only with ``is_causal``.
 
 Mask per pair, cheapest first (positions are global, so a pair's layout is read from its positions):
-  full     every key is at or before every query: no mask, or the [B, 1, 1, Sk] validity mask;
-  causal   q and k positions are the same strictly increasing list (the single-device block, each cp rank's own
-           zigzag block): ``is_causal`` plus the validity mask, with the kernel's causal skipping;
-  general  anything else (inference prefill, Sq != Sk): a dense [B, 1, Tq, Tk] additive mask, so ``tile_size``
-           bounds its memory.
+  full     every key is at or before every query, all in one document: no mask, or the [B, 1, 1, Sk] validity mask;
+  causal   q and k positions are the same strictly increasing list in one document (the single-device block, each
+           cp rank's own zigzag block): ``is_causal`` plus the validity mask, with the kernel's causal skipping;
+  general  anything else (inference prefill, Sq != Sk, a tile spanning packed documents): a dense [B, 1, Tq, Tk]
+           additive mask of ``kernels.documents.readable`` and the validity, so ``tile_size`` bounds its memory.
 
 Backward: the kernel derives ``delta = rowsum(grad_out · out)`` from its ``out`` argument alone (the flash-attention
 backward: Dao et al. 2022, Alg. 4), and the LSE's gradient enters the softmax backward as ``dS = P·(dP - (delta -
@@ -28,9 +28,8 @@ from __future__ import annotations
 
 import torch
 
+from kernels.documents import document_start, has_readable_key, readable
 from kernels.registry import AttentionBackend, BlockKernel, register_attention_backend
-
-_INT64_MAX = torch.iinfo(torch.int64).max
 
 
 def sdpa_available() -> bool:
@@ -38,11 +37,6 @@ def sdpa_available() -> bool:
     ops = torch.ops.aten
     return hasattr(ops, "_scaled_dot_product_flash_attention_for_cpu") and hasattr(
         ops, "_scaled_dot_product_flash_attention_for_cpu_backward")
-
-
-def _first_valid_position(k_pos_BS: torch.Tensor, k_valid_BS: torch.Tensor) -> torch.Tensor:
-    """[B] the earliest valid key position per row (int64 max when the row has no valid key)."""
-    return k_pos_BS.masked_fill(~k_valid_BS, _INT64_MAX).amin(dim=1)
 
 
 def pair_mask(q_pos_BS, k_pos_BS, k_valid_BS, dtype: torch.dtype) -> tuple[bool, torch.Tensor | None, str]:
@@ -53,13 +47,15 @@ def pair_mask(q_pos_BS, k_pos_BS, k_valid_BS, dtype: torch.dtype) -> tuple[bool,
     "causal" or "general" (module docstring).
     """
     all_valid = bool(k_valid_BS.all())
-    if k_pos_BS.shape[1] and bool((q_pos_BS.amin(dim=1) >= k_pos_BS.amax(dim=1)).all()):
+    one_document = k_pos_BS.shape[1] > 0 and q_pos_BS.shape[1] > 0 and bool(  # every q and k in the latest q's
+        (document_start(q_pos_BS.amax(dim=1)) <= torch.minimum(k_pos_BS.amin(dim=1), q_pos_BS.amin(dim=1))).all())
+    if one_document and bool((q_pos_BS.amin(dim=1) >= k_pos_BS.amax(dim=1)).all()):
         layout = "full"
-    elif (q_pos_BS.shape == k_pos_BS.shape and torch.equal(q_pos_BS, k_pos_BS)
+    elif (one_document and q_pos_BS.shape == k_pos_BS.shape and torch.equal(q_pos_BS, k_pos_BS)
           and bool((k_pos_BS[:, 1:] > k_pos_BS[:, :-1]).all())):
         layout = "causal"
     else:
-        allowed_BQK = (k_pos_BS[:, None, :] <= q_pos_BS[:, :, None]) & k_valid_BS[:, None, :]
+        allowed_BQK = readable(q_pos_BS[:, :, None], k_pos_BS[:, None, :]) & k_valid_BS[:, None, :]
         mask = torch.zeros(allowed_BQK.shape, dtype=dtype, device=q_pos_BS.device)
         return False, mask.masked_fill_(~allowed_BQK, float("-inf"))[:, None], "general"
     if all_valid:
@@ -75,8 +71,7 @@ def sdpa_block_forward(q_BHSD, k_BHkvSD, v_BHkvSD, q_pos_BS, k_pos_BS, k_valid_B
     is_causal, mask, _ = pair_mask(q_pos_BS, k_pos_BS, k_valid_BS, q_BHSD.dtype)
     out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
         q_BHSD, k_BHkvSD, v_BHkvSD, 0.0, is_causal, attn_mask=mask, scale=scale)
-    has_key_BS = q_pos_BS >= _first_valid_position(k_pos_BS, k_valid_BS)[:, None]
-    has_key = has_key_BS[:, None, :]
+    has_key = has_readable_key(q_pos_BS, k_pos_BS, k_valid_BS)[:, None, :]
     return torch.where(has_key[..., None], out, torch.zeros_like(out)), torch.where(
         has_key, lse, torch.full_like(lse, float("-inf")))
 

@@ -5,10 +5,11 @@ backward, which is what runs a single device out of memory at long context. Here
 of at most ``tile_size`` positions; the forward visits (query tile, key tile) pairs, merging each pair's
 ``(out, lse)`` with ``merge_lse``, and keeps only q, k, v, the output and the final LSE. The backward recomputes each
 pair's probabilities from the final LSE (the flash-attention backward: Dao et al. 2022, "FlashAttention", Alg. 4).
-Pairs in which no query can read any key (every key later than every query, or padding) are skipped, so a causal
-block costs about half the pairs. Which pairs those are is decided on the host once per forward (``block_pairs``),
-from CPU copies of the positions/validity when the batch builder attached them (``kernels.host_positions``; no device
-sync), else from the tensors (one sync); the backward reuses the forward's decision.
+Pairs in which no query can read any key (every key later than every query, or in an earlier packed document, or
+padding) are skipped, so a causal block costs about half the pairs. Which pairs those are is decided on the host
+once per forward (``block_pairs``), from CPU copies of the positions/validity when the batch builder attached them
+(``kernels.host_positions``; no device sync), else from the tensors (one sync); the backward reuses the forward's
+decision.
 
 The same tile loops serve the ring attention (``kernels.ring_attention``), which runs them on every K/V block that
 arrives around the context-parallel ring. What one (query tile, key tile) pair computes is a ``BlockKernel``
@@ -24,6 +25,7 @@ from typing import Callable
 import torch
 
 from kernels.block_attention import accum_dtype, block_attention, expand_kv, merge_lse
+from kernels.documents import document_start, readable
 from kernels.host_positions import host_block_meta
 from kernels.registry import AttentionBackend, BlockKernel, register_attention_backend
 from kernels.tracing import unreadable
@@ -74,9 +76,12 @@ def split_tiles(x: torch.Tensor, dim: int, tile_size: int | None = None, groups:
 
 
 def readable_pairs(q_pos_tiles, k_pos_tiles, k_valid_tiles) -> list[list[bool]]:
-    """[query tile][key tile] -> True when some query of the tile can read some key of the tile (per batch row: a
-    valid key at or before the tile's latest query position). Decided on the host: no sync for CPU tiles, ONE
-    device sync per call for device tiles (the training path hands CPU tiles: ``block_pairs``).
+    """[query tile][key tile] -> True when some query of the tile may read some key of the tile, per batch row: a
+    valid key at or before the tile's latest query and at or after the start of its earliest query's document
+    (``kernels.documents``: the keys a query reads lie in [document_start(q), q]; a tile wholly in earlier documents
+    or wholly later is skipped). Conservative: True may still hold no readable (query, key), which the kernel's own
+    mask settles. Decided on the host: no sync for CPU tiles, ONE device sync per call for device tiles (the
+    training path hands CPU tiles: ``block_pairs``).
 
     Tiles are [B, T] int64 positions / bool validity; empty tiles read and are read by nothing. In the tracing
     mode (``kernels.tracing``) fake tiles have no values: every pair is computed.
@@ -85,19 +90,22 @@ def readable_pairs(q_pos_tiles, k_pos_tiles, k_valid_tiles) -> list[list[bool]]:
         return [[True] * len(k_pos_tiles) for _ in q_pos_tiles]
     big, small = torch.iinfo(torch.int64).max, torch.iinfo(torch.int64).min
 
-    def latest(t):
-        return t.amax(dim=1) if t.shape[1] else torch.full(t.shape[:1], small, dtype=torch.int64, device=t.device)
-
-    def first_valid(pos, valid):
-        if not pos.shape[1]:
-            return torch.full(pos.shape[:1], big, dtype=torch.int64, device=pos.device)
-        return pos.masked_fill(~valid, big).amin(dim=1)
+    def extreme(t, last: bool, valid=None):
+        """Per row the latest (``last``) or earliest position of the tile's (valid) entries; small / big when none."""
+        empty = small if last else big
+        if not t.shape[1]:
+            return torch.full(t.shape[:1], empty, dtype=torch.int64, device=t.device)
+        t = t if valid is None else t.masked_fill(~valid, empty)
+        return t.amax(dim=1) if last else t.amin(dim=1)
 
     if not q_pos_tiles or not k_pos_tiles:
         return [[False] * len(k_pos_tiles) for _ in q_pos_tiles]
-    last_QB = torch.stack([latest(t.long()) for t in q_pos_tiles])
-    first_KB = torch.stack([first_valid(p.long(), v) for p, v in zip(k_pos_tiles, k_valid_tiles)])
-    return (first_KB[None, :, :] <= last_QB[:, None, :]).any(dim=-1).tolist()
+    last_QB = torch.stack([extreme(t.long(), True) for t in q_pos_tiles])
+    start_QB = document_start(torch.stack([extreme(t.long(), False) for t in q_pos_tiles]))
+    first_KB = torch.stack([extreme(p.long(), False, v) for p, v in zip(k_pos_tiles, k_valid_tiles)])
+    latest_KB = torch.stack([extreme(p.long(), True, v) for p, v in zip(k_pos_tiles, k_valid_tiles)])
+    return ((first_KB[None, :, :] <= last_QB[:, None, :])
+            & (latest_KB[None, :, :] >= start_QB[:, None, :])).any(dim=-1).tolist()
 
 
 def block_pairs(q_pos_BS, k_pos_BS, k_valid_BS, tile_size: int | None, groups: int = 1,
@@ -132,7 +140,7 @@ def attention_block_backward(dout_BHSD, dlse_BHS, delta_BHS, lse_BHS, q_BHSD, k_
     hkv, sk = k_BHkvSD.shape[1], k_BHkvSD.shape[2]
     k, v = expand_kv(k_BHkvSD, h), expand_kv(v_BHkvSD, h)
     s_BHQK = torch.matmul(q_BHSD, k.transpose(-1, -2)) * scale
-    allowed_BQK = (k_pos_BS[:, None, :] <= q_pos_BS[:, :, None]) & k_valid_BS[:, None, :]
+    allowed_BQK = readable(q_pos_BS[:, :, None], k_pos_BS[:, None, :]) & k_valid_BS[:, None, :]
     finite = torch.isfinite(lse_BHS)
     safe_lse = torch.where(finite, lse_BHS, torch.zeros_like(lse_BHS))
     p_BHQK = torch.exp(s_BHQK - safe_lse[..., None])

@@ -14,6 +14,7 @@ from typing import Callable
 import torch
 
 from kernels.block_attention import accum_dtype, merge_lse
+from kernels.documents import token_positions
 
 CausalAttention = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 
@@ -79,8 +80,10 @@ class TTTKVCache:
         return 0 if self.block is None else 1 + len(self.diag_k)
 
     def rope_positions(self, position_ids_BS: torch.Tensor) -> torch.Tensor:
-        """RoPE positions of the next step: anchor positions + step index ([B, S] int64)."""
-        return position_ids_BS + self.num_steps
+        """RoPE positions of the next step: anchor positions within their document + step index ([B, S] int64;
+        ``kernels.documents.token_positions``: a packed document's positions restart at 0, an unpacked row's are its
+        positions)."""
+        return token_positions(position_ids_BS) + self.num_steps
 
     def keep(self, select_BN: torch.Tensor) -> None:
         """Keep only the rows ``select_BN`` [B, N] int64 of the stored diagonal keys/values (the sparse path: the next
