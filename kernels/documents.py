@@ -77,3 +77,16 @@ def has_readable_key(q_pos_BS: torch.Tensor, k_pos_BS: torch.Tensor, k_valid_BS:
     at_or_before = torch.searchsorted(keys, q_pos, right=True)
     before_document = torch.searchsorted(keys, document_start(q_pos), right=False)
     return at_or_before > before_document
+
+
+def packed_positions(document_ids_BS: torch.Tensor) -> torch.Tensor:
+    """[B, S] int64 attention positions of a packed batch from its document ids [B, S] (non-negative; a document is
+    a run of equal ids along a row): :func:`document_positions` of each position's document and its offset from the
+    document's first position (the token positions restart at 0 in every document)."""
+    docs = document_ids_BS.long()
+    b, s = docs.shape
+    index = torch.arange(s, device=docs.device).expand(b, s)
+    starts = torch.ones_like(docs, dtype=torch.bool)
+    starts[:, 1:] = docs[:, 1:] != docs[:, :-1]
+    first = torch.where(starts, index, torch.zeros_like(index)).cummax(dim=1).values
+    return document_positions(docs, index - first)

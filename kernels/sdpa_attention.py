@@ -14,8 +14,11 @@ Mask per pair, cheapest first (positions are global, so a pair's layout is read 
   full     every key is at or before every query, all in one document: no mask, or the [B, 1, 1, Sk] validity mask;
   causal   q and k positions are the same strictly increasing list in one document (the single-device block, each
            cp rank's own zigzag block): ``is_causal`` plus the validity mask, with the kernel's causal skipping;
-  general  anything else (inference prefill, Sq != Sk, a tile spanning packed documents): a dense [B, 1, Tq, Tk]
-           additive mask of ``kernels.documents.readable`` and the validity, so ``tile_size`` bounds its memory.
+  causal-documents  the causal layout's positions spanning packed documents: ``is_causal`` (its causal skipping)
+           plus the dense mask below;
+  general  anything else (inference prefill, Sq != Sk, an off-diagonal tile pair of packed documents): a dense
+           [B, 1, Tq, Tk] additive mask of ``kernels.documents.readable`` and the validity, so ``tile_size`` bounds
+           its memory.
 
 Backward: the kernel derives ``delta = rowsum(grad_out · out)`` from its ``out`` argument alone (the flash-attention
 backward: Dao et al. 2022, Alg. 4), and the LSE's gradient enters the softmax backward as ``dS = P·(dP - (delta -
@@ -44,20 +47,22 @@ def pair_mask(q_pos_BS, k_pos_BS, k_valid_BS, dtype: torch.dtype) -> tuple[bool,
 
     q_pos [B, Tq], k_pos [B, Tk] int64; k_valid [B, Tk] bool. ``attn_mask`` is None, the [B, 1, 1, Tk] validity mask
     or the dense [B, 1, Tq, Tk] position + validity mask, additive (0 / -inf) in ``dtype``; ``layout`` is "full",
-    "causal" or "general" (module docstring).
+    "causal", "causal-documents" or "general" (module docstring).
     """
     all_valid = bool(k_valid_BS.all())
     one_document = k_pos_BS.shape[1] > 0 and q_pos_BS.shape[1] > 0 and bool(  # every q and k in the latest q's
         (document_start(q_pos_BS.amax(dim=1)) <= torch.minimum(k_pos_BS.amin(dim=1), q_pos_BS.amin(dim=1))).all())
+    diagonal = (q_pos_BS.shape == k_pos_BS.shape and torch.equal(q_pos_BS, k_pos_BS)
+                and bool((k_pos_BS[:, 1:] > k_pos_BS[:, :-1]).all()))
     if one_document and bool((q_pos_BS.amin(dim=1) >= k_pos_BS.amax(dim=1)).all()):
         layout = "full"
-    elif (one_document and q_pos_BS.shape == k_pos_BS.shape and torch.equal(q_pos_BS, k_pos_BS)
-          and bool((k_pos_BS[:, 1:] > k_pos_BS[:, :-1]).all())):
+    elif one_document and diagonal:
         layout = "causal"
-    else:
+    else:  # the dense mask; on a diagonal pair of packed documents with the kernel's causal skipping as well
         allowed_BQK = readable(q_pos_BS[:, :, None], k_pos_BS[:, None, :]) & k_valid_BS[:, None, :]
         mask = torch.zeros(allowed_BQK.shape, dtype=dtype, device=q_pos_BS.device)
-        return False, mask.masked_fill_(~allowed_BQK, float("-inf"))[:, None], "general"
+        return diagonal, mask.masked_fill_(~allowed_BQK, float("-inf"))[:, None], \
+            "causal-documents" if diagonal else "general"
     if all_valid:
         return layout == "causal", None, layout
     mask = torch.zeros(k_valid_BS.shape, dtype=dtype, device=k_valid_BS.device)

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from kernels.documents import packed_positions
 from kernels.ttt_attention import TTTKVCache
 from recipe.model.call_extent import CallExtent, piece_count
 from recipe.model.chunked_loss import chunked_soft_ce, teacher_table
@@ -93,14 +94,14 @@ class TTTBatch:
         return dataclasses.replace(self, **{name: getattr(self, name).to(device) for name in self.tensor_fields()})
 
 
-def _shift_left(x_BS: torch.Tensor, by: int) -> torch.Tensor:
-    """``out[:, p] = x[:, p + by]``, zero (False) beyond the end."""
-    pad = torch.zeros(x_BS.shape[0], by, dtype=x_BS.dtype, device=x_BS.device)
+def _shift_left(x_BS: torch.Tensor, by: int, fill=0) -> torch.Tensor:
+    """``out[:, p] = x[:, p + by]``, ``fill`` (0 / False) beyond the end."""
+    pad = torch.full((x_BS.shape[0], by), fill, dtype=x_BS.dtype, device=x_BS.device)
     return torch.cat([x_BS, pad], dim=1)[:, by:]
 
 
 def make_ttt_batch(input_ids_BS, loss_mask_BS, attention_mask_BS, aux_hidden_BSA, last_hidden_BSH, in_vocab_BS,
-                   K: int) -> TTTBatch:
+                   K: int, document_ids_BS: torch.Tensor | None = None) -> TTTBatch:
     """Build the K-step TTT batch on the full (unsplit) sequence.
 
     Args:
@@ -108,29 +109,46 @@ def make_ttt_batch(input_ids_BS, loss_mask_BS, attention_mask_BS, aux_hidden_BSA
         attention_mask_BS: [B, S] (0/1 or bool), 0 on padding.  aux_hidden_BSA: [B, S, 3·H_t].
         last_hidden_BSH: [B, S, H_t] target last hidden states (lm_head input).  in_vocab_BS: [B, S] bool,
         ``t2d[argmax z[p]]`` (see ``target_in_draft_vocab``).  K: number of TTT steps (>= 1).
+        document_ids_BS: [B, S] int64 (non-negative), the packed document of each position (runs of equal ids;
+        docs/algorithm.md, "Packing"); None: one document per row.
     Returns a TTTBatch with ``input_ids[k, :, p] = t[p+1+k]`` (0 beyond S), ``valid[k, :, p] = (p+2+k < S) &
     loss_mask[p+2+k] & in_vocab[p+1+k] & attention_mask[p]`` (the last term drops padding anchors, which only
     matters for left padding), positions ``0..S-1``, ``key_valid = attention_mask``, ``target_row[k, p] =
-    min(p+1+k, S-1)`` and ``target_hidden = last_hidden`` (L = S). Raises ValueError on K < 1 or mismatched shapes.
+    min(p+1+k, S-1)`` and ``target_hidden = last_hidden`` (L = S). With documents every shift stays inside its
+    document: the token is 0 and the label invalid where p+1+k (p+2+k) lies in another document, as beyond the end
+    of an unpacked row, and the positions are attention positions (``kernels.documents.packed_positions``);
+    ``target_row`` is unchanged: rows past an anchor's document are read only where its label is invalid, which adds
+    exact zeros. Raises ValueError on K < 1 or mismatched shapes.
     """
     if K < 1:
         raise ValueError(f"TTT steps K={K} must be >= 1")
     b, s = input_ids_BS.shape
     for name, t in (("loss_mask_BS", loss_mask_BS), ("attention_mask_BS", attention_mask_BS),
                     ("in_vocab_BS", in_vocab_BS), ("aux_hidden_BSA", aux_hidden_BSA),
-                    ("last_hidden_BSH", last_hidden_BSH)):
-        if tuple(t.shape[:2]) != (b, s):
+                    ("last_hidden_BSH", last_hidden_BSH), ("document_ids_BS", document_ids_BS)):
+        if t is not None and tuple(t.shape[:2]) != (b, s):
             raise ValueError(f"make_ttt_batch: {name} has shape {tuple(t.shape)}, expected leading [B={b}, S={s}]")
     device = input_ids_BS.device
     ids = input_ids_BS.to(torch.int64)
     loss_mask, in_vocab = loss_mask_BS.bool(), in_vocab_BS.bool()
     anchor_real = attention_mask_BS.bool()
-    input_ids_KBS = torch.stack([_shift_left(ids, k + 1) for k in range(K)])
-    valid_KBS = torch.stack([_shift_left(loss_mask, k + 2) & _shift_left(in_vocab, k + 1) & anchor_real
-                             for k in range(K)])
     positions = torch.arange(s, device=device, dtype=torch.int64)
     target_row_KS = torch.stack([(positions + k + 1).clamp(max=s - 1) for k in range(K)])
-    return TTTBatch(input_ids_KBS=input_ids_KBS, valid_KBS=valid_KBS, position_ids_BS=positions.expand(b, s).clone(),
+    if document_ids_BS is None:
+        input_ids_KBS = torch.stack([_shift_left(ids, k + 1) for k in range(K)])
+        valid_KBS = torch.stack([_shift_left(loss_mask, k + 2) & _shift_left(in_vocab, k + 1) & anchor_real
+                                 for k in range(K)])
+        position_ids_BS = positions.expand(b, s).clone()
+    else:
+        docs = document_ids_BS.to(device=device, dtype=torch.int64)
+
+        def same(by):  # p + by lies in p's document
+            return _shift_left(docs, by, -1) == docs
+        input_ids_KBS = torch.stack([_shift_left(ids, k + 1) * same(k + 1) for k in range(K)])
+        valid_KBS = torch.stack([_shift_left(loss_mask, k + 2) & same(k + 2) & _shift_left(in_vocab, k + 1)
+                                 & anchor_real for k in range(K)])
+        position_ids_BS = packed_positions(docs)
+    return TTTBatch(input_ids_KBS=input_ids_KBS, valid_KBS=valid_KBS, position_ids_BS=position_ids_BS,
                     key_valid_BS=anchor_real.clone(), aux_hidden_BSA=aux_hidden_BSA,
                     target_hidden_BLH=last_hidden_BSH, target_row_KS=target_row_KS)
 

@@ -274,7 +274,8 @@ class TargetModel:
 
     @torch.no_grad()
     def capture(self, input_ids_BS: torch.Tensor, attention_mask_BS: torch.Tensor | None = None,
-                argmax_chunk_size: int = 1024, argmax_rows_BS: torch.Tensor | None = None) -> TargetCapture:
+                argmax_chunk_size: int = 1024, argmax_rows_BS: torch.Tensor | None = None,
+                position_ids_BS: torch.Tensor | None = None) -> TargetCapture:
         """Run the decoder stack once; return the aux layers' outputs, the final-norm hidden states and the greedy
         token per position (the lm_head applied ``argmax_chunk_size`` positions at a time: never all [B, S, V]
         logits at once).
@@ -286,14 +287,24 @@ class TargetModel:
         Any other mask (left padding, holes, or one on a device, which would cost a sync to inspect) is passed on.
         ``argmax_rows_BS`` ([B, S] bool, None: all): take the argmax only at these rows, 0 elsewhere
         (``recipe.target.head.validity_rows``: the rows the TTT validity reads).
+        ``position_ids_BS`` ([B, S] int64, None: 0..S−1 in every row): a packed batch's positions, restarting at 0
+        in every document (``recipe.data.packing``; docs/algorithm.md, "Packing"); RoPE reads them and the
+        decoder's attention isolates the documents: without a 2-D mask and a cache, transformers' mask builder
+        splits each row where the position does not grow by one (``masking_utils.find_packed_sequence_indices``)
+        and masks every pair of positions across a split, which is exact when every document starts at 0. Such a
+        batch must be right-padded with its mask on the CPU (the mask is then dropped); ValueError otherwise.
         Rows at padded positions hold whatever the model computes there (with or without the mask); callers strip
         them or mask them from the loss.
         """
         mask = attention_mask_BS
         if mask is not None and mask.device.type == "cpu" and is_right_padded(mask):
             mask = None
+        if position_ids_BS is not None and mask is not None:
+            raise ValueError("TargetModel.capture: packed documents (position_ids_BS) need a right-padded attention "
+                             "mask on the CPU: transformers isolates them only without a 2-D mask")
+        positions = None if position_ids_BS is None else position_ids_BS.to(self.device)
         with capture_layer_outputs(self.layers, self.aux_layer_ids) as captured:
-            out = self.decoder(input_ids=input_ids_BS.to(self.device),
+            out = self.decoder(input_ids=input_ids_BS.to(self.device), position_ids=positions,
                                attention_mask=None if mask is None else mask.to(self.device), use_cache=False)
         aux = torch.cat([captured[i] for i in self.aux_layer_ids], dim=-1)
         last = out.last_hidden_state

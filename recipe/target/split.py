@@ -40,6 +40,7 @@ import torch
 from transformers import AttentionInterface
 
 from kernels.attention_backends import make_causal_attention
+from kernels.documents import token_positions
 from kernels.host_positions import attach_host_copies
 from recipe.parallel.cp_shard import label_rows, zigzag_indices
 from recipe.target.capture import TargetModel, capture_layer_outputs
@@ -55,7 +56,8 @@ class SplitAttentionCall:
     """What ``split_attention_forward`` needs for one decoder forward (passed as its ``recipe_split`` keyword).
 
     block: the causal block ``(q_BHSD, k_BHkvSD, v_BHkvSD, q_pos_BS, k_pos_BS, k_valid_BS) -> (out, lse)``.
-    position_ids_BS: [B, S/cp] int64 global positions of this rank's tokens (queries and keys alike).
+    position_ids_BS: [B, S/cp] int64 global attention positions of this rank's tokens (queries and keys alike; a
+        packed batch's carry the documents, ``kernels.documents``, which the block isolates).
     key_valid_BS: [B, S/cp] bool, False on padding.  seq_len: the global (padded) sequence length S.
     """
 
@@ -186,28 +188,34 @@ class SplitTarget:
 
     @torch.no_grad()
     def capture(self, input_ids_BS: torch.Tensor, attention_mask_BS: torch.Tensor, ttt_steps: int,
-                argmax_rows_BS: torch.Tensor | None = None) -> SplitTargetCapture:
+                argmax_rows_BS: torch.Tensor | None = None,
+                positions_BS: torch.Tensor | None = None) -> SplitTargetCapture:
         """This rank's ``SplitTargetCapture`` of the FULL padded micro-batch ``input_ids_BS`` [B, S] int64 with
         ``attention_mask_BS`` [B, S] (1 token, 0 padding; right padding), for K = ``ttt_steps``. A collective over
         the cp·tp group (and its tp and cp groups). With the mask on the CPU (the batch builder's), the ring decides
         its tile pairs from host copies of every rank's positions/validity (``kernels.host_positions``), without a
         device sync per hop. ``argmax_rows_BS`` ([B, S] bool, None: all): the argmax only at these rows, 0 elsewhere
-        (``recipe.target.head.validity_rows``). Raises ValueError when S is not a multiple of 2·cp·tp.
+        (``recipe.target.head.validity_rows``). ``positions_BS`` ([B, S] int64 on the CPU, None: 0..S−1): a packed
+        batch's attention positions (``kernels.documents.document_positions``; docs/algorithm.md, "Packing"): RoPE
+        reads the position within the document, the block isolates the documents. Raises ValueError when S is not a
+        multiple of 2·cp·tp.
         """
         t, n, j = self.target, self.split_size, self.split_rank
         b, s = input_ids_BS.shape
         pos_host = zigzag_indices(s, n, j)
         pos = pos_host.to(t.device)
         ids = input_ids_BS.to(t.device)[:, pos]
-        call = SplitAttentionCall(self.block, pos.expand(b, -1).contiguous(),
-                               attention_mask_BS.to(t.device)[:, pos].bool(), s)
+        full_host = torch.arange(s).expand(b, s) if positions_BS is None else positions_BS  # sliced per rank
+        call = SplitAttentionCall(self.block, full_host[:, pos_host].to(t.device).contiguous(),
+                                  attention_mask_BS.to(t.device)[:, pos].bool(), s)
         if attention_mask_BS.device.type == "cpu":  # every rank's positions/validity on the host: the ring's pairs
             mine = [zigzag_indices(s, n, r) for r in range(n)]
-            attach_host_copies(call.position_ids_BS, [m.expand(b, -1).contiguous() for m in mine], j)
+            attach_host_copies(call.position_ids_BS, [full_host[:, m].contiguous() for m in mine], j)
             attach_host_copies(call.key_valid_BS, [attention_mask_BS[:, m].bool() for m in mine], j)
+        rope = call.position_ids_BS if positions_BS is None else token_positions(call.position_ids_BS)
         with attention_implementation(t.model, SPLIT_ATTENTION), \
                 capture_layer_outputs(t.layers, t.aux_layer_ids) as captured:
-            out = t.decoder(input_ids=ids, position_ids=call.position_ids_BS, use_cache=False, recipe_split=call)
+            out = t.decoder(input_ids=ids, position_ids=rope, use_cache=False, recipe_split=call)
         aux = torch.cat([captured[i] for i in t.aux_layer_ids], dim=-1)
         del captured
         last = out.last_hidden_state

@@ -18,7 +18,9 @@ from dataclasses import dataclass
 
 import torch
 
+from kernels.documents import document_positions, token_positions
 from kernels.host_positions import attach_host_copies
+from recipe.data.packing import RowLayout, check_packing, micro_batch_layout
 from recipe.data.store import DTYPES
 from recipe.model.call_extent import CallExtent
 from recipe.model.ttt import TTTBatch, make_ttt_batch, target_in_draft_vocab
@@ -44,9 +46,13 @@ class MicroBatch:
 class HostTokens:
     """The host (CPU) side of one micro-batch, known before any hidden state is read or any target runs.
 
-    ``input_ids_BS`` / ``loss_mask_BS`` / ``attention_BS``: [B, S] int64, right-padded to S (a multiple of the seq
+    ``input_ids_BS`` / ``loss_mask_BS`` / ``attention_BS``: [B, S] int64, the samples placed as ``layout`` says
+    (``recipe.data.packing.RowLayout``: one per row, or packed several to a row), padded to S (a multiple of the seq
     divisor) with 0; ``attention_BS`` 1 on tokens. ``argmax_BS``: [B, S] int64 the store's ``target_argmax`` (0 on
-    padding) offline, None online (the target computes it). ``lengths``: the real length of each row.
+    padding) offline, None online (the target computes it). ``lengths``: the real length of each sample (in
+    ``indices`` order). ``documents_BS``: [B, S] int64 the document of each position of a packed layout
+    (``RowLayout.documents``), None unpacked; ``positions_BS`` then its attention positions
+    (``kernels.documents.document_positions``: the document and the position within it), else None.
     """
 
     indices: list[int]
@@ -55,6 +61,9 @@ class HostTokens:
     loss_mask_BS: torch.Tensor
     attention_BS: torch.Tensor
     argmax_BS: torch.Tensor | None = None
+    layout: RowLayout | None = None
+    documents_BS: torch.Tensor | None = None
+    positions_BS: torch.Tensor | None = None
 
     @property
     def samples(self) -> int:
@@ -66,11 +75,16 @@ class HostTokens:
         return self.attention_BS.shape[1]
 
 
-def supervised_per_step(loss_mask_BS: torch.Tensor, ttt_steps: int) -> torch.Tensor:
+def supervised_per_step(loss_mask_BS: torch.Tensor, ttt_steps: int,
+                        documents_BS: torch.Tensor | None = None) -> torch.Tensor:
     """[K] int64: supervised positions of each TTT step k over a right-padded [B, S] loss mask: anchors p whose
-    step-k label ``t[p+2+k]`` has loss mask 1 (``make_ttt_batch``'s ``valid`` without the in-vocabulary term)."""
+    step-k label ``t[p+2+k]`` has loss mask 1 (``make_ttt_batch``'s ``valid`` without the in-vocabulary term); with
+    ``documents_BS`` (a packed batch) only labels in the anchor's document count, as in the padded batch."""
     mask = loss_mask_BS.long()
-    return torch.stack([mask[:, k + 2:].sum() for k in range(ttt_steps)])
+    if documents_BS is None:
+        return torch.stack([mask[:, k + 2:].sum() for k in range(ttt_steps)])
+    docs = documents_BS.long()
+    return torch.stack([(mask[:, k + 2:] * (docs[:, k + 2:] == docs[:, :-(k + 2)])).sum() for k in range(ttt_steps)])
 
 
 class BatchBuilder:
@@ -94,6 +108,12 @@ class BatchBuilder:
         position_offset_max, seed: ``--position-offset-max``: > 0 replaces the draft's position ids by
             ``recipe.train.positions.anchor_offset_positions`` (sinks kept, the rest shifted per sample); 0 leaves
             them as ``make_ttt_batch`` made them.
+        packing, packing_tokens: the ``data`` section's switch (``recipe.data.packing.PACKING_MODES``; false: one
+            sample per padded row) and the row budget in tokens (``micro_batch_layout``; None: no packing). A packed
+            micro-batch's samples are documents of their rows: positions restart per document, every TTT shift stays
+            inside it, the online target's forward isolates them (``TargetModel.capture``'s ``position_ids_BS``,
+            ``SplitTarget.capture``'s ``positions_BS``) and so does the draft's attention (docs/algorithm.md,
+            "Packing"); loss sums, counts and gradients equal the padded batch's up to float summation order.
 
     Host vs device. Offline, everything up to the finished CPU ``TTTBatch`` is host work (``tokens``, ``read``; on a
     CUDA device the CPU batch is put in pinned memory there) and ``build`` copies it to the device with
@@ -104,7 +124,7 @@ class BatchBuilder:
 
     def __init__(self, *, examples=None, store=None, target=None, t2d, ttt_steps, seq_divisor,
                  cp_size=1, cp_rank=0, device=torch.device("cpu"), dtype=torch.float32, argmax_chunk_size=1024,
-                 position_offset_max=0, seed=0):
+                 position_offset_max=0, seed=0, packing: bool | str = False, packing_tokens: int | None = None):
         if (examples is None) == (store is None):
             raise ValueError("BatchBuilder needs exactly one of examples (online) or store (offline)")
         if examples is not None and target is None:
@@ -117,6 +137,8 @@ class BatchBuilder:
         self.examples, self.store, self.target = examples, store, target
         self.argmax_chunk_size = argmax_chunk_size
         self.position_offset_max, self.seed = position_offset_max, seed
+        self.packing = check_packing(packing) if packing_tokens is not None else False
+        self.packing_tokens = packing_tokens
         self.t2d = t2d.to(target.device) if target is not None else t2d
         self.ttt_steps, self.seq_divisor = ttt_steps, seq_divisor
         self.cp_size, self.cp_rank = cp_size, cp_rank
@@ -154,8 +176,13 @@ class BatchBuilder:
         per dp rank, this rank's included; an empty list counts as nothing): each rank's padded length is computed
         as ``tokens`` pads it, on the host, so every rank of the ZeRO group gets the same extent without a
         collective (``recipe.model.call_extent``). Local to a cp rank (the sizes / cp)."""
-        shapes = [(len(ix), round_up(max(self.sample_lengths(ix)), self.seq_divisor)) for ix in groups if ix]
+        shapes = [(layout.rows, layout.seq) for layout in (self.layout(self.sample_lengths(ix)) for ix in groups if ix)]
         return CallExtent.of(shapes, self.cp_size)
+
+    def layout(self, lengths: list[int]) -> RowLayout:
+        """Where samples of ``lengths`` tokens go in a micro-batch (``recipe.data.packing.micro_batch_layout``: padded
+        rows, or packed ones under ``packing``); host arithmetic, the same on every rank."""
+        return micro_batch_layout(lengths, self.packing, self.packing_tokens or 1, self.seq_divisor)
 
     def rows_needed(self, seq: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """(aux rows, target rows) this rank reads of a padded length-``seq`` sample; (None, None): all rows.
@@ -170,24 +197,29 @@ class BatchBuilder:
                                                                            self.ttt_steps)
 
     def tokens(self, indices: list[int]) -> HostTokens:
-        """The padded CPU tokens of samples ``indices`` (offline also the store's ``target_argmax``); no hidden
-        state is read."""
+        """The CPU tokens of samples ``indices`` placed as ``layout`` says (offline also the store's
+        ``target_argmax``); no hidden state is read."""
         tokens = [self._tokens(i) for i in indices]
         tokens = [(ids.long(), mask.long()) for ids, mask in tokens]
         lengths = [len(ids) for ids, _ in tokens]
-        seq = round_up(max(lengths), self.seq_divisor)
-        b = len(indices)
+        layout = self.layout(lengths)
+        b, seq = layout.rows, layout.seq
         input_ids = torch.zeros(b, seq, dtype=torch.long)
         loss_mask = torch.zeros(b, seq, dtype=torch.long)
         attention = torch.zeros(b, seq, dtype=torch.long)
-        for row, (ids, mask) in enumerate(tokens):
-            input_ids[row, :len(ids)], loss_mask[row, :len(ids)], attention[row, :len(ids)] = ids, mask, 1
-        argmax = None
-        if self.store is not None:
-            argmax = torch.zeros(b, seq, dtype=torch.int64)
-            for row, (index, n) in enumerate(zip(indices, lengths)):
-                argmax[row, :n] = self._store_get(index, fields=("target_argmax",))["target_argmax"]
-        return HostTokens(list(indices), lengths, input_ids, loss_mask, attention, argmax)
+        argmax = None if self.store is None else torch.zeros(b, seq, dtype=torch.int64)
+        for p in layout.placements:
+            ids, mask = tokens[p.slot]
+            cols = slice(p.offset, p.offset + p.length)
+            input_ids[p.row, cols], loss_mask[p.row, cols], attention[p.row, cols] = ids, mask, 1
+            if argmax is not None:
+                argmax[p.row, cols] = self._store_get(indices[p.slot], fields=("target_argmax",))["target_argmax"]
+        documents = positions = None
+        if layout.packed:
+            documents, token_pos = layout.documents()
+            positions = document_positions(documents, token_pos)
+        return HostTokens(list(indices), lengths, input_ids, loss_mask, attention, argmax, layout, documents,
+                          positions)
 
     def local_valid(self, host: HostTokens) -> torch.Tensor:
         """[K] int64 (CPU): this cp rank's valid positions per TTT step of an OFFLINE micro-batch, from its tokens
@@ -195,9 +227,9 @@ class BatchBuilder:
         ``make_ttt_batch`` and zigzag split, with empty hidden states)."""
         if host.argmax_BS is None:
             raise ValueError("local_valid needs the store's target_argmax (offline mode)")
-        empty = torch.empty(host.samples, host.seq, 0)
+        empty = torch.empty(*host.attention_BS.shape, 0)
         ttt = make_ttt_batch(host.input_ids_BS, host.loss_mask_BS, host.attention_BS, empty, empty,
-                             target_in_draft_vocab(host.argmax_BS, self.t2d), self.ttt_steps)
+                             target_in_draft_vocab(host.argmax_BS, self.t2d), self.ttt_steps, host.documents_BS)
         valid = ttt.valid_KBS
         if self.cp_size > 1:
             valid = zigzag_split(valid, self.cp_size, self.cp_rank, 2)
@@ -207,9 +239,9 @@ class BatchBuilder:
         """OFFLINE: this rank's finished TTT batch on the CPU (hidden states in the store dtype), its tensors in
         pinned memory when the device is CUDA. Host work only (store reads, shifts, zigzag split), safe to run in a
         background thread."""
-        aux, last = self._hidden(host.indices, host.lengths, host.seq)
+        aux, last = self._hidden(host)
         ttt = make_ttt_batch(host.input_ids_BS, host.loss_mask_BS, host.attention_BS, aux, last,
-                             target_in_draft_vocab(host.argmax_BS, self.t2d), self.ttt_steps)
+                             target_in_draft_vocab(host.argmax_BS, self.t2d), self.ttt_steps, host.documents_BS)
         if self.cp_size > 1:
             ttt = shard_ttt_batch(ttt, self.cp_size, self.cp_rank)
         if self.pin_memory:
@@ -227,27 +259,41 @@ class BatchBuilder:
         elif self.store is not None:
             ttt = self.read(host)
         elif self.split_target:
-            ttt = self._cp_online(host.input_ids_BS, host.loss_mask_BS, host.attention_BS)
+            ttt = self._cp_online(host)
         else:
+            rope = None if host.positions_BS is None else token_positions(host.positions_BS)  # restart per document
             cap = self.target.capture(host.input_ids_BS, host.attention_BS, self.argmax_chunk_size,
-                                      validity_rows(host.loss_mask_BS))  # the argmax only where validity reads it
+                                      validity_rows(host.loss_mask_BS), position_ids_BS=rope)  # argmax where read
             dev = cap.aux_hidden_BSA.device
             ttt = make_ttt_batch(host.input_ids_BS.to(dev), host.loss_mask_BS.to(dev), host.attention_BS.to(dev),
                                  cap.aux_hidden_BSA, cap.last_hidden_BSH,
-                                 target_in_draft_vocab(cap.argmax_BS, self.t2d), self.ttt_steps)
+                                 target_in_draft_vocab(cap.argmax_BS, self.t2d), self.ttt_steps,
+                                 None if host.documents_BS is None else host.documents_BS.to(dev))
         host_valid = ttt.valid_KBS if ttt.valid_KBS.device.type == "cpu" else None
         ttt = dataclasses.replace(ttt, call_extent=extent,
                                   **{name: getattr(ttt, name).to(self.device, non_blocking=True)
                                      for name in ttt.tensor_fields()})
         ttt.aux_hidden_BSA = ttt.aux_hidden_BSA.to(self.dtype)
         ttt.target_hidden_BLH = ttt.target_hidden_BLH.to(self.dtype)
-        positions = None  # --position-offset-max 0: the positions make_ttt_batch made (arange), untouched
+        positions = host.positions_BS  # --position-offset-max 0: the positions make_ttt_batch made, untouched
         if self.position_offset_max:
-            positions = anchor_offset_positions(host.indices, host.seq, self.position_offset_max, self.seed)
+            positions = self._offset_positions(host)
             ttt.position_ids_BS = self._cp_part(positions).to(self.device)
         self._attach_host_copies(ttt, host, positions, host_valid)
         return MicroBatch(ttt=ttt, samples=host.samples, supervised_tokens=int(host.loss_mask_BS.sum()),
-                          supervised_K=supervised_per_step(host.loss_mask_BS, self.ttt_steps))
+                          supervised_K=supervised_per_step(host.loss_mask_BS, self.ttt_steps, host.documents_BS))
+
+    def _offset_positions(self, host: HostTokens) -> torch.Tensor:
+        """[B, S] int64 the draft's positions under ``--position-offset-max`` (``anchor_offset_positions``): per
+        sample (per document of a packed row, whose positions restart at 0: the same values as the sample padded
+        alone), then encoded with the documents (``kernels.documents.document_positions``) when packed."""
+        if host.documents_BS is None:
+            return anchor_offset_positions(host.indices, host.seq, self.position_offset_max, self.seed)
+        local = token_positions(host.positions_BS)
+        for p in host.layout.placements:
+            local[p.row, p.offset:p.offset + p.length] = anchor_offset_positions(
+                [host.indices[p.slot]], p.length, self.position_offset_max, self.seed)[0]
+        return document_positions(host.documents_BS, local)
 
     def _cp_part(self, x_BS: torch.Tensor) -> torch.Tensor:
         """This cp rank's zigzag part of a full [B, S] tensor (the whole of it at cp = 1)."""
@@ -280,16 +326,19 @@ class BatchBuilder:
             self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="batch-prefetch")
         return self._executor.submit(lambda: (host, self.read(host)))
 
-    def _cp_online(self, input_ids, loss_mask, attention) -> TTTBatch:
-        """This rank's TTT batch from the split target forward (``SplitTarget.capture``): the shifts are
-        made on the full token sequence with empty hidden states, the batch is sharded, then the local aux states
-        and label rows are put in (``shard_ttt_batch`` orders the label rows as ``cp_shard.label_rows`` does)."""
+    def _cp_online(self, host: HostTokens) -> TTTBatch:
+        """This rank's TTT batch from the split target forward (``SplitTarget.capture``, packed documents isolated by
+        their attention positions): the shifts are made on the full token sequence with empty hidden states, the
+        batch is sharded, then the local aux states and label rows are put in (``shard_ttt_batch`` orders the label
+        rows as ``cp_shard.label_rows`` does)."""
         dev = self.target.device
-        cap = self.target.capture(input_ids, attention, self.ttt_steps, validity_rows(loss_mask))
-        b, s = input_ids.shape
+        cap = self.target.capture(host.input_ids_BS, host.attention_BS, self.ttt_steps,
+                                  validity_rows(host.loss_mask_BS), positions_BS=host.positions_BS)
+        b, s = host.input_ids_BS.shape
         empty = torch.empty(b, s, 0, dtype=cap.aux_hidden_BSA.dtype, device=dev)
-        ttt = make_ttt_batch(input_ids.to(dev), loss_mask.to(dev), attention.to(dev), empty, empty,
-                             target_in_draft_vocab(cap.argmax_BS, self.t2d), self.ttt_steps)
+        docs = None if host.documents_BS is None else host.documents_BS.to(dev)
+        ttt = make_ttt_batch(host.input_ids_BS.to(dev), host.loss_mask_BS.to(dev), host.attention_BS.to(dev), empty,
+                             empty, target_in_draft_vocab(cap.argmax_BS, self.t2d), self.ttt_steps, docs)
         ttt = shard_ttt_batch(ttt, self.cp_size, self.cp_rank)
         if ttt.target_hidden_BLH.shape[1] != cap.label_hidden_BUH.shape[1]:
             raise AssertionError(f"label rows: the shard reads {ttt.target_hidden_BLH.shape[1]}, the CP target "
@@ -297,23 +346,25 @@ class BatchBuilder:
         ttt.aux_hidden_BSA, ttt.target_hidden_BLH = cap.aux_hidden_BSA, cap.label_hidden_BUH
         return ttt
 
-    def _hidden(self, indices, lengths, seq) -> tuple[torch.Tensor, torch.Tensor]:
-        """OFFLINE: [B, seq, A] aux and [B, seq, H_t] last hidden states on the CPU in the store dtype; only the
-        hidden-state rows this rank needs are read from the store (``rows_needed``); the others stay zero and are
-        never used by this rank's shard."""
-        aux_rows, label_rows = self.rows_needed(seq)
+    def _hidden(self, host: HostTokens) -> tuple[torch.Tensor, torch.Tensor]:
+        """OFFLINE: [B, S, A] aux and [B, S, H_t] last hidden states on the CPU in the store dtype, each sample's rows
+        where ``host.layout`` placed it; only the rows this rank needs are read from the store (``rows_needed``);
+        the others stay zero and are never used by this rank's shard."""
+        aux_rows, label_rows = self.rows_needed(host.seq)
         meta = self.store.meta
         dtype = DTYPES[meta.dtype]
-        aux = torch.zeros(len(indices), seq, meta.aux_width, dtype=dtype)
-        last = torch.zeros(len(indices), seq, meta.hidden_size, dtype=dtype)
-        for b, (index, n) in enumerate(zip(indices, lengths)):
+        aux = torch.zeros(host.attention_BS.shape[0], host.seq, meta.aux_width, dtype=dtype)
+        last = torch.zeros(host.attention_BS.shape[0], host.seq, meta.hidden_size, dtype=dtype)
+        for p in host.layout.placements:
+            index, row, start, end = host.indices[p.slot], p.row, p.offset, p.offset + p.length
             if aux_rows is None:
                 sample = self._store_get(index, fields=("aux_hidden", "last_hidden"))
-                aux[b, :n], last[b, :n] = sample["aux_hidden"], sample["last_hidden"]
+                aux[row, start:end], last[row, start:end] = sample["aux_hidden"], sample["last_hidden"]
                 continue
-            rows_a, rows_l = aux_rows[aux_rows < n], label_rows[label_rows < n]
-            aux[b, rows_a] = self._store_get(index, rows=rows_a, fields=("aux_hidden",))["aux_hidden"]
-            last[b, rows_l] = self._store_get(index, rows=rows_l, fields=("last_hidden",))["last_hidden"]
+            rows_a = aux_rows[(aux_rows >= start) & (aux_rows < end)]
+            rows_l = label_rows[(label_rows >= start) & (label_rows < end)]
+            aux[row, rows_a] = self._store_get(index, rows=rows_a - start, fields=("aux_hidden",))["aux_hidden"]
+            last[row, rows_l] = self._store_get(index, rows=rows_l - start, fields=("last_hidden",))["last_hidden"]
         return aux, last
 
 
@@ -353,7 +404,8 @@ class StepBatches:
                           max(b.ttt.input_ids_KBS.shape[-1] for b in self._built) * builder.cp_size)
             loss_masks = None
         if loss_masks is not None:
-            self.supervised_K = torch.stack([supervised_per_step(m, builder.ttt_steps) for m in loss_masks]).sum(0)
+            self.supervised_K = torch.stack([supervised_per_step(h.loss_mask_BS, builder.ttt_steps, h.documents_BS)
+                                             for h in self._hosts]).sum(0)
             self.supervised_tokens = sum(int(m.sum()) for m in loss_masks)
         else:
             self.supervised_K = torch.stack([b.supervised_K for b in self._built]).sum(0)

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from recipe.data.packing import packed_layout
 from recipe.model.draft import Eagle3Draft
 from recipe.model.draft_config import Eagle3DraftConfig
 from recipe.model.ttt import TTTBatch, TTTModel, make_ttt_batch, target_in_draft_vocab
@@ -68,19 +69,19 @@ def random_draft(seed: int, config: Eagle3DraftConfig, g: torch.Generator):
 
 
 def build_case(seed: int, K: int, seq_len: int | None = None, lengths: tuple[int, ...] | None = None,
-               geometry: CaseGeometry = MEMORY, dtype: torch.dtype = torch.float32):
+               geometry: CaseGeometry = MEMORY, dtype: torch.dtype = torch.float32,
+               packing_tokens: int | None = None):
     """(draft, target head [V, H_t], TTTBatch of K steps) for ``seed``, all floating tensors in ``dtype``.
 
     Rows of ``lengths`` (default ``geometry.lengths``) are drawn at the longest length: 80% of the real positions
     supervised, random ids, aux [B, S, 3·H_t] and last [B, S, H_t] hidden states from N(0, 1) (aux zero at padding
     when ``geometry.mask_padding``); then padded to ``seq_len`` (default: the longest length). The in-draft-vocab
-    flags come from the fp32 hidden states. ValueError if ``seq_len`` is shorter than the longest row.
+    flags come from the fp32 hidden states. ``packing_tokens``: the same samples packed into rows of at most that
+    many tokens (``recipe.data.packing.packed_layout``, documents isolated: docs/algorithm.md, "Packing"), each row
+    padded to ``seq_len`` (default: the longest row). ValueError if ``seq_len`` is shorter than the longest row.
     """
     lengths = geometry.lengths if lengths is None else tuple(lengths)
     b, s = len(lengths), max(lengths)
-    seq_len = s if seq_len is None else seq_len
-    if seq_len < s:
-        raise ValueError(f"seq_len={seq_len} is shorter than the longest row ({s})")
     g = torch.Generator().manual_seed(seed)
     draft, head_VH, t2d = random_draft(seed, geometry.draft_config(), g)
     attention = torch.zeros(b, s, dtype=torch.bool)
@@ -92,11 +93,25 @@ def build_case(seed: int, K: int, seq_len: int | None = None, lengths: tuple[int
     if geometry.mask_padding:
         aux = aux * attention[..., None]
     last = torch.randn(b, s, HT, generator=g)
-    attention, loss_mask, input_ids, aux, last = (pad_to_multiple(t, seq_len, dim=1)
-                                                  for t in (attention, loss_mask, input_ids, aux, last))
+    rows = (attention, loss_mask, input_ids, aux, last)
+    documents = None
+    if packing_tokens is not None:
+        layout = packed_layout(list(lengths), packing_tokens)
+        s = layout.seq
+        placed = [torch.zeros(layout.rows, s, *t.shape[2:], dtype=t.dtype) for t in rows]
+        for p in layout.placements:
+            for out, t in zip(placed, rows):
+                out[p.row, p.offset:p.offset + p.length] = t[p.slot, :p.length]
+        rows, documents = placed, layout.documents()[0]
+    seq_len = s if seq_len is None else seq_len
+    if seq_len < s:
+        raise ValueError(f"seq_len={seq_len} is shorter than the longest row ({s})")
+    attention, loss_mask, input_ids, aux, last = (pad_to_multiple(t, seq_len, dim=1) for t in rows)
+    if documents is not None:
+        documents = pad_to_multiple(documents, seq_len, dim=1, value=int(documents.max()) + 1)
     chunk = {} if geometry.vocab_chunk is None else {"chunk_size": geometry.vocab_chunk}
     in_vocab = target_in_draft_vocab(lm_head_argmax(last, head_VH, **chunk), t2d)
-    batch = make_ttt_batch(input_ids, loss_mask, attention, aux.to(dtype), last.to(dtype), in_vocab, K)
+    batch = make_ttt_batch(input_ids, loss_mask, attention, aux.to(dtype), last.to(dtype), in_vocab, K, documents)
     return draft.to(dtype), head_VH.to(dtype), batch
 
 

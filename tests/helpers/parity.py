@@ -58,7 +58,8 @@ def run_layout(rank: int, world: int, tp: int, cp: int, K: int, seed: int, seq_l
                dtype: torch.dtype = torch.float64, attention_backend: str | None = None,
                sparse: bool | str | tuple = False,
                answers: tuple[int, ...] | None = None, tile_size: int | None = None,
-               switches: dict | None = None) -> dict:
+               switches: dict | None = None, lengths: tuple[int, ...] | None = None,
+               packing_tokens: int | None = None) -> dict:
     """Reference and (tp, cp) layout on this rank (world = tp·cp·dp, dp ignored: every dp rank repeats the case).
     ``attention_backend``: the attention backend of the layout by ``make_causal_attention`` name (None: "tiled",
     the pure-PyTorch kernel; untiled, i.e. the dense block on one cp rank and one tile per zigzag chunk in the ring;
@@ -66,19 +67,25 @@ def run_layout(rank: int, world: int, tp: int, cp: int, K: int, seed: int, seq_l
     dense); a tuple: one mode per cp rank (ranks of one step on different paths). ``answers``: per row, supervise only the last that many real tokens (``cases.answer_only``; a
     long-prompt/short-answer mask, 0: a row with nothing supervised). ``switches``: memory switches of the layout
     (``loss_chunk_size``, ``checkpoint_steps``: TTTModel attributes; ``mlp_tile_size``: the memory section's).
+    ``lengths``: the rows' real lengths (default ``PARITY.lengths``). ``packing_tokens``: the layout runs the same
+    samples packed into rows of at most that many tokens, padded to ``seq_len`` (``build_case``), against the
+    padded single-process reference.
 
     Returns {"ref": (loss_K, correct_K, valid_K, grads), "par": (same, full), "counts": RingCounts dict or None,
     "cp_rank", "tp_rank", "local_valid" (this rank's valid_K), "local_seq" (S/cp), "lm_head_shape" (local shard),
     "local_needed" ([K] this rank's needed anchors per step with ``sparse``, else None), "real_positions" (of the whole
     batch)}.
     """
-    draft, head_VH, batch = build_case(seed, K, seq_len, geometry=PARITY, dtype=dtype)
+    draft, head_VH, batch = build_case(seed, K, seq_len, lengths, geometry=PARITY, dtype=dtype)
     if answers is not None:
         batch = answer_only(batch, answers)
+    ref_batch = batch
+    if packing_tokens is not None:
+        batch = build_case(seed, K, seq_len, lengths, geometry=PARITY, dtype=dtype, packing_tokens=packing_tokens)[2]
     model = TTTModel(draft, head_VH)
-    n_valid = batch.valid_KBS.sum(dim=(1, 2))
+    n_valid = ref_batch.valid_KBS.sum(dim=(1, 2))
     ref_model = copy.deepcopy(model)
-    ref = forward_backward(ref_model, batch, n_valid)
+    ref = forward_backward(ref_model, ref_batch, n_valid)
     ref_grads = {n: p.grad.clone() for n, p in ref_model.named_parameters() if p.requires_grad}
 
     pstate = ParallelState(ParallelDims(world_size=world, tp=tp, cp=cp))

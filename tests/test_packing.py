@@ -1,0 +1,219 @@
+"""Packing (``data.packing``; docs/algorithm.md, "Packing"), one process: where the samples go
+(``recipe.data.packing``), and a packed micro-batch against the same samples padded, in float32: loss sums and every
+gradient (the aux states' too, mapped back to their samples) within ``FP32_REORDERED``, per-step correct and valid
+counts exactly, with every CPU kernel (the dense block, the tiled reference, the fused CPU kernel, flex compiled
+through ``aot_eager``), the sparse anchors on and off, and the memory switches that cut the work into pieces;
+documents shorter than K; a micro-batch of one sample unchanged bit for bit; the batch builder offline (the tiny
+store) and online (the tiny target, whose forward isolates the documents for every supported architecture: aux and
+last hidden states equal the padded forward's)."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.attention.flex_attention as torch_flex
+
+from kernels.attention_backends import make_causal_attention
+from kernels.documents import token_positions
+from kernels.flex_attention import CompiledFlex, FlexCausalAttention
+from recipe.data.packing import micro_batch_layout, packed_layout, padded_layout
+from recipe.data.store import HiddenStateStore
+from recipe.data.vocab import VocabMap
+from recipe.model.draft import Eagle3Draft
+from recipe.model.ttt import TTTModel
+from recipe.target.capture import TargetModel
+from recipe.target.registry import draft_config_for
+from recipe.train.batches import BatchBuilder
+from helpers.cases import PARITY, build_case, run_model
+from helpers.tiny_target import ARCHITECTURES, save_tiny_target
+from helpers.tolerance import FP32_REORDERED, assert_close_rel
+
+LENGTHS = (19, 3, 14, 1, 9)  # two documents shorter than K
+K = 7
+BUDGET = 24  # rows [19, 3, 1] and [14, 9]
+
+
+def test_layouts():
+    packed = packed_layout(list(LENGTHS), BUDGET, divisor=4)
+    assert [(p.slot, p.row, p.offset) for p in packed.placements] == [(0, 0, 0), (1, 0, 19), (3, 0, 22),
+                                                                      (2, 1, 0), (4, 1, 14)]
+    assert (packed.rows, packed.seq, packed.tokens) == (2, 24, 46)
+    padded = padded_layout(list(LENGTHS), 4)
+    assert (padded.rows, padded.seq, padded.positions) == (5, 20, 100) and not padded.packed
+    assert micro_batch_layout(list(LENGTHS), "auto", BUDGET, 4) == packed  # 48 positions < 100
+    assert micro_batch_layout([10, 10], "auto", 10, 4) == padded_layout([10, 10], 4)  # 24 positions either way
+    assert micro_batch_layout([10, 10], True, 10, 4).packed
+    assert micro_batch_layout([7], True, 20, 4) == padded_layout([7], 4)  # one sample: the same batch
+    assert not micro_batch_layout(list(LENGTHS), False, BUDGET).packed
+    assert packed_layout([30, 5], 8).rows == 2  # a sample over the budget gets its own row
+    docs, pos = packed.documents()
+    assert docs[0].tolist() == [0] * 19 + [1] * 3 + [2] + [3]
+    assert pos[1].tolist() == list(range(14)) + list(range(9)) + [0]
+    with pytest.raises(ValueError, match="packing"):
+        micro_batch_layout([3], "yes", 8)
+
+
+def _aux_rows(aux_grad, layout):
+    """[samples, longest, A]: each sample's aux gradient rows, from a batch of ``layout``."""
+    out = torch.zeros(len(layout.placements), max(LENGTHS), aux_grad.shape[-1], dtype=aux_grad.dtype)
+    for p in layout.placements:
+        out[p.slot, :p.length] = aux_grad[p.row, p.offset:p.offset + p.length]
+    return out
+
+
+def assert_packed_run(got, ref, layout, label: str) -> None:
+    """A packed ``run_model`` result against the padded one (module docstring)."""
+    (out, grads, aux), (ref_out, ref_grads, ref_aux) = got, ref
+    assert ref_out.valid_K.min() > 0 and ref_out.correct_K.sum() > 0, f"{label}: vacuous"
+    assert torch.equal(out.valid_K, ref_out.valid_K) and torch.equal(out.correct_K, ref_out.correct_K), label
+    assert_close_rel(out.loss_sum_K, ref_out.loss_sum_K, FP32_REORDERED, f"{label}: loss sums")
+    assert grads.keys() == ref_grads.keys() and len(grads) == 13
+    for name, grad in ref_grads.items():
+        assert grad.abs().max() > 0, name
+        assert_close_rel(grads[name], grad, FP32_REORDERED, f"{label}: {name}")
+    assert_close_rel(_aux_rows(aux, layout), _aux_rows(ref_aux, padded_layout(list(LENGTHS))), FP32_REORDERED,
+                     f"{label}: aux gradient")
+
+
+@pytest.fixture
+def aot_flex(monkeypatch):
+    """flex compiled on ``aot_eager``, torch's CPU-backward refusal lifted (``tests/test_flex_compiled.py``)."""
+    monkeypatch.setattr(torch_flex, "_validate_device", lambda *tensors: None)
+    torch._dynamo.reset()
+    yield CompiledFlex(backend="aot_eager")
+    torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("sparse", [False, True])
+@pytest.mark.parametrize("kernel", ["dense", "tiled", "sdpa", "flex", "switches"])
+def test_packed_micro_batch_equals_padded(kernel, sparse, request):
+    draft, head_VH, padded = build_case(3, K, lengths=LENGTHS, geometry=PARITY)
+    packed = build_case(3, K, lengths=LENGTHS, geometry=PARITY, packing_tokens=BUDGET)[2]
+    assert packed.input_ids_KBS.shape[1:] == (2, 23)
+
+    def model():
+        d = copy.deepcopy(draft)
+        if kernel == "flex":
+            d.midlayer.self_attn.causal_attention = FlexCausalAttention(compiled=request.getfixturevalue("aot_flex"))
+        else:
+            tile = {"dense": None, "tiled": 4, "sdpa": 4, "switches": 5}[kernel]
+            d.midlayer.self_attn.causal_attention = make_causal_attention(
+                "sdpa" if kernel == "sdpa" else "tiled", tile, "cpu")
+        m = TTTModel(d, head_VH, sparse_anchors=sparse)
+        if kernel == "switches":  # the loss in chunks and each step recomputed in backward
+            m.loss_chunk_size, m.checkpoint_steps = 7, True
+        return m
+    ref = run_model(model(), padded)
+    assert_packed_run(run_model(model(), packed), ref, packed_layout(list(LENGTHS), BUDGET), f"{kernel}")
+
+
+def _draft_for(target_dir):
+    config = TargetModel(target_dir, dtype=torch.float32, device="cpu").config
+    draft = Eagle3Draft(draft_config_for(config, 48), seed=1)
+    vocab = VocabMap.from_draft_ids(torch.arange(0, 96, 2), 96)
+    draft.set_vocab_map(vocab.d2t, vocab.t2d)
+    head = torch.randn(96, config.hidden_size, generator=torch.Generator().manual_seed(2))
+    return draft, head, vocab
+
+
+def _run(builder, draft, head, indices):
+    batch = builder.build(indices)
+    out, grads, _ = run_model(TTTModel(copy.deepcopy(draft), head), batch.ttt)
+    return batch, out, grads
+
+
+def _assert_same(got, ref, label):
+    (batch, out, grads), (ref_batch, ref_out, ref_grads) = got, ref
+    assert torch.equal(out.valid_K, ref_out.valid_K) and torch.equal(out.correct_K, ref_out.correct_K), label
+    assert ref_out.valid_K.min() > 0
+    assert torch.equal(batch.supervised_K, ref_batch.supervised_K), label
+    assert batch.supervised_tokens == ref_batch.supervised_tokens
+    assert_close_rel(out.loss_sum_K, ref_out.loss_sum_K, FP32_REORDERED, f"{label}: loss sums")
+    for name, grad in ref_grads.items():
+        assert_close_rel(grads[name], grad, FP32_REORDERED, f"{label}: {name}")
+
+
+def test_offline_builder_packs_and_equals_padded(tiny_target_and_store):
+    target_dir, store_dir = tiny_target_and_store
+    draft, head, vocab = _draft_for(target_dir)
+    indices = [0, 3, 5, 8, 11, 13]
+
+    def builder(packing, offset_max=0):
+        return BatchBuilder(store=HiddenStateStore(store_dir), t2d=vocab.t2d, ttt_steps=3, seq_divisor=4,
+                            packing=packing, packing_tokens=64, position_offset_max=offset_max, seed=5)
+    padded, packed = builder(False), builder("auto")
+    host = packed.tokens(indices)
+    assert host.layout.packed and host.layout.positions < padded.tokens(indices).layout.positions
+    assert torch.equal(packed.local_valid(host), padded.local_valid(padded.tokens(indices)))
+    extent = packed.call_extent([indices, indices[:1]])
+    assert extent == (host.seq, host.layout.positions)  # from the packed shapes, without reading a sample
+    got = _run(packed, draft, head, indices)
+    _assert_same(got, _run(padded, draft, head, indices), "offline")
+    # positions restart per document; --position-offset-max draws per sample as unpacked
+    offsets = builder("auto", 40).build(indices).ttt.position_ids_BS
+    plain = builder(False, 40).build(indices).ttt.position_ids_BS
+    for p in host.layout.placements:
+        assert torch.equal(token_positions(offsets[p.row, p.offset:p.offset + p.length]), plain[p.slot, :p.length])
+    one = packed.build(indices[:1]).ttt  # a micro-batch of one sample: the padded batch, bit for bit
+    ref_one = padded.build(indices[:1]).ttt
+    assert all(torch.equal(getattr(one, n), getattr(ref_one, n)) for n in one.tensor_fields())
+
+
+def _chats():
+    from datasets import Dataset
+
+    gen = torch.Generator().manual_seed(4)
+    rows = {"input_ids": [], "loss_mask": [], "row": []}
+    for i, n in enumerate((17, 3, 12, 22, 9, 2)):  # two samples shorter than K
+        rows["input_ids"].append(torch.randint(1, 96, (n,), generator=gen).tolist())
+        rows["loss_mask"].append([0] * (n // 3) + [1] * (n - n // 3))
+        rows["row"].append(i)
+    return Dataset.from_dict(rows)
+
+
+def test_online_builder_packs_and_equals_padded(tiny_target):
+    target = TargetModel(tiny_target, dtype=torch.float32, device="cpu")
+    draft, head, vocab = _draft_for(tiny_target)
+
+    def builder(packing):
+        return BatchBuilder(examples=_chats(), target=target, t2d=vocab.t2d, ttt_steps=4, seq_divisor=2,
+                            packing=packing, packing_tokens=32)
+    indices = list(range(6))
+    padded, packed = builder(False), builder(True)
+    host = packed.tokens(indices)
+    assert host.layout.rows == 3
+    got = _run(packed, draft, head, indices)
+    ref = _run(padded, draft, head, indices)
+    _assert_same(got, ref, "online")
+    for p in host.layout.placements:  # the target's aux states: each document's equal its padded row's
+        assert_close_rel(got[0].ttt.aux_hidden_BSA[p.row, p.offset:p.offset + p.length],
+                         ref[0].ttt.aux_hidden_BSA[p.slot, :p.length], FP32_REORDERED, f"aux of sample {p.slot}")
+
+
+@pytest.mark.parametrize("arch", sorted(ARCHITECTURES))
+def test_target_forward_isolates_documents(tmp_path, arch):
+    """``TargetModel.capture`` with packed positions: aux and last hidden states of every document equal the
+    padded forward's, for every supported architecture (RoPE restarts, attention masked across documents)."""
+    target = TargetModel(save_tiny_target(tmp_path / arch, arch), dtype=torch.float32, device="cpu")
+    lengths = [13, 5, 9]
+    layout = packed_layout(lengths, 30, 2)
+    gen = torch.Generator().manual_seed(1)
+    ids = [torch.randint(1, 96, (n,), generator=gen) for n in lengths]
+    padded = torch.zeros(3, 14, dtype=torch.long)
+    mask = torch.zeros_like(padded)
+    for j, t in enumerate(ids):
+        padded[j, :len(t)], mask[j, :len(t)] = t, 1
+    packed = torch.zeros(1, layout.seq, dtype=torch.long)
+    packed_mask = torch.zeros_like(packed)
+    for p in layout.placements:
+        packed[0, p.offset:p.offset + p.length], packed_mask[0, p.offset:p.offset + p.length] = ids[p.slot], 1
+    ref = target.capture(padded, mask)
+    got = target.capture(packed, packed_mask, position_ids_BS=layout.documents()[1])
+    for p in layout.placements:
+        for name in ("aux_hidden_BSA", "last_hidden_BSH"):
+            assert_close_rel(getattr(got, name)[0, p.offset:p.offset + p.length],
+                             getattr(ref, name)[p.slot, :p.length], FP32_REORDERED, f"{arch} {name} {p.slot}")
+    assert not packed_mask.all()
+    with pytest.raises(ValueError, match="right-padded"):  # left padding: transformers would not isolate them
+        target.capture(packed, packed_mask.flip(1), position_ids_BS=layout.documents()[1])
