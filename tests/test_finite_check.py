@@ -10,6 +10,9 @@ import pytest
 from helpers.ranks import run_ranks
 from test_host_syncs import K, TILE, _builder, _model
 
+from recipe.model.flops import DraftShape
+from recipe.train.metrics import StepSpeed
+
 
 class FakeEngine:
     """The slice of DeepSpeed's engine the loop's step uses; records forward/backward/step calls."""
@@ -84,6 +87,8 @@ def _loop_worker(rank, world_size, store_dir, output, grad_accum, nan_sample, sk
     trainer.config = SimpleNamespace(dims=dims, plan=plan)
     trainer.pstate = pstate
     trainer.engine = FakeEngine(_model(store_dir, TiledCausalAttention(TILE)), grad_accum)
+    trainer.speed = StepSpeed(DraftShape.of_config(trainer.engine.module.draft.config, K), None, world_size, None,
+                              builder.sample_lengths)
     trainer.step = 0
     out = []
     for _ in range(2):
