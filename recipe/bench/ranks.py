@@ -18,7 +18,15 @@ import torch.multiprocessing as mp
 from recipe.train.distributed import free_port
 
 
-def _worker(rank, world, port, fn, args, queue, seed):
+# What a forkserver imports once so that each rank it forks starts with them loaded (a spawned rank imports them
+# anew: seconds a rank on a small CPU); the project modules last, so their imports come warm.
+FORKSERVER_PRELOAD = ["torch", "torch.distributed", "deepspeed", "transformers", "safetensors.torch",
+                      "recipe.train.loop", "recipe.train.setup"]
+
+
+def _worker(rank, world, port, fn, args, queue, seed, env):
+    os.environ.clear()  # a forkserver's children would otherwise have the server's environment, not the caller's
+    os.environ.update(env)
     # LOCAL_SIZE is left unset on purpose: with LOCAL_SIZE == world, DeepSpeed's CPU backend maps a 66 MiB
     # /dev/shm buffer per rank for its shared-memory all-reduce and never removes it.
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
@@ -40,17 +48,24 @@ def _worker(rank, world, port, fn, args, queue, seed):
             dist.destroy_process_group()
 
 
-def spawn_gloo_ranks(world: int, fn, *args, timeout: float = 900.0, seed: int | None = None) -> list:
-    """Run ``fn(rank, world, *args)`` on ``world`` fresh spawned processes with a gloo group; results by rank.
+def spawn_gloo_ranks(world: int, fn, *args, timeout: float = 900.0, seed: int | None = None,
+                     start_method: str = "spawn") -> list:
+    """Run ``fn(rank, world, *args)`` on ``world`` fresh processes with a gloo group; results by rank.
+
+    ``start_method``: ``"spawn"`` (a new interpreter a rank: its peak memory is its own, as the benchmarks need) or
+    ``"forkserver"`` (ranks forked from one server per calling process that has :data:`FORKSERVER_PRELOAD` imported:
+    no import cost a rank, for the tests). Either way a rank gets the caller's current environment.
 
     ``fn`` must be a module-level function; results travel as ``torch.save`` bytes (tensors sent as shared-memory
     handles would die with the worker). ``seed``: ``torch.manual_seed`` on every rank after the group is up. Raises RuntimeError with the failing rank's traceback, or on a rank
     that dies without a result (e.g. killed for memory) or a timeout.
     """
-    ctx = mp.get_context("spawn")
+    ctx = mp.get_context(start_method)
+    if start_method == "forkserver":
+        ctx.set_forkserver_preload(FORKSERVER_PRELOAD)  # no effect once this process's server runs
     results_q = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_worker, args=(r, world, port, fn, args, results_q, seed)) for r in range(world)]
+    procs = [ctx.Process(target=_worker, args=(r, world, port, fn, args, results_q, seed, dict(os.environ))) for r in range(world)]
     for proc in procs:
         proc.start()
     results, error = {}, None
