@@ -36,6 +36,7 @@ from recipe.config_keys import (
     did_you_mean,
     field_model,
     model_keys,
+    refuse_layout_keys,
     strip_comments,
 )
 from recipe.config_memory import MemoryOptions, MemoryReport
@@ -54,7 +55,9 @@ MONITOR_INSTALL = {"tensorboard": "pip install -e '.[monitor]' (or pip install t
 def read_ds_config(path: Path) -> tuple[dict, dict]:
     """Read a DeepSpeed JSON; return (DeepSpeed dict without our section, our 'parallelism' section).
 
-    Raises ConfigError naming the file for a missing file, invalid JSON (with line/column) or a non-object.
+    Raises ConfigError naming the file for a missing file, invalid JSON (with line/column), a non-object or a
+    DeepSpeed layout key this recipe does not read (``sequence_parallel_size``, ``data_parallel_size``:
+    :func:`recipe.config_keys.refuse_layout_keys`, naming ``parallelism.cp_size``).
     """
     try:
         text = Path(path).read_text()
@@ -66,6 +69,7 @@ def read_ds_config(path: Path) -> tuple[dict, dict]:
         raise ConfigError(f"{path}: invalid JSON at line {exc.lineno} column {exc.colno}: {exc.msg}") from exc
     if not isinstance(cfg, dict):
         raise ConfigError(f"{path}: top level must be a JSON object")
+    refuse_layout_keys(cfg, path)
     section = cfg.pop(PARALLEL_SECTION, None)
     section = {} if section is None else section
     if not isinstance(section, dict):

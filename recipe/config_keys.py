@@ -26,6 +26,26 @@ class ConfigError(ValueError):
 
 OUR_SECTIONS = (PARALLEL_SECTION, MEMORY_SECTION, KERNELS_SECTION, TARGET_SECTION)
 
+REFUSED_LAYOUT_KEYS = {
+    "sequence_parallel_size": "DeepSpeed's own sequence parallelism (Ulysses) is not what this recipe runs, and "
+                              "with it alone every rank would train on whole sequences (dp, cp 1); the sequence is "
+                              "split over context-parallel ranks by 'parallelism.cp_size' (\"parallelism\": "
+                              "{\"cp_size\": 2}, or run.py --cp-size 2)",
+    "data_parallel_size": "not read by this recipe: dp is the world size over tp x cp; the layout is the "
+                          "'parallelism' section ('parallelism.cp_size' splits the sequence, 'parallelism.tp_size' "
+                          "the draft's layers, 'parallelism.dp_size' pins dp)",
+}
+"""DeepSpeed layout keys a DeepSpeed user writes first, refused by :func:`refuse_layout_keys` naming the setting that
+does what they expect (DeepSpeed would read ``sequence_parallel_size`` and this recipe ignore it)."""
+
+
+def refuse_layout_keys(cfg: dict, path) -> None:
+    """Raise ConfigError naming ``path``, the key and our ``parallelism`` field for a key of
+    :data:`REFUSED_LAYOUT_KEYS` at the top level of a run JSON."""
+    for key, why in REFUSED_LAYOUT_KEYS.items():
+        if key in cfg:
+            raise ConfigError(f"{path}: '{key}': {why}")
+
 
 def did_you_mean(key: str, known) -> str | None:
     """The nearest name of ``known`` to ``key`` (difflib), quoted, or None when nothing is close."""

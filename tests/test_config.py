@@ -199,3 +199,34 @@ def test_known_keys_come_from_deepspeed():
     assert {"zero_optimization", "bf16", "fp16", "optimizer", "scheduler", "train_batch_size", "gradient_clipping",
             "tensorboard", "data_types", "communication_data_type", "activation_checkpointing"} <= keys
     assert not {"stage", "type", "params", "enabled", "amp", "sparse_attention"} & keys
+
+
+@pytest.mark.parametrize("key", ["sequence_parallel_size", "data_parallel_size"])
+def test_deepspeed_layout_keys_are_refused_naming_our_cp_size(tmp_path, key):
+    """DeepSpeed's own layout keys would be ignored (a 2-rank run with ``sequence_parallel_size: 2`` trained as dp 2,
+    cp 1): refused by the read run.py, the planner and the dump share, naming the setting that splits the sequence."""
+    from recipe.config import read_ds_config
+
+    path = write_ds_config(tmp_path / "ds.json", base="zero3_bf16.json", **{key: 2})
+    with pytest.raises(ConfigError) as err:
+        read_ds_config(path)
+    assert f"ds.json: '{key}':" in str(err.value) and "'parallelism.cp_size'" in str(err.value)
+    with pytest.raises(ConfigError, match=key):
+        load_run_config(path, world_size=2)
+
+
+def test_run_py_refuses_sequence_parallel_size_before_any_work(tmp_path, monkeypatch, capsys):
+    """run.py answers before the process group (or anything else) is started: init_distributed is never called."""
+    import recipe.train.distributed as distributed
+    from run import main
+
+    def no_world(*args, **kwargs):
+        raise AssertionError("init_distributed was called")
+
+    monkeypatch.setattr(distributed, "init_distributed", no_world)
+    path = write_ds_config(tmp_path / "ds.json", base="zero3_bf16.json", sequence_parallel_size=2)
+    code = main(["--ds_config", str(path), "--target", str(tmp_path / "t"), "--hidden-states", str(tmp_path / "s"),
+                 "--output", str(tmp_path / "out")])
+    err = capsys.readouterr().err
+    assert code == 2 and "'sequence_parallel_size'" in err and "parallelism.cp_size" in err and "Traceback" not in err
+    assert not (tmp_path / "out").exists()
