@@ -71,14 +71,8 @@ def chunked_soft_ce(logits_fn: Callable[[torch.Tensor], torch.Tensor], loss_fn: 
         ``loss_fn`` over all positions at once, up to float summation order.
     Raises ValueError on a chunk size < 1 or shapes that disagree.
     """
-    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
-        raise ValueError(f"loss chunk size {chunk_size!r} must be a positive integer")
+    _check_inputs(chunk_size, hidden_BSH, target_hidden_BLH, target_row_S, valid_BS)
     b, s, h = hidden_BSH.shape
-    if tuple(valid_BS.shape) != (b, s) or tuple(target_row_S.shape) not in ((s,), (b, s)) \
-            or target_hidden_BLH.shape[0] != b:
-        raise ValueError(f"chunked_soft_ce: hidden {tuple(hidden_BSH.shape)}, valid {tuple(valid_BS.shape)}, "
-                         f"target_row {tuple(target_row_S.shape)}, target hidden {tuple(target_hidden_BLH.shape)} "
-                         "disagree (expected [B, S, H], [B, S], [S] or [B, S], [B, L, H_t])")
     hidden_NH = hidden_BSH.reshape(b * s, h)
     valid_N = valid_BS.reshape(b * s).bool()
     head = None if target_head_VdH is None else target_head_VdH.detach()
@@ -93,14 +87,7 @@ def chunked_soft_ce(logits_fn: Callable[[torch.Tensor], torch.Tensor], loss_fn: 
         return loss_fn(logits_1CV, target_1CV, valid_C.unsqueeze(0))
 
     losses, corrects = [], []
-    if num_chunks is None:
-        n = b * s
-        bounds = [(min(start, n), min(start + chunk_size, n))
-                  for start in range(0, max(n, (min_chunks or 0) * chunk_size), chunk_size)]
-    else:
-        edges = [b * s * i // num_chunks for i in range(num_chunks + 1)]
-        bounds = list(zip(edges[:-1], edges[1:]))
-    for start, stop in bounds:
+    for start, stop in _chunk_bounds(b * s, chunk_size, num_chunks, min_chunks):
         flat_C = torch.arange(start, stop, device=hidden_BSH.device)
         # preserve_rng_state=False: the draft has no dropout, and skipping the RNG stash avoids device syncs.
         loss_sum, correct = checkpoint(chunk_loss, hidden_NH[start:stop], flat_C, valid_N[start:stop],
@@ -108,6 +95,28 @@ def chunked_soft_ce(logits_fn: Callable[[torch.Tensor], torch.Tensor], loss_fn: 
         losses.append(loss_sum)
         corrects.append(correct.to(torch.int64))
     return _fold_sum(losses), torch.stack(corrects).sum()
+
+
+def _check_inputs(chunk_size, hidden_BSH, target_hidden_BLH, target_row_S, valid_BS) -> None:
+    """ValueError for a chunk size that is not a positive integer or shapes that disagree (:func:`chunked_soft_ce`)."""
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
+        raise ValueError(f"loss chunk size {chunk_size!r} must be a positive integer")
+    b, s, _ = hidden_BSH.shape
+    if tuple(valid_BS.shape) != (b, s) or tuple(target_row_S.shape) not in ((s,), (b, s)) \
+            or target_hidden_BLH.shape[0] != b:
+        raise ValueError(f"chunked_soft_ce: hidden {tuple(hidden_BSH.shape)}, valid {tuple(valid_BS.shape)}, "
+                         f"target_row {tuple(target_row_S.shape)}, target hidden {tuple(target_hidden_BLH.shape)} "
+                         "disagree (expected [B, S, H], [B, S], [S] or [B, S], [B, L, H_t])")
+
+
+def _chunk_bounds(n: int, chunk_size: int, num_chunks: int | None, min_chunks: int | None) -> list[tuple[int, int]]:
+    """(start, stop) of each chunk of ``n`` flattened positions: chunks of ``chunk_size``, at least ``min_chunks``
+    of them (the ones past ``n`` empty), or with ``num_chunks`` exactly that many near-equal ones."""
+    if num_chunks is None:
+        return [(min(start, n), min(start + chunk_size, n))
+                for start in range(0, max(n, (min_chunks or 0) * chunk_size), chunk_size)]
+    edges = [n * i // num_chunks for i in range(num_chunks + 1)]
+    return list(zip(edges[:-1], edges[1:]))
 
 
 def _fold_sum(terms: list[torch.Tensor]) -> torch.Tensor:

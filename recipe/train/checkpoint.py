@@ -189,6 +189,63 @@ def _write_manifest(comm, folder: Path, tag: str, what: str, previous: str | Non
     _agree(comm, _attempt(write), what, previous)
 
 
+def _write_files(engine, folder: Path, tag: str, rank: int, run_state: dict, draft_state, draft_config: dict,
+                 vocab_files: dict, train_state, extra_files: dict | None) -> None:
+    """This rank's part of a checkpoint into ``folder`` (the staged ``.partial``): DeepSpeed's files and its rng
+    state; on rank 0 also the draft, its config, the vocabulary map, the layout-free train state, ``extra_files``
+    and ``run_state.json``. Raises WriteError naming the file."""
+    engine_errors: list[str] = []
+    with _guard_engine_writes(engine, engine_errors):
+        engine.save_checkpoint(str(folder), tag=tag, client_state={"run_state": run_state}, save_latest=False)
+    if engine_errors:
+        raise WriteError(engine_errors[0])
+    out = folder / tag
+    with writing(out / rng_file(rank)):
+        save_rng_file(rng_state(), out / rng_file(rank))
+    if rank != 0:
+        return
+    with writing(out / DRAFT_FILE):
+        save_file({k: v.contiguous() for k, v in draft_state.items()}, str(out / DRAFT_FILE))
+    with writing(out / DRAFT_CONFIG_FILE):
+        (out / DRAFT_CONFIG_FILE).write_text(json.dumps(draft_config, indent=2, sort_keys=True) + "\n")
+    with writing(out / VOCAB_FILE):
+        save_file(vocab_files, str(out / VOCAB_FILE))
+    if train_state is not None:
+        with writing(out / reshard.TRAIN_STATE_FILE):
+            reshard.save(out / reshard.TRAIN_STATE_FILE, *train_state)
+    for name, src in (extra_files or {}).items():
+        if Path(src).is_file():
+            with writing(out / name):
+                shutil.copyfile(src, out / name)
+    with writing(out / RUN_STATE):
+        (out / RUN_STATE).write_text(json.dumps(run_state, indent=2, sort_keys=True) + "\n")
+
+
+def _publish(partial: Path, tag: str, final: Path) -> None:
+    """Rename the staged ``partial/tag`` to ``final``; re-saving a step (after resuming from an older checkpoint)
+    swaps the folders, then deletes the old one."""
+    if final.exists():
+        old = partial / f"{tag}.old"
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(final, old)
+        os.replace(partial / tag, final)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(partial / tag, final)
+
+
+def _update_latest(root: Path, partial: Path, tag: str, keep: int) -> None:
+    """Point ``latest`` at ``tag`` (atomically), prune beyond ``keep``, remove DeepSpeed's recovery scripts and the
+    emptied staging folder."""
+    with writing(root / LATEST):
+        _write_text_atomic(root / LATEST, tag + "\n")
+    prune(root, keep)
+    for script in RECOVERY_SCRIPTS:
+        (partial / script).unlink(missing_ok=True)
+    if not any(partial.iterdir()):
+        partial.rmdir()
+
+
 def save(engine, comm, root: Path, step: int, run_state: dict, draft_state: dict[str, torch.Tensor] | None,
          draft_config: dict, vocab_files: dict[str, torch.Tensor], keep: int,
          extra_files: dict[str, Path] | None = None, pending_error: str | None = None,
@@ -218,40 +275,9 @@ def save(engine, comm, root: Path, step: int, run_state: dict, draft_state: dict
         with writing(partial / tag):
             (partial / tag).mkdir(parents=True, exist_ok=True)
 
-    error = pending_error or (_attempt(prepare) if rank == 0 else None)
-    _agree(comm, error, what, previous)
-
-    engine_errors: list[str] = []
-
-    def write_deepspeed():
-        with _guard_engine_writes(engine, engine_errors):
-            engine.save_checkpoint(str(partial), tag=tag, client_state={"run_state": run_state}, save_latest=False)
-        if engine_errors:
-            raise WriteError(engine_errors[0])
-
-    def write_ours():
-        write_deepspeed()
-        with writing(partial / tag / rng_file(rank)):
-            save_rng_file(rng_state(), partial / tag / rng_file(rank))
-        if rank != 0:
-            return
-        with writing(partial / tag / DRAFT_FILE):
-            save_file({k: v.contiguous() for k, v in draft_state.items()}, str(partial / tag / DRAFT_FILE))
-        with writing(partial / tag / DRAFT_CONFIG_FILE):
-            (partial / tag / DRAFT_CONFIG_FILE).write_text(json.dumps(draft_config, indent=2, sort_keys=True) + "\n")
-        with writing(partial / tag / VOCAB_FILE):
-            save_file(vocab_files, str(partial / tag / VOCAB_FILE))
-        if train_state is not None:
-            with writing(partial / tag / reshard.TRAIN_STATE_FILE):
-                reshard.save(partial / tag / reshard.TRAIN_STATE_FILE, *train_state)
-        for name, src in (extra_files or {}).items():
-            if Path(src).is_file():
-                with writing(partial / tag / name):
-                    shutil.copyfile(src, partial / tag / name)
-        with writing(partial / tag / RUN_STATE):
-            (partial / tag / RUN_STATE).write_text(json.dumps(run_state, indent=2, sort_keys=True) + "\n")
-
-    error = _attempt(write_ours)
+    _agree(comm, pending_error or (_attempt(prepare) if rank == 0 else None), what, previous)
+    error = _attempt(lambda: _write_files(engine, partial, tag, rank, run_state, draft_state, draft_config,
+                                          vocab_files, train_state, extra_files))
     try:
         _agree(comm, error, what, previous)
         _write_manifest(comm, partial / tag, tag, what, previous)
@@ -260,30 +286,9 @@ def save(engine, comm, root: Path, step: int, run_state: dict, draft_state: dict
             shutil.rmtree(partial, ignore_errors=True)
         raise
     fault_point("written", step)
-
-    def publish():
-        if final.exists():  # re-saving a step (e.g. after resuming from an older checkpoint): swap, then delete
-            old = partial / f"{tag}.old"
-            shutil.rmtree(old, ignore_errors=True)
-            os.replace(final, old)
-            os.replace(partial / tag, final)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(partial / tag, final)
-
-    _agree(comm, _attempt(publish) if rank == 0 else None, what, previous)
+    _agree(comm, _attempt(lambda: _publish(partial, tag, final)) if rank == 0 else None, what, previous)
     fault_point("renamed", step)
-
-    def update_latest():
-        with writing(root / LATEST):
-            _write_text_atomic(root / LATEST, tag + "\n")
-        prune(root, keep)
-        for script in RECOVERY_SCRIPTS:
-            (partial / script).unlink(missing_ok=True)
-        if not any(partial.iterdir()):
-            partial.rmdir()
-
-    _agree(comm, _attempt(update_latest) if rank == 0 else None, what, previous)
+    _agree(comm, _attempt(lambda: _update_latest(root, partial, tag, keep)) if rank == 0 else None, what, previous)
     return final
 
 

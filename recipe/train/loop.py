@@ -27,8 +27,6 @@ are built one at a time, the next one's store reads in a background thread (``re
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -50,42 +48,12 @@ from recipe.train.sampler import rank_micro_batches
 from recipe.train.setup import RunParts, layout_state
 from recipe.train.distributed import release_shm_buffer
 from recipe.train.signals import EXIT_INTERRUPTED, StopRequest
+from recipe.train.settings import TrainSettings
 from recipe.train.watch import HangWatchdog, SaveClock
 
 
 class NonFiniteLossError(ValueError):
     """A step's loss was NaN/inf on some rank; the message names the step, the ranks and the sample indices."""
-
-
-@dataclass(frozen=True)
-class TrainSettings:
-    """What the loop reads of the flags (``run.py --help`` explains each): the run folder, the TTT steps K, the
-    sequence length cap and seed (recorded in the checkpoint's run state), the checkpoint cadence and count, the
-    non-finite policy, whether to export, the progress cadence, whether a resume may re-plan the run length, and
-    whether lm_head is frozen (recorded in the run state so a resume must match it), the MFU peak override."""
-
-    output: Path
-    ttt_steps: int
-    max_length: int
-    seed: int
-    save_every: int = 0
-    save_every_minutes: float = 0.0
-    hang_timeout_minutes: float = 0.0
-    keep_checkpoints: int = 2
-    skip_nonfinite: bool = False
-    no_export: bool = False
-    log_every: int = 1
-    extend: bool = False
-    freeze_lm_head: bool = False
-    peak_tflops: float | None = None
-
-    @classmethod
-    def from_args(cls, args: TrainArgs) -> "TrainSettings":
-        return cls(output=args.output, ttt_steps=args.ttt_steps, max_length=args.max_length, seed=args.seed,
-                   save_every=args.save_every, save_every_minutes=args.save_every_minutes,
-                   hang_timeout_minutes=args.hang_timeout_minutes, keep_checkpoints=args.keep_checkpoints,
-                   skip_nonfinite=args.skip_nonfinite, no_export=args.no_export, log_every=args.log_every,
-                   extend=args.extend, freeze_lm_head=args.freeze_lm_head, peak_tflops=args.peak_tflops)
 
 
 class Trainer:
@@ -298,6 +266,36 @@ class Trainer:
                     self.console.print(f"[yellow]warning[/yellow]: {escape(str(exc))}; trying once more")
         return state
 
+    def _timed_step(self, epoch: int, watchdog: HangWatchdog) -> dict:
+        """One optimizer step, timed: its record (step, epoch, metrics, lr, ``time_s`` and the rates) written to
+        metrics.jsonl and the monitors. Raises StepOutOfMemory with the run's memory advice on a CUDA OOM."""
+        lr = self.lr()
+        t0 = time.perf_counter()
+        try:
+            record = self.train_step()
+        except torch.OutOfMemoryError as exc:
+            raise StepOutOfMemory(out_of_memory_message(
+                exc, step=self.step + 1, rank=dist.get_rank(), device=self.pstate.device, shape=self.batch_shape,
+                memory=self.config.memory, cp_size=self.config.dims.cp,
+                max_length=self.settings.max_length)) from None
+        self.step += 1
+        watchdog.beat(f"what follows step {self.step} (log, validation, agreement, checkpoint)")
+        record = {"step": self.step, "epoch": epoch, **record, "lr": lr, "time_s": round(time.perf_counter() - t0, 4)}
+        record.update(self.speed.rates(record) if "positions" in record else {})
+        self.metrics.write(record)
+        self.monitor.write(record)
+        return record
+
+    def _report(self, record: dict, progress: TrainProgress) -> None:
+        """A skipped step (non-finite loss, ``--skip-nonfinite``) is counted and said; any other goes to the step
+        line."""
+        if "skipped" in record:
+            self.skipped_steps.append(self.step)
+            if self.rank0:
+                self.console.print(f"[yellow]skipped step[/yellow] {escape(record['skipped'])}")
+        else:
+            progress.update(record)
+
     def train(self) -> int:
         """Train to the last step, save and export; return 0. On SIGTERM/SIGINT (any rank) every rank stops after
         the same step and saves a checkpoint; return :data:`recipe.train.signals.EXIT_INTERRUPTED`. The final save
@@ -313,28 +311,7 @@ class Trainer:
         with StopRequest() as stop, watchdog:
             try:
                 while self.step < total:
-                    lr = self.lr()
-                    t0 = time.perf_counter()
-                    try:
-                        record = self.train_step()
-                    except torch.OutOfMemoryError as exc:
-                        raise StepOutOfMemory(out_of_memory_message(
-                            exc, step=self.step + 1, rank=dist.get_rank(), device=self.pstate.device,
-                            shape=self.batch_shape, memory=self.config.memory, cp_size=self.config.dims.cp,
-                            max_length=settings.max_length)) from None
-                    self.step += 1
-                    watchdog.beat(f"what follows step {self.step} (log, validation, agreement, checkpoint)")
-                    record = {"step": self.step, "epoch": epoch, **record, "lr": lr,
-                              "time_s": round(time.perf_counter() - t0, 4)}
-                    record.update(self.speed.rates(record) if "positions" in record else {})
-                    self.metrics.write(record)
-                    self.monitor.write(record)
-                    if "skipped" in record:
-                        self.skipped_steps.append(self.step)
-                        if self.rank0:
-                            self.console.print(f"[yellow]skipped step[/yellow] {escape(record['skipped'])}")
-                    else:
-                        progress.update(record)
+                    self._report(self._timed_step(epoch, watchdog), progress)
                     if self.validator is not None and self.validator.due(self.step, total):
                         self.validate()
                         watchdog.beat(f"what follows the validation at step {self.step}")
