@@ -70,6 +70,53 @@ def launch_rank() -> int:
         return 0
 
 
+def _train(args, device, console, stop) -> int:
+    """Build the run, train it and say what was compiled; the exit code (0, or ``EXIT_INTERRUPTED`` after a saved
+    stop). Raises what ``main`` reports (bad input, checkpoint, out-of-memory and compile errors)."""
+    import torch.distributed as dist  # import cost: torch, once the process group is up
+
+    # import cost: DeepSpeed and transformers, once the process group is up
+    from recipe.train.loop import Trainer, TrainSettings
+    from recipe.train.metrics import plan_summary  # import cost: pulls in torch
+    from recipe.train.positions import position_lines, run_positions  # import cost: pulls in torch
+
+    # import cost: pulls in deepspeed, transformers, torch
+    from recipe.train.setup import build_run, write_resolved_config
+
+    parts = build_run(args, device, console)  # checks --output (a previous run, writable) before writing to it
+    trainer = Trainer(TrainSettings.from_args(args), parts, console)  # refuses an incompatible --resume
+    # every check has passed: only now is anything of the previous run replaced
+    if dist.get_rank() == 0:
+        clear_interrupted(args.output)
+    write_resolved_config(args, parts, console)
+    if dist.get_rank() == 0:
+        console.print(plan_summary(parts))
+        console.print(trainer.speed.describe())
+        for line in position_lines(run_positions(parts)):  # longest sample vs the target's serving context
+            console.print(line)
+    code = trainer.train()
+    if code == EXIT_INTERRUPTED and dist.get_rank() == 0:
+        mark_interrupted(args.output, stop, console)
+    if dist.get_rank() == 0:
+        _compile_lines(console)
+    return code
+
+
+def _compile_lines(console) -> None:
+    """The compile counts of flex attention and the compiled small ops, where they ran (rank 0)."""
+    from kernels.flex_attention import flex_compile_stats  # import cost: pulls in torch
+    from recipe.model.small_ops import small_ops_stats  # import cost: pulls in torch, transformers
+
+    flex = flex_compile_stats()
+    if flex["calls"]:
+        console.print(f"flex attention: {flex['compiles']} compile(s) for {flex['calls']} calls "
+                      f"(dynamic={flex['dynamic']}, limit {flex['recompile_limit']})")
+    small = small_ops_stats()
+    if any(op["calls"] for op in small.values()):
+        console.print("compiled small ops: " + ", ".join(f"{name} {op['compiles']}" for name, op in small.items())
+                      + f" compile(s) (limit {next(iter(small.values()))['recompile_limit']} each)")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     # import cost: torch, DeepSpeed and transformers load only from here, so --help and flag errors answer without them
@@ -83,7 +130,6 @@ def main(argv: list[str] | None = None) -> int:
     from rich.markup import escape  # import cost: rich
 
     from kernels.compile_policy import CompileError  # import cost: pulls in torch
-    from kernels.flex_attention import flex_compile_stats  # import cost: pulls in torch
     from recipe.train.checkpoint import CheckpointError  # import cost: pulls in torch
     from recipe.train.distributed import close_process_group, init_distributed, release_shm_buffer  # import cost: torch
     from recipe.train.oom import StepOutOfMemory  # import cost: pulls in torch
@@ -108,37 +154,7 @@ def main(argv: list[str] | None = None) -> int:
     stop = StopRequest(watch_launcher=True, on_abort=release_shm_buffer).__enter__()
     finished = False  # every rank returned from training (then they all reach the barrier before the teardown)
     try:
-        # import cost: DeepSpeed and transformers, once the process group is up
-        from recipe.train.loop import Trainer, TrainSettings
-        from recipe.model.small_ops import small_ops_stats  # import cost: pulls in torch, transformers
-        from recipe.train.metrics import plan_summary  # import cost: pulls in torch
-        from recipe.train.positions import position_lines, run_positions  # import cost: pulls in torch
-
-        # import cost: pulls in deepspeed, transformers, torch
-        from recipe.train.setup import build_run, write_resolved_config
-
-        parts = build_run(args, device, console)  # checks --output (a previous run, writable) before writing to it
-        trainer = Trainer(TrainSettings.from_args(args), parts, console)  # refuses an incompatible --resume
-        # every check has passed: only now is anything of the previous run replaced
-        if dist.get_rank() == 0:
-            clear_interrupted(args.output)
-        write_resolved_config(args, parts, console)
-        if dist.get_rank() == 0:
-            console.print(plan_summary(parts))
-            console.print(trainer.speed.describe())
-            for line in position_lines(run_positions(parts)):  # longest sample vs the target's serving context
-                console.print(line)
-        code = trainer.train()
-        if code == EXIT_INTERRUPTED and dist.get_rank() == 0:
-            mark_interrupted(args.output, stop, console)
-        flex = flex_compile_stats()
-        if flex["calls"] and dist.get_rank() == 0:
-            console.print(f"flex attention: {flex['compiles']} compile(s) for {flex['calls']} calls "
-                          f"(dynamic={flex['dynamic']}, limit {flex['recompile_limit']})")
-        small = small_ops_stats()
-        if any(op["calls"] for op in small.values()) and dist.get_rank() == 0:
-            console.print("compiled small ops: " + ", ".join(f"{name} {op['compiles']}" for name, op in small.items())
-                          + f" compile(s) (limit {next(iter(small.values()))['recompile_limit']} each)")
+        code = _train(args, device, console, stop)
         finished = True
         return code
     except (ValueError, KeyError, OSError, CheckpointError, StepOutOfMemory, CompileError) as exc:
