@@ -55,6 +55,7 @@ class TrainArgs:
     eval_every: int = 0
     peak_tflops: float | None = None
     memory_budget: float | None = None
+    packing: bool | None = None
 
 
 def int_list(text: str, minimum: int | None = None) -> list[int]:
@@ -232,6 +233,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--hidden-states", type=Path, help="offline store written by `python -m recipe.dump`")
     p.add_argument("--max-length", type=length, default=2048,
                    help="tokens per sample after the chat template; k = 1024, e.g. 32k")
+    p.add_argument("--packing", action=argparse.BooleanOptionalAction, default=None,
+                   help="pack each micro-batch's samples into rows (data.packing_tokens tokens each; default one "
+                   "row a micro-batch), documents isolated (docs/algorithm.md, 'Packing'); --no-packing: one sample "
+                   "per padded row; default: the JSON's data.packing, \"auto\" unless set (packed where that "
+                   "computes fewer positions)")
     p.add_argument("--ttt-steps", type=_positive, default=7, help="training-time-test unroll steps K")
     p.add_argument("--draft-vocab-size", type=_positive, default=None,
                    help=f"draft vocabulary size V_d (capped at the target vocabulary; default {DEFAULT_DRAFT_VOCAB}, "

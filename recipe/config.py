@@ -1,14 +1,14 @@
 """The DeepSpeed JSON of a training run (the flags of ``run.py`` are ``recipe.cli``).
 
-:func:`load_run_config` reads the JSON once, removes our sections (``parallelism``, ``memory``, ``kernels``,
-``target``) and DeepSpeed's monitor sections (written by the training loop, see :func:`pop_monitor_sections`) before
+:func:`load_run_config` reads the JSON once, removes our sections (``parallelism``, ``memory``, ``kernels``, ``target``,
+``data``) and DeepSpeed's monitor sections (written by the training loop, see :func:`pop_monitor_sections`) before
 DeepSpeed sees the rest, and resolves them into a :class:`RunConfig`: the parallel layout, the batch plan, the dtype,
-the memory switches, the kernel choices, how the target is held (``recipe.target.options``) and the
-monitors. The scheduler's ``"auto"`` values need the run's optimizer steps, which only the data determines;
-:meth:`RunConfig.with_total_steps` fills them, and :meth:`RunConfig.deepspeed_config` refuses to hand DeepSpeed a
-config before that. Unknown keys are refused with the nearest valid name (:func:`check_config_keys`; the known keys
-come from DeepSpeed's own parser and pydantic models); keys starting with "_" are comments, allowed anywhere and
-removed before DeepSpeed sees the dict.
+the memory switches, the kernel choices, how the target is held (``recipe.target.options``), how a micro-batch's samples
+are laid out (``recipe.config_data``: packing) and the monitors. The scheduler's ``"auto"`` values need the run's
+optimizer steps, which only the data determines; :meth:`RunConfig.with_total_steps` fills them, and
+:meth:`RunConfig.deepspeed_config` refuses to hand DeepSpeed a config before that. Unknown keys are refused with the
+nearest valid name (:func:`check_config_keys`; the known keys come from DeepSpeed's own parser and pydantic models);
+keys starting with "_" are comments, allowed anywhere and removed before DeepSpeed sees the dict.
 
 Batch sizes in the JSON are in **samples**: ``train_batch_size`` is the global batch of one optimizer step and
 ``train_micro_batch_size_per_gpu`` the samples one data-parallel rank reads per micro-batch. Context-parallel ranks
@@ -39,6 +39,7 @@ from recipe.config_keys import (
     refuse_layout_keys,
     strip_comments,
 )
+from recipe.config_data import DataOptions
 from recipe.config_memory import MemoryOptions, MemoryReport
 from recipe.parallel.dims import PARALLEL_SECTION, ParallelDims
 from recipe.target.options import TARGET_SECTION, TargetOptions
@@ -234,6 +235,8 @@ class RunConfig:
         monitor: DeepSpeed's monitor sections of the JSON (:func:`pop_monitor_sections`), written by the loop.
         target: the ``target`` section (:class:`~recipe.target.options.TargetOptions`): replicated or ZeRO-3
             partitioned target.
+        data: the ``data`` section (``recipe.config_data.DataOptions``: packing; ``run.py --packing`` applied by
+            ``recipe.train.setup``).
     """
 
     path: Path
@@ -247,6 +250,7 @@ class RunConfig:
     target: TargetOptions = field(default_factory=TargetOptions)
     kernels: KernelOptions = field(default_factory=KernelOptions)
     memory_report: MemoryReport | None = None
+    data: DataOptions = field(default_factory=DataOptions)
 
     @property
     def dtype(self):
@@ -295,7 +299,7 @@ class RunConfig:
     def record(self) -> dict:
         """The resolved settings as JSON-able values (the ``run_config.json`` keys ``deepspeed``, ``parallelism``,
         ``batch``, ``memory``, ``memory_auto`` (the report of its resolution, once resolved), ``kernels``,
-        ``dtype``, ``total_steps``, ``monitor``, ``target``)."""
+        ``dtype``, ``total_steps``, ``monitor``, ``target``, ``data``)."""
         d = self.dims
         report = None if self.memory_report is None else self.memory_report.record()
         return {"deepspeed": self.deepspeed, "parallelism": {"tp": d.tp, "cp": d.cp, "dp": d.dp},
@@ -303,14 +307,14 @@ class RunConfig:
                 "memory_auto": report,
                 "kernels": dataclasses.asdict(self.kernels),
                 "dtype": "bfloat16" if self.bf16 else "float32", "total_steps": self.total_steps,
-                "monitor": self.monitor, "target": self.target.record()}
+                "monitor": self.monitor, "target": self.target.record(), "data": self.data.record()}
 
 
 def load_run_config(path: Path, world_size: int, overrides: dict | None = None) -> RunConfig:
     """Read the DeepSpeed JSON at ``path`` once and resolve it for ``world_size`` processes.
 
     ``overrides``: parallelism keys from the command line (``{"tp_size": 2, "cp_size": None}``; None values are
-    ignored). Removes our ``parallelism``, ``memory``, ``kernels`` and ``target`` sections and the monitor
+    ignored). Removes our ``parallelism``, ``memory``, ``kernels``, ``target`` and ``data`` sections and the monitor
     sections, resolves the layout (:class:`ParallelDims`), the batch plan (:func:`resolve_batch`) and the dtype; the
     scheduler's ``"auto"`` values wait for :meth:`RunConfig.with_total_steps`. Raises ConfigError naming the file
     (and the field) for an unreadable file, invalid JSON, an unknown key (:func:`check_config_keys`, with the
@@ -319,6 +323,7 @@ def load_run_config(path: Path, world_size: int, overrides: dict | None = None) 
     ds_cfg, section = read_ds_config(path)
     memory = MemoryOptions.pop_from(ds_cfg, path)
     kernels = KernelOptions.pop_from(ds_cfg, path)
+    data = DataOptions.pop_from(ds_cfg, path)
     monitor = pop_monitor_sections(ds_cfg, path)
     target_section = ds_cfg.pop(TARGET_SECTION, None)
     check_config_keys(ds_cfg, path)
@@ -339,4 +344,4 @@ def load_run_config(path: Path, world_size: int, overrides: dict | None = None) 
     plan = resolve_batch(ds_cfg, dims.dp, dims.cp, path)
     bf16 = bool((ds_cfg.get("bf16") or {}).get("enabled"))
     return RunConfig(path=Path(path), dims=dims, plan=plan, memory=memory, bf16=bf16, deepspeed=ds_cfg,
-                     monitor=monitor, target=target, kernels=kernels)
+                     monitor=monitor, target=target, kernels=kernels, data=data)

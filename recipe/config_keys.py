@@ -18,13 +18,14 @@ from recipe.target.options import TARGET_SECTION
 
 MEMORY_SECTION = "memory"
 KERNELS_SECTION = "kernels"
+DATA_SECTION = "data"
 
 
 class ConfigError(ValueError):
     """A configuration problem; the message names the file and field."""
 
 
-OUR_SECTIONS = (PARALLEL_SECTION, MEMORY_SECTION, KERNELS_SECTION, TARGET_SECTION)
+OUR_SECTIONS = (PARALLEL_SECTION, MEMORY_SECTION, KERNELS_SECTION, TARGET_SECTION, DATA_SECTION)
 
 REFUSED_LAYOUT_KEYS = {
     "sequence_parallel_size": "DeepSpeed's own sequence parallelism (Ulysses) is not what this recipe runs, and "

@@ -217,3 +217,60 @@ def test_target_forward_isolates_documents(tmp_path, arch):
     assert not packed_mask.all()
     with pytest.raises(ValueError, match="right-padded"):  # left padding: transformers would not isolate them
         target.capture(packed, packed_mask.flip(1), position_ids_BS=layout.documents()[1])
+
+
+def test_data_section_and_the_padding_report():
+    from recipe.config_data import DataOptions
+    from recipe.config_keys import ConfigError
+    from recipe.data.lengths import LengthReport
+
+    assert DataOptions.pop_from({}, "run.json") == DataOptions("auto", None)
+    cfg = {"data": {"packing": False, "packing_tokens": 4096, "_comment": "kept out"}, "train_batch_size": 1}
+    assert DataOptions.pop_from(cfg, "run.json") == DataOptions(False, 4096) and cfg == {"train_batch_size": 1}
+    for bad, match in (({"packing": "yes"}, "data.packing' must be"), ({"packing_tokens": 0}, "packing_tokens"),
+                       ({"pack": True}, "did you mean 'packing'")):
+        with pytest.raises(ConfigError, match=match):
+            DataOptions.pop_from({"data": bad}, "run.json")
+    assert DataOptions().with_flag(False).packing is False and DataOptions(False).with_flag(None).packing is False
+    assert DataOptions("auto", 64).for_target("gemma2", False, "run.json") == DataOptions(False, 64)  # padded
+    assert DataOptions().for_target("llama", True, "run.json") == DataOptions()
+    assert DataOptions().for_attention(None).packing is False and DataOptions(True).for_attention(None).packing is True
+    assert DataOptions().for_attention(1024) == DataOptions()
+    from recipe.target.registry import ARCHITECTURES as FACTS  # packing online only where the test above covers it
+
+    assert {name for name, arch in FACTS.items() if arch.packs_documents} == set(ARCHITECTURES)
+    with pytest.raises(ConfigError, match=r"run.json: 'data.packing' \(or run.py --packing\) is true, but the online "
+                                          r"target's forward \(model_type 'gemma2'\)"):
+        DataOptions(True).for_target("gemma2", False, "run.json")
+    report = LengthReport(2048, [100, 2000, 3000, 500], micro_batch=4)  # cut: 4648 tokens in 4 x 2048 positions
+    assert report.padding_shares() == (pytest.approx(1 - 4648 / 8192), 0.0)  # packed: one row of 4648
+    assert report.padding_line().startswith("padding: 43.3% of the positions of micro-batches of 4 samples padded, "
+                                            "0.0% with data.packing \"auto\" (one row a micro-batch)")
+    assert LengthReport(2048, [5, 9]).padding_line() is None  # micro-batches of one sample: no padding
+
+
+def test_run_json_and_flags_set_packing(tmp_path):
+    import json
+
+    from recipe.cli import parse_args
+    from recipe.config import load_run_config
+    from recipe.config_keys import ConfigError
+
+    path = tmp_path / "run.json"
+    base = {"train_batch_size": 4, "train_micro_batch_size_per_gpu": 4, "optimizer": {"type": "AdamW"}}
+    path.write_text(json.dumps(base))
+    assert load_run_config(path, 1).record()["data"] == {"packing": "auto", "packing_tokens": None}
+    path.write_text(json.dumps({**base, "data": {"packing": True, "packing_tokens": 2048}}))
+    config = load_run_config(path, 1)
+    assert config.record()["data"] == {"packing": True, "packing_tokens": 2048} and "data" not in config.deepspeed
+    path.write_text(json.dumps({**base, "data": {"packing": "on"}}))
+    with pytest.raises(ConfigError, match=r"run.json: 'data.packing' must be true, false or \"auto\", got 'on'"):
+        load_run_config(path, 1)
+    path.write_text(json.dumps({**base, "data": ["packing"]}))
+    with pytest.raises(ConfigError, match="run.json: 'data' must be an object"):
+        load_run_config(path, 1)
+    path.write_text(json.dumps({**base, "dta": {}}))
+    with pytest.raises(ConfigError, match="'dta': unknown key; did you mean 'data'"):
+        load_run_config(path, 1)
+    common = ["--ds_config", str(path), "--target", "t", "--hidden-states", "s", "--output", "o"]
+    assert [parse_args(common + flag).packing for flag in ([], ["--packing"], ["--no-packing"])] == [None, True, False]

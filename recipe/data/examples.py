@@ -206,14 +206,23 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--draft-vocab", type=int, default=0, help="also build a draft vocabulary of this size")
     parser.add_argument("--seed", type=int, default=0,
                         help="interleaving seed with --data-weights, chaining order with --chain-conversations")
+    parser.add_argument("--micro-batch", type=int, default=1,
+                        help="samples per micro-batch: > 1 prints the padding share, padded and packed "
+                        "(docs/algorithm.md, 'Packing')")
+    parser.add_argument("--packing-tokens", type=int,
+                        help="row budget of packing in tokens (default: one row per micro-batch)")
     args = parser.parse_args(argv)
     check_data_arguments(parser, args)
+    if args.micro_batch < 1 or (args.packing_tokens is not None and args.packing_tokens < 1):
+        parser.error(f"--micro-batch and --packing-tokens must be positive, got {args.micro_batch} and "
+                     f"{args.packing_tokens}")
 
     tokenizer = AutoTokenizer.from_pretrained(args.tokenizer, gguf_file=args.gguf_file)
     dataset, report = build_examples(args.data, tokenizer, args.max_length, num_proc=args.num_proc,
                                      cache_dir=args.cache_dir, limit=args.limit, drop_long=args.drop_long,
                                      columns=args.data_column, weights=args.data_weights, seed=args.seed,
                                      chain=args.chain_conversations)
+    report.lengths.for_batches(args.micro_batch, "auto", args.packing_tokens)
     console = Console()
     console.print(report.table())
     total, supervised = token_counts(dataset)

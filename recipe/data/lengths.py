@@ -7,14 +7,23 @@ shorter than that, and a few outliers do not silence it. A run at that ``--max-l
 memory and parallelism but (almost) never trains a position beyond a quarter of it: ShareGPT's conversations are
 1–2k tokens, so the 128k recipe on ShareGPT alone trains on the samples a 2k run sees. The remedies are chaining
 (``--chain-conversations``, ``recipe.data.chain``) and long-document data (docs/data.md, "Long-context data").
+
+With a micro-batch of more than one sample (:attr:`LengthReport.micro_batch`, set by the run) the table also states
+the padding share of the positions the draft computes, padded and under ``data.packing``
+(:meth:`LengthReport.padding_shares`: the samples in a seeded shuffled order, as the sampler draws them, cut into
+micro-batches, each laid out by ``recipe.data.packing.micro_batch_layout``).
 """
 from __future__ import annotations
 
+import json
+import random
 from dataclasses import dataclass, field
 
 from rich.bar import Bar
 from rich.console import Group
 from rich.table import Table
+
+from recipe.data.packing import micro_batch_layout
 
 FAR_BELOW = 4
 RARE = 0.01
@@ -27,10 +36,46 @@ def _k(tokens: int) -> str:
 
 @dataclass
 class LengthReport:
-    """``lengths``: every kept sample's token count before truncation; ``max_length``: the run's ``--max-length``."""
+    """``lengths``: every kept sample's token count before truncation; ``max_length``: the run's ``--max-length``;
+    ``micro_batch``, ``packing``, ``packing_tokens``, ``seq_divisor``: the run's samples per micro-batch and its
+    ``data`` section (``recipe.config_data.DataOptions``; None tokens: one row a micro-batch), for the padding
+    line."""
 
     max_length: int
     lengths: list[int] = field(default_factory=list)
+    micro_batch: int = 1
+    packing: bool | str = "auto"
+    packing_tokens: int | None = None
+    seq_divisor: int = 1
+
+    def for_batches(self, micro_batch: int, packing: bool | str, packing_tokens: int | None,
+                    seq_divisor: int = 1) -> "LengthReport":
+        """Set the run's micro-batch size and ``data`` section (the padding line); returns this report."""
+        self.micro_batch, self.packing, self.packing_tokens, self.seq_divisor = (micro_batch, packing, packing_tokens,
+                                                                                 seq_divisor)
+        return self
+
+    def padding_shares(self, seed: int = 0) -> tuple[float, float]:
+        """(padded, packed): the share of padding among the positions of the run's micro-batches, one sample per
+        right-padded row and under :attr:`packing` (module docstring); (0, 0) without samples."""
+        cut = [min(n, self.max_length) for n in self.lengths]
+        random.Random(seed).shuffle(cut)
+        positions = {False: 0, True: 0}
+        for start in range(0, len(cut), self.micro_batch):
+            batch = cut[start:start + self.micro_batch]
+            positions[False] += micro_batch_layout(batch, False, None, self.seq_divisor).positions
+            positions[True] += micro_batch_layout(batch, self.packing, self.packing_tokens, self.seq_divisor).positions
+        tokens = sum(cut)
+        return tuple(1 - tokens / positions[p] if positions[p] else 0.0 for p in (False, True))
+
+    def padding_line(self) -> str | None:
+        """One line with both shares (:meth:`padding_shares`); None for micro-batches of one sample (no padding)."""
+        if self.micro_batch < 2 or not self.lengths:
+            return None
+        padded, packed = self.padding_shares()
+        rows = "one row a micro-batch" if self.packing_tokens is None else f"rows of {self.packing_tokens} tokens"
+        return (f"padding: {padded:.1%} of the positions of micro-batches of {self.micro_batch} samples padded, "
+                f"{packed:.1%} with data.packing {json.dumps(self.packing)} ({rows})")
 
     @property
     def longest(self) -> int:
@@ -80,6 +125,8 @@ class LengthReport:
             table.add_row(label, str(count), f"{count / total:.1%}", Bar(top, 0, count, width=40))
         parts = [table, f"{len(self.lengths)} samples, longest {self.longest} tokens; truncated at --max-length: "
                         f"{self.truncated}"]
+        if (padding := self.padding_line()) is not None:
+            parts.append(padding)
         if (message := self.warning()) is not None:
             parts.append(f"[bold yellow]warning[/bold yellow]: {message}")
         return Group(*parts)

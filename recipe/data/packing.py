@@ -3,7 +3,8 @@
 
 A micro-batch of B samples padded to its longest computes B·S positions, most of them padding when the lengths vary
 (ShareGPT's do by 10× and more). Packed, the samples are laid one after another into rows of at most
-``packing_tokens`` tokens (first fit, longest first: a sample longer than the budget gets a row of its own), each
+``packing_tokens`` tokens (first fit, longest first: a sample longer than the budget gets a row of its own; no
+budget, the default: one row for the whole micro-batch, which never holds more positions than its padded rows), each
 sample a *document* of its row: the batch builder gives every document its own positions from 0 and the kernels
 isolate the documents (``kernels.documents``), so every number equals the padded batch's up to float summation
 order. This module is the host arithmetic only: lengths in, a :class:`RowLayout` out, the same on every rank (no
@@ -116,12 +117,14 @@ def check_packing(mode) -> bool | str:
     raise ValueError(f"packing={mode!r}: choose from true, false or \"auto\"")
 
 
-def micro_batch_layout(lengths: list[int], packing: bool | str, budget: int, divisor: int = 1) -> RowLayout:
+def micro_batch_layout(lengths: list[int], packing: bool | str, budget: int | None = None,
+                       divisor: int = 1) -> RowLayout:
     """The layout a micro-batch of samples of ``lengths`` tokens gets under ``packing`` (:data:`PACKING_MODES`):
-    padded for false or a single sample; packed (``packed_layout`` at ``budget``) for true; for ``"auto"`` packed
-    when that holds fewer positions than the padded layout, else padded."""
+    padded for false or a single sample; packed (``packed_layout`` at ``budget`` tokens a row; None: no budget,
+    one row holding the whole micro-batch) for true; for ``"auto"`` packed when that holds fewer positions than the
+    padded layout, else padded."""
     padded = padded_layout(lengths, divisor)
     if check_packing(packing) is False or len(lengths) < 2:
         return padded
-    packed = packed_layout(lengths, budget, divisor)
+    packed = packed_layout(lengths, budget or sum(lengths), divisor)
     return packed if packing is True or packed.positions < padded.positions else padded

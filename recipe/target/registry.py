@@ -15,6 +15,10 @@ Everything else in ``recipe.target`` is architecture-agnostic (transformers' ``A
 - ``rope``: reads the draft's RoPE fields (``rope_theta``, ``rope_scaling``) from the target config; the draft is a
   full-rotary Llama layer, so an architecture with partial rotary embeddings (Phi-3) leaves that fraction out.
 - ``default_aux_layer_ids``: EAGLE-3's low/mid/high layers for a target of ``L`` decoder layers.
+- ``packs_documents``: the target's forward isolates packed documents (``TargetModel.capture``'s
+  ``position_ids_BS``: transformers' packed-sequence mask; ``SplitTarget``: the ring), so an online run may pack
+  (``data.packing``; docs/algorithm.md, "Packing"). Established per architecture by ``tests/test_packing.py`` (the
+  packed forward's aux and last hidden states equal the padded one's).
 
 An unknown ``model_type`` gets :data:`GENERIC`: offline training, the head, the capture and the evaluation work for
 any causal LM transformers loads; the online cp > 1 forward refuses it (:func:`check_split_target`). Adding an
@@ -52,14 +56,15 @@ class TargetArch:
     logit_softcap_field: str | None = None
     rope: Callable[[Callable], tuple[float, dict | None]] = rope_fields
     default_aux_layer_ids: Callable[[int], list[int]] = default_aux_layer_ids
+    packs_documents: bool = False
 
 
 ARCHITECTURES: dict[str, TargetArch] = {a.model_type: a for a in (
-    TargetArch("llama", routable_attention=True),
-    TargetArch("mistral", routable_attention=True),
-    TargetArch("qwen2", routable_attention=True),
-    TargetArch("qwen3", routable_attention=True),
-    TargetArch("phi3", routable_attention=True, rope=_full_rotary_rope),
+    TargetArch("llama", routable_attention=True, packs_documents=True),
+    TargetArch("mistral", routable_attention=True, packs_documents=True),
+    TargetArch("qwen2", routable_attention=True, packs_documents=True),
+    TargetArch("qwen3", routable_attention=True, packs_documents=True),
+    TargetArch("phi3", routable_attention=True, rope=_full_rotary_rope, packs_documents=True),
     # attention-logit soft-cap and alternating sliding windows: not plain causal, so not through the ring
     TargetArch("gemma2", routable_attention=False, logit_softcap_field="final_logit_softcapping"),
     TargetArch("gemma3_text", routable_attention=False, logit_softcap_field="final_logit_softcapping"),

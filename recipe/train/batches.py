@@ -108,8 +108,9 @@ class BatchBuilder:
         position_offset_max, seed: ``--position-offset-max``: > 0 replaces the draft's position ids by
             ``recipe.train.positions.anchor_offset_positions`` (sinks kept, the rest shifted per sample); 0 leaves
             them as ``make_ttt_batch`` made them.
-        packing, packing_tokens: the ``data`` section's switch (``recipe.data.packing.PACKING_MODES``; false: one
-            sample per padded row) and the row budget in tokens (``micro_batch_layout``; None: no packing). A packed
+        packing, packing_tokens: the ``data`` section's switch (``recipe.data.packing.PACKING_MODES``; false, the
+            default here: one sample per padded row; ``run.py`` passes the run's, "auto" unless set) and the row
+            budget in tokens (``micro_batch_layout``; None: one row per micro-batch). A packed
             micro-batch's samples are documents of their rows: positions restart per document, every TTT shift stays
             inside it, the online target's forward isolates them (``TargetModel.capture``'s ``position_ids_BS``,
             ``SplitTarget.capture``'s ``positions_BS``) and so does the draft's attention (docs/algorithm.md,
@@ -137,8 +138,7 @@ class BatchBuilder:
         self.examples, self.store, self.target = examples, store, target
         self.argmax_chunk_size = argmax_chunk_size
         self.position_offset_max, self.seed = position_offset_max, seed
-        self.packing = check_packing(packing) if packing_tokens is not None else False
-        self.packing_tokens = packing_tokens
+        self.packing, self.packing_tokens = check_packing(packing), packing_tokens
         self.t2d = t2d.to(target.device) if target is not None else t2d
         self.ttt_steps, self.seq_divisor = ttt_steps, seq_divisor
         self.cp_size, self.cp_rank = cp_size, cp_rank
@@ -182,7 +182,7 @@ class BatchBuilder:
     def layout(self, lengths: list[int]) -> RowLayout:
         """Where samples of ``lengths`` tokens go in a micro-batch (``recipe.data.packing.micro_batch_layout``: padded
         rows, or packed ones under ``packing``); host arithmetic, the same on every rank."""
-        return micro_batch_layout(lengths, self.packing, self.packing_tokens or 1, self.seq_divisor)
+        return micro_batch_layout(lengths, self.packing, self.packing_tokens, self.seq_divisor)
 
     def rows_needed(self, seq: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """(aux rows, target rows) this rank reads of a padded length-``seq`` sample; (None, None): all rows.

@@ -14,6 +14,7 @@ import deepspeed
 import torch
 import torch.distributed as dist
 from rich.console import Console
+from transformers import AutoConfig
 
 from recipe.cli import TrainArgs
 from recipe.config import RunConfig, load_run_config
@@ -25,7 +26,7 @@ from recipe.parallel.parallelize import build_training_model
 from recipe.parallel.topology import ParallelState
 from recipe.target.capture import target_fingerprint
 from recipe.target.head import load_embedding_and_head
-from recipe.target.registry import draft_config_for, final_logit_softcap
+from recipe.target.registry import arch_facts, draft_config_for, final_logit_softcap
 from recipe.train import checkpoint, init_draft, positions, reshard, resume_checks
 from recipe.train.batches import BatchBuilder
 from recipe.train.distributed import rank0_first
@@ -58,8 +59,9 @@ class RunParts:
     resharding: str | None = None
 
 
-def _data(args: TrainArgs, console: Console, comm):
-    """Online: (examples Dataset, None, fingerprint); offline: (None, HiddenStateStore, fingerprint)."""
+def _data(args: TrainArgs, console: Console, comm, config: RunConfig):
+    """Online: (examples Dataset, None, fingerprint); offline: (None, HiddenStateStore, fingerprint). The online data
+    report states the padding share of ``config``'s micro-batches, padded and packed (``recipe.data.lengths``)."""
     cache = args.cache_dir or args.output / "cache"
     if args.hidden_states is not None:
         from recipe.data.store import HiddenStateStore
@@ -81,6 +83,9 @@ def _data(args: TrainArgs, console: Console, comm):
 
     examples, report = rank0_first(build, comm)
     if dist.get_rank() == 0:
+        if report.lengths is not None:  # the padding share with and without packing
+            report.lengths.for_batches(config.plan.micro_batch, config.data.packing, config.data.packing_tokens,
+                                       config.dims.seq_divisor)
         console.print(report.table())
     return examples, None, f"examples:{examples_fingerprint(examples)}:{len(examples)}"
 
@@ -104,6 +109,7 @@ def build_run(args: TrainArgs, device: torch.device, console: Console) -> RunPar
     config = load_run_config(args.ds_config, dist.get_world_size(),
                              {"tp_size": args.tp_size, "cp_size": args.cp_size})
     config = config.for_device(device)
+    config = dataclasses.replace(config, data=run_data_options(args, config))
     dims = config.dims
     pstate = ParallelState(dims, device)
     resume = check_output(args, pstate.comm)  # before anything is written into --output or data is read
@@ -113,7 +119,7 @@ def build_run(args: TrainArgs, device: torch.device, console: Console) -> RunPar
     # verified before the data is read: a damaged or missing checkpoint costs no tokenisation
     resume_from = checkpoint.resolve(resume, args.output / "checkpoints") if resume else None
 
-    examples, store, fingerprint = _data(args, console, pstate.comm)
+    examples, store, fingerprint = _data(args, console, pstate.comm, config)
     examples, store, eval_examples, eval_store, eval_tag = held_out_data(args, examples, store, console, pstate.comm)
     fingerprint += f":{eval_tag}:{len(examples) if examples is not None else len(store)}" if eval_tag else ""
     embed_VH, lm_head_VH, hf_config = load_embedding_and_head(args.target)
@@ -171,6 +177,7 @@ def build_run(args: TrainArgs, device: torch.device, console: Console) -> RunPar
     # the memory section's "auto" resolved for the longest sample and this device (recipe.train.memory_plan)
     config = resolve_run_memory(config, pstate, device, args.memory_budget,
                                 run_plan_inputs(config, args, hf_config, draft_config, examples, store))
+    config = dataclasses.replace(config, data=config.data.for_attention(config.memory.attention_tile_size))
     draft = Eagle3Draft(draft_config, seed=args.seed)
     draft.load_target_embeddings(embed_VH)
     draft.set_vocab_map(vocab.d2t, vocab.t2d)
@@ -196,7 +203,8 @@ def build_run(args: TrainArgs, device: torch.device, console: Console) -> RunPar
         return BatchBuilder(examples=rows, store=hidden_states, target=target, t2d=vocab.t2d,
                             ttt_steps=args.ttt_steps, seq_divisor=dims.seq_divisor, cp_size=dims.cp,
                             cp_rank=pstate.cp_rank, device=device, dtype=config.dtype,
-                            argmax_chunk_size=argmax_chunk or 1024, position_offset_max=offset_max, seed=args.seed)
+                            argmax_chunk_size=argmax_chunk or 1024, position_offset_max=offset_max, seed=args.seed,
+                            packing=config.data.packing, packing_tokens=config.data.packing_tokens)
 
     builder = batch_builder(examples, store, args.position_offset_max)  # held-out samples: plain positions
     sampler = StepSampler(len(builder), config.plan.global_batch, args.seed)
@@ -212,6 +220,18 @@ def build_run(args: TrainArgs, device: torch.device, console: Console) -> RunPar
     return RunParts(config=config, pstate=pstate, draft_config=draft_config, vocab=vocab, builder=builder,
                     sampler=sampler, engine=engine, data_fingerprint=fingerprint, resume_from=resume_from,
                     validator=validator, run_identity=identity, resharding=resharding)
+
+
+def run_data_options(args: TrainArgs, config: RunConfig):
+    """The run's ``data`` section (``recipe.config_data.DataOptions``) with ``--packing``/``--no-packing`` applied;
+    online, ``"auto"`` packs only where the target's forward isolates packed documents
+    (``recipe.target.registry.TargetArch.packs_documents``; ``DataOptions.for_target``). Raises ConfigError for
+    packing true on another target."""
+    data = config.data.with_flag(args.packing)
+    if args.data is None or data.packing is False:  # offline: no target forward; the store's states are per sample
+        return data
+    hf_config = AutoConfig.from_pretrained(args.target)
+    return data.for_target(getattr(hf_config, "model_type", None), arch_facts(hf_config).packs_documents, config.path)
 
 
 def online_target(args: TrainArgs, config: RunConfig, pstate: ParallelState, draft_config, hf_config,
@@ -258,11 +278,12 @@ def layout_state(config: RunConfig) -> dict:
 def write_resolved_config(args: TrainArgs, parts: RunParts, console: Console | None = None) -> None:
     """OUTPUT/run_config.json (rank 0): ``args`` (the flags), the resolved settings (``RunConfig.record``:
     ``deepspeed``, ``parallelism``, ``batch``, ``memory`` (every "auto" resolved), ``memory_auto`` (how:
-    ``recipe.config_memory.MemoryReport.record``), ``kernels``, ``dtype``, ``total_steps``, ``monitor``,
-    ``target``), ``draft_config``, ``positions`` (``recipe.train.positions``), ``init_draft`` (where an
-    ``--init-draft`` run's draft came from) and, online, ``online_target`` (:func:`online_target_record`). Call it
-    once every check has passed (after the ``Trainer`` is built: a refused resume leaves the folder as it was).
-    With ``--overwrite`` it first deletes the previous run's :data:`RUN_ARTEFACTS`."""
+    ``recipe.config_memory.MemoryReport.record``), ``kernels``, ``dtype``, ``total_steps``, ``monitor``, ``target``,
+    ``data`` (packing as the run applies it)), ``draft_config``, ``positions`` (``recipe.train.positions``),
+    ``init_draft`` (where an ``--init-draft`` run's draft came from) and, online, ``online_target``
+    (:func:`online_target_record`). Call it once every check has passed (after the ``Trainer`` is built: a refused
+    resume leaves the folder as it was). With ``--overwrite`` it first deletes the previous run's
+    :data:`RUN_ARTEFACTS`."""
     if dist.get_rank() != 0:
         return
     if getattr(args, "overwrite", False):
