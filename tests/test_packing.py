@@ -236,6 +236,8 @@ def test_data_section_and_the_padding_report():
     assert DataOptions().for_target("llama", True, "run.json") == DataOptions()
     assert DataOptions().for_attention(None).packing is False and DataOptions(True).for_attention(None).packing is True
     assert DataOptions().for_attention(1024) == DataOptions()
+    assert DataOptions().for_device("cpu").packing is False and DataOptions(True).for_device("cpu").packing is True
+    assert DataOptions().for_device("cuda") == DataOptions()
     from recipe.target.registry import ARCHITECTURES as FACTS  # packing online only where the test above covers it
 
     assert {name for name, arch in FACTS.items() if arch.packs_documents} == set(ARCHITECTURES)
@@ -244,8 +246,9 @@ def test_data_section_and_the_padding_report():
         DataOptions(True).for_target("gemma2", False, "run.json")
     report = LengthReport(2048, [100, 2000, 3000, 500], micro_batch=4)  # cut: 4648 tokens in 4 x 2048 positions
     assert report.padding_shares() == (pytest.approx(1 - 4648 / 8192), 0.0)  # packed: one row of 4648
-    assert report.padding_line().startswith("padding: 43.3% of the positions of micro-batches of 4 samples padded, "
-                                            "0.0% with data.packing \"auto\" (one row a micro-batch)")
+    assert report.padding_line() == ("padding: 43.3% of the positions of micro-batches of 4 samples padded, 0.0% "
+                                     "packed (one row a micro-batch); this run: data.packing \"auto\"")
+    assert report.for_batches(4, False, None).padding_shares() == (pytest.approx(1 - 4648 / 8192), 0.0)
     assert LengthReport(2048, [5, 9]).padding_line() is None  # micro-batches of one sample: no padding
 
 

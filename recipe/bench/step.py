@@ -16,6 +16,10 @@ JSON also has the hardware FLOPs, with it) and ``MFU`` divides that by the devic
 ``--masks full,sharegpt,long10`` measures each supervision mask (``recipe.plan.spec.MASKS``) and ``--sparse both``
 the dense path and the needed anchors only (``memory.sparse_anchors``) side by side, interleaved the same way;
 ``sparse / dense`` is the sparse median / the dense one for the same backend, length and mask.
+
+``--packing`` measures micro-batches of ShareGPT-length samples padded against the same samples packed
+(``recipe.bench.packing``; ``--micro-batch``, ``--mixes``, ``--max-length``, ``--packing-tokens``; the attention
+kernel: the last of ``--backends``, default the one "auto" picks on the device).
 """
 from __future__ import annotations
 
@@ -32,6 +36,7 @@ from rich.table import Table
 from kernels.attention_backends import backend_names, backend_runs_on, resolve_attention_backend
 from recipe.bench.common import GIB, add_draft_shape_arguments, write_json
 from recipe.bench.measure import run_measurement
+from recipe.bench.packing import add_packing_arguments, main_packing
 from recipe.cli import length_list
 from recipe.model.flops import run_peak_tflops
 from recipe.plan.spec import DTYPES, LAYOUTS, MASKS, BenchSpec, spec_speed
@@ -70,6 +75,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--masks", type=masks, default=["full"], help=f"supervision masks, from {', '.join(MASKS)}")
     p.add_argument("--sparse", choices=["off", "on", "both"], default="off",
                    help="memory.sparse_anchors: the dense path, the needed anchors only, or both side by side")
+    add_packing_arguments(p)  # --packing and its flags: recipe.bench.packing
     return p
 
 
@@ -137,6 +143,11 @@ def main(argv: list[str] | None = None) -> int:
     def runs_here(name):
         return backend_runs_on(name, device)
 
+    if args.packing:  # padded vs packed micro-batches of ShareGPT-length samples
+        if args.backends and not runs_here(args.backends[-1]):
+            parser.error(f"{args.backends[-1]} does not run on {device}")
+        backend = args.backends[-1] if args.backends else resolve_attention_backend("auto", device)
+        return main_packing(args, device, backend, Console(width=None if sys.stdout.isatty() else 150))
     backends = args.backends or [b for b in backend_names() if runs_here(b)]
     backends = ["tiled", *[b for b in backends if b != "tiled"]]
     if not all(runs_here(b) for b in backends):

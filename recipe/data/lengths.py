@@ -9,8 +9,8 @@ memory and parallelism but (almost) never trains a position beyond a quarter of 
 (``--chain-conversations``, ``recipe.data.chain``) and long-document data (docs/data.md, "Long-context data").
 
 With a micro-batch of more than one sample (:attr:`LengthReport.micro_batch`, set by the run) the table also states
-the padding share of the positions the draft computes, padded and under ``data.packing``
-(:meth:`LengthReport.padding_shares`: the samples in a seeded shuffled order, as the sampler draws them, cut into
+the padding share of the positions the draft computes, padded and packed (``data.packing``;
+:meth:`LengthReport.padding_shares`: the samples in a seeded shuffled order, as the sampler draws them, cut into
 micro-batches, each laid out by ``recipe.data.packing.micro_batch_layout``).
 """
 from __future__ import annotations
@@ -57,14 +57,16 @@ class LengthReport:
 
     def padding_shares(self, seed: int = 0) -> tuple[float, float]:
         """(padded, packed): the share of padding among the positions of the run's micro-batches, one sample per
-        right-padded row and under :attr:`packing` (module docstring); (0, 0) without samples."""
+        right-padded row and packed (under :attr:`packing`; true where it is false, so the line shows what packing
+        would save); (0, 0) without samples."""
         cut = [min(n, self.max_length) for n in self.lengths]
         random.Random(seed).shuffle(cut)
         positions = {False: 0, True: 0}
         for start in range(0, len(cut), self.micro_batch):
             batch = cut[start:start + self.micro_batch]
             positions[False] += micro_batch_layout(batch, False, None, self.seq_divisor).positions
-            positions[True] += micro_batch_layout(batch, self.packing, self.packing_tokens, self.seq_divisor).positions
+            positions[True] += micro_batch_layout(batch, self.packing or True, self.packing_tokens,
+                                                  self.seq_divisor).positions
         tokens = sum(cut)
         return tuple(1 - tokens / positions[p] if positions[p] else 0.0 for p in (False, True))
 
@@ -75,7 +77,7 @@ class LengthReport:
         padded, packed = self.padding_shares()
         rows = "one row a micro-batch" if self.packing_tokens is None else f"rows of {self.packing_tokens} tokens"
         return (f"padding: {padded:.1%} of the positions of micro-batches of {self.micro_batch} samples padded, "
-                f"{packed:.1%} with data.packing {json.dumps(self.packing)} ({rows})")
+                f"{packed:.1%} packed ({rows}); this run: data.packing {json.dumps(self.packing)}")
 
     @property
     def longest(self) -> int:

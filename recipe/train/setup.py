@@ -109,7 +109,7 @@ def build_run(args: TrainArgs, device: torch.device, console: Console) -> RunPar
     config = load_run_config(args.ds_config, dist.get_world_size(),
                              {"tp_size": args.tp_size, "cp_size": args.cp_size})
     config = config.for_device(device)
-    config = dataclasses.replace(config, data=run_data_options(args, config))
+    config = dataclasses.replace(config, data=run_data_options(args, config, device))
     dims = config.dims
     pstate = ParallelState(dims, device)
     resume = check_output(args, pstate.comm)  # before anything is written into --output or data is read
@@ -222,12 +222,12 @@ def build_run(args: TrainArgs, device: torch.device, console: Console) -> RunPar
                     validator=validator, run_identity=identity, resharding=resharding)
 
 
-def run_data_options(args: TrainArgs, config: RunConfig):
+def run_data_options(args: TrainArgs, config: RunConfig, device: torch.device):
     """The run's ``data`` section (``recipe.config_data.DataOptions``) with ``--packing``/``--no-packing`` applied;
-    online, ``"auto"`` packs only where the target's forward isolates packed documents
-    (``recipe.target.registry.TargetArch.packs_documents``; ``DataOptions.for_target``). Raises ConfigError for
-    packing true on another target."""
-    data = config.data.with_flag(args.packing)
+    ``"auto"`` pads on the CPU (``DataOptions.for_device``) and, online, packs only where the target's forward
+    isolates packed documents (``recipe.target.registry.TargetArch.packs_documents``; ``DataOptions.for_target``).
+    Raises ConfigError for packing true on another target."""
+    data = config.data.with_flag(args.packing).for_device(torch.device(device).type)
     if args.data is None or data.packing is False:  # offline: no target forward; the store's states are per sample
         return data
     hf_config = AutoConfig.from_pretrained(args.target)
