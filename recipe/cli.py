@@ -238,6 +238,15 @@ def build_parser() -> argparse.ArgumentParser:
                    "row a micro-batch), documents isolated (docs/algorithm.md, 'Packing'); --no-packing: one sample "
                    "per padded row; default: the JSON's data.packing, \"auto\" unless set (packed where that "
                    "computes fewer positions)")
+    _add_draft_and_schedule_arguments(p)
+    _add_checkpoint_arguments(p)
+    _add_layout_and_report_arguments(p)
+    p.add_argument("--local_rank", "--local-rank", type=int, default=-1, help=argparse.SUPPRESS)
+    return p
+
+
+def _add_draft_and_schedule_arguments(p: argparse.ArgumentParser) -> None:
+    """run.py's flags for the draft (K, vocabulary, geometry, warm start, position offsets) and how long it trains."""
     p.add_argument("--ttt-steps", type=_positive, default=7, help="training-time-test unroll steps K")
     p.add_argument("--draft-vocab-size", type=_positive, default=None,
                    help=f"draft vocabulary size V_d (capped at the target vocabulary; default {DEFAULT_DRAFT_VOCAB}, "
@@ -257,6 +266,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--limit", type=_positive,
                    help="use only the first N conversations of each data file / the first N stored samples")
     p.add_argument("--num-proc", type=_positive, default=1, help="processes for tokenisation (datasets.map)")
+
+
+def _add_checkpoint_arguments(p: argparse.ArgumentParser) -> None:
+    """run.py's flags for checkpoints, resume, the hang watchdog and reusing an --output folder."""
     p.add_argument("--save-every", type=_non_negative, default=0,
                    help="checkpoint every N optimizer steps (0: not by steps; see --save-every-minutes)")
     p.add_argument("--save-every-minutes", type=_non_negative_float, default=30.0, metavar="M",
@@ -278,6 +291,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--extend", action="store_true",
                    help="with --resume and another --max-steps/--epochs: re-plan the LR schedule for the new length "
                    "from the saved step (docs/training.md, 'Extending a run'); without it such a resume is refused")
+
+
+def _add_layout_and_report_arguments(p: argparse.ArgumentParser) -> None:
+    """run.py's flags for the layout overrides, lm_head, caches, logging, export, validation, MFU and memory."""
     p.add_argument("--tp-size", type=_positive, help="override parallelism.tp_size of the JSON")
     p.add_argument("--cp-size", type=_positive, help="override parallelism.cp_size of the JSON")
     p.add_argument("--aux-layer-ids", type=int_list, help="target layers for aux hidden states, e.g. 1,14,26")
@@ -307,8 +324,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--memory-budget", type=_positive_float, metavar="GIB",
                    help='plan the memory section\'s "auto" switches against this many GiB a rank instead of the '
                         "device's free memory (also on the CPU, where they otherwise take the defaults)")
-    p.add_argument("--local_rank", "--local-rank", type=int, default=-1, help=argparse.SUPPRESS)
-    return p
 
 
 def parse_args(argv: list[str] | None = None) -> TrainArgs:

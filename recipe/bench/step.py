@@ -132,6 +132,16 @@ def summary_table(args, device: str, report: dict) -> Table:
     return table
 
 
+def _spec(args, device: str, length: int, backend: str, mask: str, sparse: bool) -> BenchSpec:
+    """The measured step of one variant: the flags' draft geometry at ``length`` tokens. Raises ValueError."""
+    return BenchSpec(seq_len=length, layout=args.layout, hidden=args.hidden, heads=args.heads,
+                     kv_heads=args.kv_heads, head_dim=args.head_dim, intermediate=args.intermediate,
+                     draft_vocab=args.draft_vocab, vocab=args.vocab, target_hidden=args.target_hidden,
+                     ttt_steps=args.ttt_steps, dtype=args.dtype, device=device,
+                     attention_tile=args.attention_tile or None, attention_backend=backend, steps=args.steps,
+                     mask=mask, sparse_anchors=sparse)
+
+
 def main(argv: list[str] | None = None) -> int:
     """CLI entry (``python -m recipe.bench step``). Returns 0, or 2 on bad flags."""
     parser = build_parser()
@@ -154,16 +164,9 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"some of {backends} do not run on {device}")
     paths = {"off": [False], "on": [True], "both": [False, True]}[args.sparse]
     variants = [(b, m, sp) for m in args.masks for sp in paths for b in backends]
-    specs = {}
     try:
-        for length in args.lengths:
-            for b, mask, sparse in variants:
-                specs[(b, length, mask, sparse)] = BenchSpec(
-                    seq_len=length, layout=args.layout, hidden=args.hidden, heads=args.heads, kv_heads=args.kv_heads,
-                    head_dim=args.head_dim, intermediate=args.intermediate, draft_vocab=args.draft_vocab,
-                    vocab=args.vocab, target_hidden=args.target_hidden, ttt_steps=args.ttt_steps, dtype=args.dtype,
-                    device=device, attention_tile=args.attention_tile or None, attention_backend=b, steps=args.steps,
-                    mask=mask, sparse_anchors=sparse)
+        specs = {(b, length, mask, sparse): _spec(args, device, length, b, mask, sparse)
+                 for length in args.lengths for b, mask, sparse in variants}
     except ValueError as exc:
         parser.error(str(exc))
     console = Console(width=None if sys.stdout.isatty() else 150)

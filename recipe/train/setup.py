@@ -107,11 +107,9 @@ def build_run(args: TrainArgs, device: torch.device, console: Console) -> RunPar
     Raises ConfigError/ValueError/KeyError/OSError naming the file or field for bad input (``run.py`` prints them).
     """
     config = load_run_config(args.ds_config, dist.get_world_size(),
-                             {"tp_size": args.tp_size, "cp_size": args.cp_size})
-    config = config.for_device(device)
+                             {"tp_size": args.tp_size, "cp_size": args.cp_size}).for_device(device)
     config = dataclasses.replace(config, data=run_data_options(args, config, device))
-    dims = config.dims
-    pstate = ParallelState(dims, device)
+    pstate = ParallelState(config.dims, device)
     resume = check_output(args, pstate.comm)  # before anything is written into --output or data is read
     if args.resume == "auto" and dist.get_rank() == 0:
         console.print("--resume auto: " + ("resuming the run in " if resume else "no run in ")
@@ -123,85 +121,27 @@ def build_run(args: TrainArgs, device: torch.device, console: Console) -> RunPar
     examples, store, eval_examples, eval_store, eval_tag = held_out_data(args, examples, store, console, pstate.comm)
     fingerprint += f":{eval_tag}:{len(examples) if examples is not None else len(store)}" if eval_tag else ""
     embed_VH, lm_head_VH, hf_config = load_embedding_and_head(args.target)
-    notes = []
-    if store is not None:
-        notes.append(store.check_compatible(args.target, args.aux_layer_ids))
-
-    overrides = load_draft_config_overrides(args.draft_config) if args.draft_config else {}
-    if args.aux_layer_ids:
-        overrides["aux_layer_ids"] = list(args.aux_layer_ids)
-    elif store is not None:
-        overrides.setdefault("aux_layer_ids", list(store.aux_layer_ids))
-    init = None  # --init-draft: the existing draft the run starts from (recipe.train.init_draft)
-    if args.init_draft is not None:
-        init = init_draft.prepare(args.init_draft, args.draft_vocab_size, hf_config.vocab_size, overrides)
-        overrides = init.overrides
-    draft_vocab = init.draft_vocab_size if init else min(args.draft_vocab_size, hf_config.vocab_size)
-    draft_config = draft_config_for(hf_config, draft_vocab, overrides)
-    if init is not None:
-        init_draft.check_geometry(init, draft_config, int(hf_config.get_text_config().num_hidden_layers))
-        notes += init.notes + init_draft.setting_notes(init, draft_config)
-    identity = {"target_fingerprint": target_fingerprint(args.target), "position_offset_max": args.position_offset_max,
-                "draft_config": json.loads(json.dumps(dataclasses.asdict(draft_config)))}  # as run_state.json holds it
-    resharding = None
-    if resume_from is not None:  # before the checkpoint's vocabulary map, the draft or DeepSpeed touch anything
-        saved = checkpoint.read_run_state(resume_from)
-        notes.append(resume_checks.check_compatible(saved, identity, resume_from, keys=tuple(identity)))
-        if init is not None:
-            notes.append(init_draft.check_resume(saved, init, resume_from))
-        resharding = resume_checks.describe_change(saved, layout_state(config))
-        if resharding is not None and not (resume_from / reshard.TRAIN_STATE_FILE).is_file():
-            raise ValueError(f"cannot resume from {resume_from} on another layout: it has no "
-                             f"{reshard.TRAIN_STATE_FILE} (written by an earlier version, or by a run whose optimizer "
-                             f"is not Adam); resume it on its own layout, {resume_checks.layout_name(saved)}, or "
-                             "start a new run")
-        if saved.get("init_draft") is not None:  # where the run's draft came from stays recorded
-            identity["init_draft"] = saved["init_draft"]
-    elif init is not None:
-        identity["init_draft"] = init.record()
+    draft_config, init, notes = _draft_config(args, hf_config, store)
+    identity, resharding, resume_notes = _identity(args, config, draft_config, init, resume_from)
     if dist.get_rank() == 0:
-        for note in filter(None, notes):
+        for note in filter(None, notes + resume_notes):
             console.print(note)
-    if resume_from is not None:
-        vocab = VocabMap.load(resume_from / checkpoint.VOCAB_FILE)
-    elif init is not None:  # the draft's own map, never recomputed from the data
-        vocab = init.vocab
-    else:
-        cache = args.cache_dir or args.output / "cache"
-        rows = _token_rows(examples, store)  # read once: the vocabulary and its coverage report count the same rows
-        vocab = rank0_first(lambda: build_vocab_map(rows, hf_config.vocab_size, draft_vocab, cache_dir=cache),
-                            pstate.comm)
-        if dist.get_rank() == 0:
-            console.print(vocab_coverage_report(rows, vocab, store))
+    vocab = _vocab_map(args, resume_from, init, examples, store, hf_config.vocab_size, pstate, console)
 
     # the memory section's "auto" resolved for the longest sample and this device (recipe.train.memory_plan)
     config = resolve_run_memory(config, pstate, device, args.memory_budget,
                                 run_plan_inputs(config, args, hf_config, draft_config, examples, store))
     config = dataclasses.replace(config, data=config.data.for_attention(config.memory.attention_tile_size))
-    draft = Eagle3Draft(draft_config, seed=args.seed)
-    draft.load_target_embeddings(embed_VH)
-    draft.set_vocab_map(vocab.d2t, vocab.t2d)
-    if args.lm_head_init == "target" and init is None:
-        draft.init_lm_head_from_target(lm_head_VH, vocab.draft_ids)
+    model = _training_model(args, config, draft_config, hf_config, embed_VH, lm_head_VH, vocab, pstate, device,
+                            init=init if resume_from is None else None,
+                            masters_from=resume_from if resharding is not None else None)
 
-    def before_split(model: TTTModel) -> None:
-        if init is not None and resume_from is None:  # into the single-device model: every layout is cut from it
-            init_draft.load_into(model, init)
-        if resharding is not None:  # the layout is cut from the saved masters, as a fresh run's initial weights
-            reshard.load_master_weights(model, resume_from)
-
-    model = build_training_model(draft, lm_head_VH[vocab.draft_ids].clone(), config.memory, config.kernels, pstate,
-                                 device, target_softcap=final_logit_softcap(hf_config), before_split=before_split)
-    if args.freeze_lm_head:  # whichever module holds lm_head now (vocab-parallel under tp)
-        model.draft.lm_head.weight.requires_grad_(False)
-
-    target, argmax_chunk = None, None
-    if examples is not None:
-        target, argmax_chunk = online_target(args, config, pstate, draft_config, hf_config, device)
+    target, argmax_chunk = (online_target(args, config, pstate, draft_config, hf_config, device)
+                            if examples is not None else (None, None))
 
     def batch_builder(rows, hidden_states, offset_max=0) -> BatchBuilder:  # training and held-out samples alike
         return BatchBuilder(examples=rows, store=hidden_states, target=target, t2d=vocab.t2d,
-                            ttt_steps=args.ttt_steps, seq_divisor=dims.seq_divisor, cp_size=dims.cp,
+                            ttt_steps=args.ttt_steps, seq_divisor=config.dims.seq_divisor, cp_size=config.dims.cp,
                             cp_rank=pstate.cp_rank, device=device, dtype=config.dtype,
                             argmax_chunk_size=argmax_chunk or 1024, position_offset_max=offset_max, seed=args.seed,
                             packing=config.data.packing, packing_tokens=config.data.packing_tokens)
@@ -220,6 +160,96 @@ def build_run(args: TrainArgs, device: torch.device, console: Console) -> RunPar
     return RunParts(config=config, pstate=pstate, draft_config=draft_config, vocab=vocab, builder=builder,
                     sampler=sampler, engine=engine, data_fingerprint=fingerprint, resume_from=resume_from,
                     validator=validator, run_identity=identity, resharding=resharding)
+
+
+def _draft_config(args: TrainArgs, hf_config, store) -> tuple[Eagle3DraftConfig, object | None, list]:
+    """(draft config, the ``--init-draft`` draft prepared or None, notes to print): the target's shape with
+    ``--draft-config`` and ``--aux-layer-ids`` (else the store's aux layers), or the existing draft's geometry
+    checked against it (``recipe.train.init_draft``). Raises ValueError naming the flag or file."""
+    notes = [store.check_compatible(args.target, args.aux_layer_ids)] if store is not None else []
+    overrides = load_draft_config_overrides(args.draft_config) if args.draft_config else {}
+    if args.aux_layer_ids:
+        overrides["aux_layer_ids"] = list(args.aux_layer_ids)
+    elif store is not None:
+        overrides.setdefault("aux_layer_ids", list(store.aux_layer_ids))
+    init = None  # --init-draft: the existing draft the run starts from (recipe.train.init_draft)
+    if args.init_draft is not None:
+        init = init_draft.prepare(args.init_draft, args.draft_vocab_size, hf_config.vocab_size, overrides)
+        overrides = init.overrides
+    draft_vocab = init.draft_vocab_size if init else min(args.draft_vocab_size, hf_config.vocab_size)
+    draft_config = draft_config_for(hf_config, draft_vocab, overrides)
+    if init is not None:
+        init_draft.check_geometry(init, draft_config, int(hf_config.get_text_config().num_hidden_layers))
+        notes += init.notes + init_draft.setting_notes(init, draft_config)
+    return draft_config, init, notes
+
+
+def _identity(args: TrainArgs, config: RunConfig, draft_config, init, resume_from: Path | None):
+    """(run identity, resharding line or None, notes): what the run is made of (``RunParts.run_identity``), checked
+    against the checkpoint resumed from before its vocabulary map, the draft or DeepSpeed touch anything. Raises
+    ValueError for an incompatible checkpoint or one of another layout without its layout-free state."""
+    identity = {"target_fingerprint": target_fingerprint(args.target), "position_offset_max": args.position_offset_max,
+                "draft_config": json.loads(json.dumps(dataclasses.asdict(draft_config)))}  # as run_state.json holds it
+    if resume_from is None:
+        if init is not None:
+            identity["init_draft"] = init.record()
+        return identity, None, []
+    saved = checkpoint.read_run_state(resume_from)
+    notes = [resume_checks.check_compatible(saved, identity, resume_from, keys=tuple(identity))]
+    if init is not None:
+        notes.append(init_draft.check_resume(saved, init, resume_from))
+    resharding = resume_checks.describe_change(saved, layout_state(config))
+    if resharding is not None and not (resume_from / reshard.TRAIN_STATE_FILE).is_file():
+        raise ValueError(f"cannot resume from {resume_from} on another layout: it has no "
+                         f"{reshard.TRAIN_STATE_FILE} (written by an earlier version, or by a run whose optimizer "
+                         f"is not Adam); resume it on its own layout, {resume_checks.layout_name(saved)}, or "
+                         "start a new run")
+    if saved.get("init_draft") is not None:  # where the run's draft came from stays recorded
+        identity["init_draft"] = saved["init_draft"]
+    return identity, resharding, notes
+
+
+def _vocab_map(args: TrainArgs, resume_from: Path | None, init, examples, store, vocab_size: int,
+               pstate: ParallelState, console: Console) -> VocabMap:
+    """The d2t/t2d map: the checkpoint's on resume, the existing draft's with ``--init-draft`` (never recomputed
+    from the data), else the ``--draft-vocab-size`` most frequent target ids (at most ``vocab_size``) counted from
+    the training rows on rank 0 (its coverage report printed)."""
+    if resume_from is not None:
+        return VocabMap.load(resume_from / checkpoint.VOCAB_FILE)
+    if init is not None:
+        return init.vocab
+    cache = args.cache_dir or args.output / "cache"
+    rows = _token_rows(examples, store)  # read once: the vocabulary and its coverage report count the same rows
+    draft_vocab = min(args.draft_vocab_size, vocab_size)
+    vocab = rank0_first(lambda: build_vocab_map(rows, vocab_size, draft_vocab, cache_dir=cache), pstate.comm)
+    if dist.get_rank() == 0:
+        console.print(vocab_coverage_report(rows, vocab, store))
+    return vocab
+
+
+def _training_model(args: TrainArgs, config: RunConfig, draft_config, hf_config, embed_VH, lm_head_VH,
+                    vocab: VocabMap, pstate: ParallelState, device: torch.device, init=None,
+                    masters_from: Path | None = None) -> TTTModel:
+    """The draft built full from ``--seed`` (target embeddings, vocabulary map, lm_head from the target's rows),
+    ``init``'s weights loaded or the saved fp32 masters of ``masters_from`` (a resume on another layout), then
+    parallelised (``recipe.parallel.parallelize.build_training_model``); lm_head frozen with ``--freeze-lm-head``."""
+    draft = Eagle3Draft(draft_config, seed=args.seed)
+    draft.load_target_embeddings(embed_VH)
+    draft.set_vocab_map(vocab.d2t, vocab.t2d)
+    if args.lm_head_init == "target" and args.init_draft is None:
+        draft.init_lm_head_from_target(lm_head_VH, vocab.draft_ids)
+
+    def before_split(model: TTTModel) -> None:
+        if init is not None:  # into the single-device model: every layout is cut from it
+            init_draft.load_into(model, init)
+        if masters_from is not None:  # the layout is cut from the saved masters, as a fresh run's initial weights
+            reshard.load_master_weights(model, masters_from)
+
+    model = build_training_model(draft, lm_head_VH[vocab.draft_ids].clone(), config.memory, config.kernels, pstate,
+                                 device, target_softcap=final_logit_softcap(hf_config), before_split=before_split)
+    if args.freeze_lm_head:  # whichever module holds lm_head now (vocab-parallel under tp)
+        model.draft.lm_head.weight.requires_grad_(False)
+    return model
 
 
 def run_data_options(args: TrainArgs, config: RunConfig, device: torch.device):
