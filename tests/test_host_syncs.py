@@ -198,7 +198,7 @@ class ThreadStore(HiddenStateStore):
 
 @pytest.mark.parametrize("cp,rank", [(1, 0), (2, 1)])
 def test_prefetch_gives_the_same_batches_in_the_same_order(tiny_target_and_store, cp, rank):
-    from recipe.train.batches import StepBatches
+    from recipe.train.step_batches import StepBatches
 
     _, store_dir = tiny_target_and_store
     plain = _builder(store_dir, cp, rank)

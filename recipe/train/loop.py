@@ -22,7 +22,7 @@ before the optimizer step; with ``--skip-nonfinite``, which needs one micro-batc
 Host syncs. Per optimizer step the loop reads the device once for that agreement and once at the end for the
 metrics (plus the grad norm); the loss sums, correct counts and the global valid counts stay on the device in between.
 Offline, the step's valid counts come from the host tokens before any batch is on the device, and the micro-batches
-are built one at a time, the next one's store reads in a background thread (``recipe.train.batches.StepBatches``).
+are built one at a time, the next one's store reads in a background thread (``recipe.train.step_batches.StepBatches``).
 """
 from __future__ import annotations
 
@@ -40,7 +40,7 @@ from recipe.model.ttt import ttt_objective
 from recipe.parallel.parallelize import gather_full_state
 from recipe.plot import plot_note
 from recipe.train import checkpoint, reshard, resume_checks
-from recipe.train.batches import StepBatches
+from recipe.train.step_batches import StepBatches
 from recipe.train.metrics import MetricsLog, StepSpeed, TrainProgress, ttt_metrics, zero0_grad_norm
 from recipe.train.monitor import StepMonitor
 from recipe.train.oom import StepOutOfMemory, out_of_memory_message
