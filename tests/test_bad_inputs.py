@@ -157,7 +157,9 @@ def cases(tiny_target_and_store, other_tiny_target, assets, tmp_path_factory):
                        "on device", "the previous checkpoint step-00000002 is intact"]),
     }
     skip = Job(offline("n3", "--max-steps", str(nan_step + 1), "--skip-nonfinite"), nan_sample=5)
-    outcomes = run_ranks(1, run_jobs, [job for job, _ in table.values()] + [skip])[0]
+    # about 30 runs of run.py in one process: minutes on a loaded 2-core machine (a cold DeepSpeed JIT build of its
+    # CPU all-reduce op may fall in here too), so more than run_ranks' default allowance
+    outcomes = run_ranks(1, run_jobs, [job for job, _ in table.values()] + [skip], timeout=1800)[0]
     result = {name: (out, table[name][1]) for name, out in zip(table, outcomes)}
     result["skip_nonfinite"] = (outcomes[-1], nan_step)
     result["_tmp"] = tmp
