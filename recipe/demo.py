@@ -40,9 +40,8 @@ from rich.table import Table
 from recipe.assets import prepare_assets
 from recipe.cli import context_length_list, positive_int_list, subprocess_env
 from recipe.data.store import HiddenStateStore
-from recipe.eval.by_length import evaluate_by_length
+from recipe.eval.by_length import evaluate, evaluate_by_length
 from recipe.eval.context import context_prompts, read_context_data
-from recipe.eval.harness import evaluate
 from recipe.eval.prompts import read_prompts
 from recipe.eval.tree import add_tree_arguments, tree_from_args
 from recipe.plot import CURVES_FILE, plot_note
@@ -206,7 +205,7 @@ def _settings(args) -> dict:
 
 def stage_eval(args, assets, ks: list[int], console: Console) -> dict:
     """τ of ``OUTPUT/export`` on ``--eval-prompts`` MT-Bench first turns: chain drafting at each k and the dynamic
-    tree (``recipe.eval.harness.evaluate``, every output checked against greedy decoding), on every CPU core."""
+    tree (``recipe.eval.by_length.evaluate``, every output checked against greedy decoding), on every CPU core."""
     done = args.output / "eval.json"
     if done.is_file() and done.stat().st_mtime > (args.output / "export" / "model.safetensors").stat().st_mtime:
         previous = _read_eval_json(done)  # None when corrupt: evaluate again (the file is rewritten at the end)

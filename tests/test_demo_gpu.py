@@ -23,7 +23,6 @@ from recipe.bench.demo_gpu_plan import ESTIMATES_S, GPU, TINY, eval_jobs, plan, 
 from recipe.bench.demo_gpu_report import mtbench_section, section
 from recipe.eval.context import ContextPrompt
 from recipe.eval.length_report import length_entry, merge_entries
-from recipe.eval.prompts import Prompt
 from recipe.eval.speculative import Generation
 
 sys.path.insert(0, str(ROOT / "tests"))
@@ -117,9 +116,8 @@ def _generations(accepted: list[list[int]]) -> list[Generation]:
 def _entry(length: int, chains: dict[str, list[list[int]]], names: list[str]) -> dict:
     cps = [ContextPrompt(name=n, category="c", ids=[1] * (length + 10), context_tokens=length, length=length)
            for n in names]
-    prompts = [Prompt(name=n, category="c", text="") for n in names]
     greedy = [Generation(tokens=[0] * 8, seconds=1.0) for _ in names]
-    return length_entry(length, cps, prompts, greedy, {(d, 3): _generations(a) for d, a in chains.items()},
+    return length_entry(length, cps, greedy, {(d, 3): _generations(a) for d, a in chains.items()},
                         {d: _generations(a) for d, a in chains.items()}, SimpleTree())
 
 

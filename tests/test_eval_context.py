@@ -308,7 +308,7 @@ def test_cli_buckets_prompts_alone_and_inserts_context_data_without_assets(conve
     assert all(p.category in ABOUT_CONTEXT_REQUESTS and 0 < p.context_tokens <= p.length
                for b in buckets.values() for p in b)
     assert json.loads((tmp_path / "r.json").read_text())["context_data"] == [str(conversations[0])]
-    assert cli.main(base + ["--reference", "batched"]) == 2
+    assert cli.main(base + ["--reference", "batched"]) == 0 and calls[-1][1]["reference"] == "batched"
     assert cli.main(base + ["--draft", f"{tmp_path}@4"]) == 0  # the same folder again, served with a window of 4
     assert calls[-1][1]["window"] == {str(tmp_path): 16, f"{tmp_path}@4": 4}
     assert cli.main(base + ["--draft", str(tmp_path)]) == 2  # the same label twice

@@ -8,10 +8,17 @@ import torch.nn.functional as F
 from torch import nn
 
 from helpers.tolerance import FP32_REORDERED, assert_close_rel
-from recipe.eval.harness import GreedyReference, evaluate
+from recipe.eval.by_length import GreedyReference, evaluate_by_length
+from recipe.eval.context import ContextPrompt
 from recipe.eval.prompts import Prompt
 from recipe.eval.report import summarise_run
-from recipe.eval.speculative import Generation, MismatchError, greedy_generate, greedy_generate_batched
+from recipe.eval.speculative import (
+    Generation,
+    MismatchError,
+    greedy_generate,
+    greedy_generate_batched,
+    prefill_prompt,
+)
 from recipe.model import packed_linear
 from recipe.model.packed_linear import PackedLinear, pack_linear_layers, packing_available
 from recipe.target.capture import TargetModel
@@ -108,35 +115,48 @@ def test_batched_greedy_ignores_the_pad_id(target):
         greedy_generate_batched(target.model, prompts, 10, pad_token_id=5)
 
 
+def _reference(target, names, prompts, mode, n=20):
+    """A ``GreedyReference`` over ``prompts`` with every prompt's reference asked for from its own prefill."""
+    cached = CachedTarget(target.model)
+    context = [ContextPrompt(name, "c", ids, 0, 0) for name, ids in zip(names, prompts)]
+    refs = GreedyReference(cached, context, n, None, mode)
+    for i, ids in enumerate(prompts):
+        refs.of(i, prefill_prompt(cached, ids))
+    return refs, cached
+
+
 def test_reference_modes_agree_and_batched_times_the_shortest_prompt(target):
     prompts = _prompts([9, 13, 5, 11], seed=5)
-    names = [Prompt(f"q{i}", "c", "") for i in range(len(prompts))]
-    seq = GreedyReference(target.model, names, prompts, 20, None, "sequential", 0)
-    bat = GreedyReference(target.model, names, prompts, 20, None, "batched", 0)
+    names = [f"q{i}" for i in range(len(prompts))]
+    seq, _ = _reference(target, names, prompts, "sequential")
+    bat, cached = _reference(target, names, prompts, "batched")
     assert [g.tokens for g in bat.gens] == [g.tokens for g in seq.gens]
     assert all(g.seconds > 0 for g in seq.gens)
     assert [g.seconds == g.seconds for g in bat.gens] == [False, False, True, False]  # prompt 2 (5 tokens) alone
+    shared = prefill_prompt(cached, prompts[1])
     gen = Generation(tokens=list(seq.gens[1].tokens), seconds=1.0, accepted=[0] * 20, k=1)
-    assert bat.check(1, gen) is gen
+    assert bat.check(1, gen, shared, None) is gen
     with pytest.raises(MismatchError, match="'q1'"):
-        bat.check(1, Generation(tokens=[0] * 20, seconds=1.0))
+        bat.check(1, Generation(tokens=[0] * 20, seconds=1.0), shared, None)
+    recorded = []
+    bat.check(1, Generation(tokens=[0] * 20, seconds=1.0), shared, recorded)
+    assert len(recorded) == 1 and recorded[0].startswith("prompt 'q1'")
 
 
 def test_batched_reference_errors_name_the_prompt_or_recover(target, monkeypatch):
-    import recipe.eval.harness as harness
+    import recipe.eval.by_length as by_length
 
     prompts = _prompts([9, 6], seed=6)
-    names = [Prompt("long", "c", ""), Prompt("short", "c", "")]
     cached = CachedTarget(target.model)
     truth = [greedy_generate(cached, p, 8).tokens for p in prompts]
-    monkeypatch.setattr(harness, "greedy_generate_batched", lambda model, ids, n, eos, pad: [[1] * n for _ in ids])
+    monkeypatch.setattr(by_length, "greedy_generate_batched", lambda model, ids, n, eos: [[1] * n for _ in ids])
     with pytest.raises(MismatchError, match="'short': batched greedy decoding differs from decoding it alone"):
-        GreedyReference(target.model, names, prompts, 8, None, "batched", 0)
+        _reference(target, ["long", "short"], prompts, "batched", 8)
     # a batched row that is wrong for a prompt not decoded alone: re-decoded alone before blaming the speculative one
-    monkeypatch.setattr(harness, "greedy_generate_batched", lambda model, ids, n, eos, pad: [[1] * n, truth[1]])
-    refs = GreedyReference(target.model, names, prompts, 8, None, "batched", 0)
+    monkeypatch.setattr(by_length, "greedy_generate_batched", lambda model, ids, n, eos: [[1] * n, truth[1]])
+    refs, cached = _reference(target, ["long", "short"], prompts, "batched", 8)
     assert refs.gens[0].tokens == [1] * 8 != truth[0]
-    refs.check(0, Generation(tokens=truth[0], seconds=1.0))
+    refs.check(0, Generation(tokens=truth[0], seconds=1.0), prefill_prompt(cached, prompts[0]), None)
     assert refs.gens[0].tokens == truth[0] and refs.gens[0].seconds != refs.gens[0].seconds
 
 
@@ -160,19 +180,20 @@ def test_eval_cli_passes_the_reference_mode(tmp_path, monkeypatch):
 
     def fake_evaluate(*args, **kwargs):
         seen.update(kwargs)
-        return {"runs": [{"tau": 1.5, "num_draft_tokens": 5}]}
+        return {"runs": [{"tau": 1.5, "num_draft_tokens": 5}], "mismatches": []}
 
     monkeypatch.setattr(cli, "evaluate", fake_evaluate)
     prompts = tmp_path / "p.jsonl"
     prompts.write_text('{"prompt": "hi", "category": "c"}\n')
     base = ["--target", str(tmp_path), "--draft", str(tmp_path), "--prompts", str(prompts), "--tree-depth", "0"]
     assert main(base + ["--reference", "batched"]) == 0 and seen["reference"] == "batched"
-    assert main(base) == 0 and seen["reference"] == "sequential"
+    assert main(base) == 0 and seen["reference"] == "sequential" and seen["on_mismatch"] == "stop"
+    assert main(base + ["--context-request", "about-context"]) == 2  # needs --context-lengths
 
 
 def test_evaluate_rejects_an_unknown_reference_mode(tmp_path):
     with pytest.raises(ValueError, match="reference='parallel'"):
-        evaluate(tmp_path, {"d": tmp_path}, [], [5], 8, reference="parallel")
+        evaluate_by_length(tmp_path, {"d": tmp_path}, {}, [5], 8, reference="parallel")
 
 
 @needs_packing

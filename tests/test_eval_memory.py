@@ -101,5 +101,5 @@ def test_recorded_mismatches_keep_the_lengths_memory_and_prefill_time(tiny_targe
         assert entry["device_memory"] is None and 0 < entry["prefill_seconds"] <= entry["runs"][0]["seconds"]
     with pytest.raises(MismatchError, match="p@0"):
         by_length.evaluate_by_length(tiny_target, {"a": export}, buckets, [2], 6, device="cpu")
-    with pytest.raises(ValueError, match="on_mismatch 'warn'"):
+    with pytest.raises(ValueError, match="on_mismatch='warn'"):
         by_length.evaluate_by_length(tiny_target, {"a": export}, buckets, [2], 6, device="cpu", on_mismatch="warn")

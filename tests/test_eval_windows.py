@@ -106,7 +106,8 @@ def test_per_draft_windows_in_one_run_equal_separate_runs(tiny, tiny_target, tmp
 
     built = []
     real = by_length.EagleTreeDrafter
-    monkeypatch.setattr(by_length, "EagleTreeDrafter", lambda d, window: built.append(window) or real(d, window=window))
+    monkeypatch.setattr(by_length, "EagleTreeDrafter",
+                        lambda d, window, columns: built.append(window) or real(d, window=window, columns=columns))
     both = evaluate_by_length(tiny_target, {"full": folder, "w4": folder}, buckets, [3], 12, device="cpu",
                               window={"full": None, "w4": 4})
     assert built == [None, 4]

@@ -44,13 +44,13 @@ def test_eval_record_events():
 def _independent_eval(target, store_dir, export, held: list[int], K: int) -> dict:
     """Sums over the held-out samples, one sample at a time, with the exported draft in fp32 (no padding)."""
     from recipe.data.store import HiddenStateStore
-    from recipe.eval.draft_runtime import load_draft_export
+    from recipe.eval.draft_runtime import build_draft, read_draft
     from recipe.model.ttt import TTTModel, make_ttt_batch, step_weights
     from recipe.target.head import load_embedding_and_head
     from recipe.target.registry import final_logit_softcap
 
     embed, head, hf_config = load_embedding_and_head(target)
-    draft = load_draft_export(export, embed, dtype=torch.float32).train()
+    draft = build_draft(*read_draft(export, hf_config), embed, dtype=torch.float32).train()
     model = TTTModel(draft, head, target_softcap=final_logit_softcap(hf_config))
     store = HiddenStateStore(store_dir)
     loss, correct, valid, supervised = (torch.zeros(K, dtype=torch.float64) for _ in range(4))

@@ -1,20 +1,22 @@
-"""Measure an exported EAGLE-3 draft against its target: acceptance length τ, per-position acceptance, speed.
+"""Measure EAGLE-3 drafts against their target: acceptance length τ, per-position acceptance, speed.
 
-    python -m recipe.eval --target DIR --draft EXPORT_DIR [--draft EXPORT_DIR2 ...] [--prompts FILE]
+    python -m recipe.eval --target DIR --draft PATH [--draft PATH2 ...] [--prompts FILE]
         [--num-draft-tokens 5[,3]] [--max-new-tokens N] [--limit N] [--output JSON] [--draft-dtype bf16|fp32]
         [--tree-topk 4] [--tree-depth 5] [--tree-budget 16] [--dtype fp32|bf16] [--draft-window-size N]
-        [--context-lengths 0,1k,4k [--context-data FILE ...] [--context-request unrelated|about-context] [--seed S]
-         [--on-mismatch stop|record]]
+        [--reference sequential|batched] [--on-mismatch stop|record]
+        [--context-lengths 0,1k,4k [--context-data FILE ...] [--context-request unrelated|about-context] [--seed S]]
 
-Chain drafting of k tokens per round and dynamic-tree drafting (EAGLE-2/3: top-k expansion per depth, a budget of
-draft tokens verified in one target forward; ``--tree-depth 0`` turns it off), greedy verification; every
-speculative output is checked against plain greedy decoding of the target (exit 1 naming the prompt on a
-mismatch). Default prompts: the MT-Bench first turns from ``recipe.assets``. The JSON's top level has ``tau``,
-``num_draft_tokens`` and ``num_prompts`` of the first draft at the first k, ``tau_tree`` of the first draft's tree
-(null without trees), ``runs`` with every (draft, k) and ``tree_runs`` with every draft's tree.
+One engine (``recipe.eval.by_length``): a draft is any layout ``run.py --init-draft`` reads (this project's export,
+SpecForge's and the EAGLE repository's, ``midlayer.*`` or ``layers.0.*`` keys, safetensors or a pickle). Chain
+drafting of k tokens per round and dynamic-tree drafting (EAGLE-2/3: top-k expansion per depth, a budget of draft
+tokens verified in one target forward; ``--tree-depth 0`` turns it off), greedy verification; every speculative
+output is checked against plain greedy decoding of the target (exit 1 naming the prompt on a mismatch). Default
+prompts: the MT-Bench first turns from ``recipe.assets``. The JSON's top level has ``tau``, ``num_draft_tokens`` and
+``num_prompts`` of the first draft at the first k, ``tau_tree`` of the first draft's tree (null without trees),
+``runs`` with every (draft, k) and ``tree_runs`` with every draft's tree.
 
-``--context-lengths``: τ by context length (``recipe.eval.context``, ``recipe.eval.by_length``); the JSON then has one
-entry per length under ``lengths`` (docs/evaluation.md, "Acceptance by context length").
+``--context-lengths``: τ by context length (``recipe.eval.context``); the JSON then has one entry per length under
+``lengths`` (docs/evaluation.md, "Acceptance by context length"); plain evaluation is the one-length case.
 """
 from __future__ import annotations
 
@@ -26,13 +28,18 @@ from pathlib import Path
 
 import torch
 from rich.console import Console
-from transformers import AutoConfig
 
 from recipe.assets import prepare_assets
 from recipe.cli import context_length_list, positive_int_list
-from recipe.eval.by_length import ON_MISMATCH, evaluate_by_length
+from recipe.eval.by_length import (
+    ON_MISMATCH,
+    REFERENCE_MODES,
+    evaluate,
+    evaluate_by_length,
+    prompt_token_limit,
+    target_config,
+)
 from recipe.eval.context import CONTEXT_REQUESTS, bucket_prompts, context_prompts, read_context_data
-from recipe.eval.harness import REFERENCE_MODES, evaluate
 from recipe.eval.length_report import NO_MATPLOTLIB, plot_tau_by_length
 from recipe.eval.prompts import read_prompts
 from recipe.eval.speculative import MismatchError
@@ -45,10 +52,10 @@ DRAFT_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m recipe.eval", description=__doc__.split("\n\n")[0])
     p.add_argument("--target", type=Path, required=True, help="target model folder (Hugging Face format)")
-    p.add_argument("--draft", type=draft_spec, action="append", required=True, metavar="DIR[@N]",
-                   help="draft export folder (config.json + model.safetensors); repeat to compare several; DIR@N "
-                        "serves that draft with a sliding window of N positions (as --draft-window-size, for that "
-                        "entry only), so one run compares a draft with and without a window")
+    p.add_argument("--draft", type=draft_spec, action="append", required=True, metavar="PATH[@N]",
+                   help="a draft: an export folder or any layout --init-draft reads (SpecForge or EAGLE folders, a "
+                        ".safetensors or .bin file); repeat to compare several; PATH@N serves that draft with a "
+                        "sliding window of N positions (as --draft-window-size, for that entry only)")
     p.add_argument("--prompts", type=Path, help='JSONL of {"prompt" or "turns", "category"} (default: MT-Bench)')
     p.add_argument("--num-draft-tokens", type=positive_int_list, default=[5],
                    help="k, draft tokens per round (e.g. 5 or 5,3)")
@@ -59,8 +66,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--draft-dtype", choices=sorted(DRAFT_DTYPES),
                    help="the draft's compute dtype (default: the export's own)")
     p.add_argument("--dtype", choices=sorted(DRAFT_DTYPES),
-                   help="the target's dtype (default: fp32 on every device; bf16 is faster, but its batched verification and "
-                        "one-token decoding round differently, so the lossless check can fail at near-tied logits)")
+                   help="the target's dtype (default: fp32 on every device; bf16 is faster, but its batched "
+                        "verification and one-token decoding round differently, so the lossless check can fail at "
+                        "near-tied logits)")
     p.add_argument("--draft-window-size", type=_positive, metavar="N",
                    help="the draft attends only to its last N positions (chain and tree drafting), as SGLang's "
                         "--speculative-draft-window-size serves it (default: full attention)")
@@ -81,10 +89,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="greedy reference of the lossless check: prompt by prompt (also times greedy decoding), or "
                         "all prompts in one batch (fewer target forwards; greedy speed timed on the shortest prompt)")
     p.add_argument("--on-mismatch", choices=ON_MISMATCH, default="stop",
-                   help="with --context-lengths: a speculative output that differs from greedy decoding stops the run "
-                        "(exit 1), or is recorded in the length's 'mismatches' and decoding goes on (exit 1 once the "
-                        "JSON is written): for a bf16 target, whose near-ties can round apart, when memory and time "
-                        "are what is measured")
+                   help="a speculative output that differs from greedy decoding stops the run (exit 1), or is "
+                        "recorded in 'mismatches' and decoding goes on (exit 1 once the JSON is written): for a bf16 "
+                        "target, whose near-ties can round apart, when memory and time are what is measured")
     add_tree_arguments(p)
     return p
 
@@ -122,12 +129,28 @@ def _positive(text: str) -> int:
     return value
 
 
+def _engine_args(args) -> dict:
+    """The engine's keyword arguments from the flags (``recipe.eval.by_length.evaluate_by_length``)."""
+    folders, windows = _drafts(args)
+    return {"drafts": folders, "ks": args.num_draft_tokens, "max_new_tokens": args.max_new_tokens,
+            "device": args.device, "draft_dtype": DRAFT_DTYPES[args.draft_dtype] if args.draft_dtype else None,
+            "target_dtype": DRAFT_DTYPES[args.dtype] if args.dtype else None, "window": windows,
+            "on_mismatch": args.on_mismatch, "reference": args.reference}
+
+
+def _plain_run(args, console, tree) -> dict:
+    """Plain evaluation: the engine at one length (``evaluate``) on ``--prompts`` (default: MT-Bench)."""
+    if args.context_data is not None or args.context_request != "unrelated":
+        raise ValueError("--context-data and --context-request need --context-lengths")
+    args.prompts = args.prompts or prepare_assets().prompts
+    prompts = read_prompts(args.prompts, args.limit)
+    return {**evaluate(args.target, prompts=prompts, console=console, tree=tree, **_engine_args(args)),
+            "prompts": str(args.prompts)}
+
+
 def _context_run(args, console, tree) -> dict:
     """The ``--context-lengths`` run: prompts per length (inserted context or bucketed prompts), then
     ``evaluate_by_length``. Calls ``prepare_assets`` only for a default it needs (MT-Bench prompts, ShareGPT)."""
-    if args.reference != "sequential":
-        raise ValueError("--reference batched does not apply with --context-lengths (each prompt's prefill and "
-                         "greedy reference are computed once and shared by all drafts)")
     bucketed = args.prompts is not None and args.context_data is None
     if bucketed and args.context_request != "unrelated":
         raise ValueError("--context-request about-context needs inserted context (--context-data); prompts given "
@@ -139,26 +162,17 @@ def _context_run(args, console, tree) -> dict:
     prompts = read_prompts(args.prompts, args.limit)
     tokenizer = load_tokenizer(args.target)
     skipped = {}
-    if bucketed:
-        try:  # prompts too long for the target are skipped (counted); a GGUF target is checked later instead
-            limit = getattr(AutoConfig.from_pretrained(args.target), "max_position_embeddings", None)
-        except (OSError, ValueError):
-            limit = None
-        drafted = max(max(args.num_draft_tokens), tree.budget if tree is not None else 0) + 1
-        buckets, skipped = bucket_prompts(tokenizer, prompts, args.context_lengths,
-                                          None if limit is None else limit - args.max_new_tokens - drafted)
+    if bucketed:  # prompts too long for the target are skipped (counted)
+        most = prompt_token_limit(target_config(args.target), args.max_new_tokens, args.num_draft_tokens, tree)
+        buckets, skipped = bucket_prompts(tokenizer, prompts, args.context_lengths, most)
         console.print(f"{len(prompts)} prompts bucketed by their token length; skipped: {dict(skipped) or 'none'}")
     else:
         data = read_context_data(args.context_data)
         console.print(f"context data: {len(data.pairs)} conversations with turn pairs (skipped rows: "
                       f"{data.skip_note()})")
         buckets = context_prompts(tokenizer, prompts, data, args.context_lengths, args.seed, args.context_request)
-    folders, windows = _drafts(args)
-    result = evaluate_by_length(args.target, folders, buckets, args.num_draft_tokens,
-                                args.max_new_tokens, device=args.device, console=console,
-                                draft_dtype=DRAFT_DTYPES[args.draft_dtype] if args.draft_dtype else None, tree=tree,
-                                target_dtype=DRAFT_DTYPES[args.dtype] if args.dtype else None,
-                                window=windows, eos_token_id=tokenizer.eos_token_id, on_mismatch=args.on_mismatch)
+    result = evaluate_by_length(args.target, buckets=buckets, console=console, tree=tree,
+                                eos_token_id=tokenizer.eos_token_id, **_engine_args(args))
     result["draft_window_size"] = args.draft_window_size  # the flag; each draft's own: draft_window_sizes
     return {"context_lengths": args.context_lengths, "context_request": args.context_request, "seed": args.seed,
             "prompts": str(args.prompts), "bucketed_by_prompt_length": bucketed,
@@ -173,38 +187,21 @@ def main(argv: list[str] | None = None) -> int:
     console = Console(stderr=True)
     try:
         tree = tree_from_args(args)
-        if args.context_lengths is not None:
-            result = _context_run(args, console, tree)
-            code = _finish(args, console, result)
-            mismatches = [m for entry in result["lengths"] for m in entry["mismatches"]]
-            for message in mismatches:
-                console.print(f"[bold red]lossless check failed[/bold red] (recorded): {message}")
-            return 1 if mismatches else code
-        if args.context_data is not None or args.context_request != "unrelated" or args.on_mismatch != "stop":
-            raise ValueError("--context-data, --context-request and --on-mismatch need --context-lengths")
-        if args.prompts is None:
-            args.prompts = prepare_assets().prompts
-        prompts = read_prompts(args.prompts, args.limit)
-        folders, windows = _drafts(args)
-        result = evaluate(args.target, folders, prompts, args.num_draft_tokens,
-                          args.max_new_tokens, device=args.device, console=console,
-                          draft_dtype=DRAFT_DTYPES[args.draft_dtype] if args.draft_dtype else None, tree=tree,
-                          reference=args.reference, target_dtype=DRAFT_DTYPES[args.dtype] if args.dtype else None,
-                          window=windows)
+        result = (_plain_run if args.context_lengths is None else _context_run)(args, console, tree)
     except MismatchError as exc:
         console.print(f"[bold red]lossless check failed[/bold red]: {exc}")
         return 1
     except (ValueError, FileNotFoundError) as exc:
         console.print(f"[bold red]error[/bold red]: {exc}")
         return 2
-    head = result["runs"][0]
-    tau_tree = result["tree_runs"][0]["tau"] if result.get("tree_runs") else None
-    result = {"tau": head["tau"], "tau_tree": tau_tree, "num_draft_tokens": head["num_draft_tokens"],
-              "num_prompts": len(prompts), "prompts": str(args.prompts), **result}
-    return _finish(args, console, result)
+    _finish(args, console, result)
+    mismatches = [m for entry in result.get("lengths", [result]) for m in entry.get("mismatches", [])]
+    for message in mismatches:
+        console.print(f"[bold red]lossless check failed[/bold red] (recorded): {message}")
+    return 1 if mismatches else 0
 
 
-def _finish(args, console, result: dict) -> int:
+def _finish(args, console, result: dict) -> None:
     """Write the JSON to ``--output`` and, for a ``--context-lengths`` run, the plot of τ against context length
     beside it (same name, ``.png``; a one-line note instead without matplotlib)."""
     if args.output:
@@ -215,7 +212,6 @@ def _finish(args, console, result: dict) -> int:
             plot = plot_tau_by_length(result["lengths"], args.output.with_suffix(".png"),
                                       title=f"τ by context length ({result['context_request']} requests)")
             console.print(f"plot written to {plot}" if plot is not None else NO_MATPLOTLIB)
-    return 0
 
 
 if __name__ == "__main__":

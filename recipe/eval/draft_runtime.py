@@ -1,4 +1,5 @@
-"""Incremental inference of an exported EAGLE-3 draft: loading the export folder, the draft's KV cache, chain drafting.
+"""Incremental inference of an EAGLE-3 draft: reading it (every layout ``--init-draft`` reads), its KV cache, chain
+drafting.
 
 How EAGLE-3 inference maps onto training-time test (docs/algorithm.md, "Attention of step k"; docs/architecture.md).
 Known tokens ``t_0..t_n``, the target's aux features ``a_0..a_n`` and its greedy next token ``t_{n+1}``:
@@ -17,43 +18,66 @@ Token ids: the draft's lm_head is over the draft vocabulary; draft id ``i`` is t
 """
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 from kernels.attention_backends import make_causal_attention
-from recipe.export import CONFIG_FILE, check_tensors, load_export
+from recipe.export import REQUIRED_CONFIG, check_tensors
+from recipe.export.import_draft import load_draft
 from recipe.model.draft import Eagle3Draft
 from recipe.model.draft_config import Eagle3DraftConfig
+from recipe.target.registry import draft_config_for
 
 
-def load_draft_export(path: str | Path, embed_VH: torch.Tensor, device: str | torch.device = "cpu",
-                      dtype: torch.dtype | None = None, attention_backend: str = "auto") -> Eagle3Draft:
-    """Build an ``Eagle3Draft`` from an export folder (``config.json`` + ``model.safetensors``,
-    docs/algorithm.md, "Export format").
+def read_draft(path: str | Path, target_config) -> tuple[dict[str, torch.Tensor], Eagle3DraftConfig]:
+    """``(export tensors, draft config)`` of a draft in any layout ``run.py --init-draft`` reads
+    (``recipe.export.import_draft.load_draft``: this project's export, SpecForge's and the EAGLE repository's folders,
+    a ``midlayer.*`` or ``layers.0.*`` safetensors or pickle file; the vocabulary map completed).
 
-    ``embed_VH`` [V, H_t] is the target's input embedding (the export has none). Returns the draft in eval mode on
-    ``device`` in ``dtype`` (None: the export's own, that of its ``fc.weight``; a bf16 training run exports bf16),
-    its causal block (the ``DraftKVCache`` attention) from
+    The config: its config.json when that is a whole export config; otherwise each field it states and the others as
+    a run derives them from the target's HF ``target_config`` (``recipe.target.registry.draft_config_for``, the
+    draft vocabulary of its lm_head rows). The aux layers are the ones it states, else the target's default ids
+    (as SGLang and vLLM serve it, and as ``run.py --init-draft`` trains it). Raises
+    ValueError naming ``--draft`` and the path with every problem (unreadable files, wrong keys, shapes or dtypes,
+    d2t/t2d disagreeing, a config that is no EAGLE-3 draft's)."""
+    imported = load_draft(Path(path), int(target_config.vocab_size), flag="--draft")
+    stated, aux = imported.config, imported.stated_aux_layer_ids
+    try:
+        if aux is None or any(key not in stated for key in REQUIRED_CONFIG):
+            rows = imported.tensors["lm_head.weight"].shape[0] if "lm_head.weight" in imported.tensors else 1
+            derived = draft_config_for(target_config, rows, {"aux_layer_ids": aux} if aux else {}).to_hf_dict()
+            stated = {**derived, **stated, "eagle_config": derived["eagle_config"]}
+        config = Eagle3DraftConfig.from_hf_dict(stated)
+        problems = check_tensors(imported.tensors, config.to_hf_dict())
+    except (ValueError, TypeError) as exc:
+        problems = [str(exc)]
+    if problems:
+        raise ValueError(f"--draft {path}: not a loadable EAGLE-3 draft ({imported.layout} layout):\n  "
+                         + "\n  ".join(problems))
+    return imported.tensors, config
+
+
+def build_draft(tensors: dict[str, torch.Tensor], config: Eagle3DraftConfig, embed_VH: torch.Tensor,
+                device: str | torch.device = "cpu", dtype: torch.dtype | None = None,
+                attention_backend: str = "auto", source: str | Path = "draft") -> Eagle3Draft:
+    """The ``Eagle3Draft`` of :func:`read_draft`'s ``tensors`` and ``config``, in eval mode on ``device`` in
+    ``dtype`` (None: the draft's own, that of its ``fc.weight``; a bf16 training run exports bf16).
+
+    ``embed_VH`` [V, H_t] is the target's input embedding (an export has none). Its causal block (the
+    ``DraftKVCache`` attention) comes from
     ``kernels.attention_backends.make_causal_attention(attention_backend, None, device)``. Raises ValueError naming
-    the folder and every problem when the export does not load (missing/unreadable files, wrong keys/shapes/dtypes,
-    d2t/t2d disagreeing) or the embedding shape does not fit, and ValueError for an attention backend that is
-    unknown or cannot run on ``device``.
+    ``source`` when the embedding shape does not fit, and ValueError for an attention backend that is unknown or
+    cannot run on ``device``.
     """
     attention = make_causal_attention(attention_backend, None, device)
-    tensors, cfg = load_export(Path(path))
-    problems = check_tensors(tensors, cfg)
-    if problems:
-        raise ValueError(f"{path}: not a loadable EAGLE-3 export:\n  " + "\n  ".join(problems))
     dtype = tensors["fc.weight"].dtype if dtype is None else dtype
-    config = Eagle3DraftConfig.from_hf_dict(cfg)
     draft = Eagle3Draft(config, seed=0)
     try:
         draft.load_target_embeddings(embed_VH.float())
     except ValueError as exc:
-        raise ValueError(f"{path}: {exc}") from None
+        raise ValueError(f"{source}: {exc}") from None
     state = dict(tensors, **{"embed_tokens.weight": draft.embed_tokens.weight})
     draft.load_state_dict({k: v.to(torch.float32) if v.is_floating_point() else v for k, v in state.items()})
     draft.midlayer.self_attn.causal_attention = attention
@@ -153,12 +177,14 @@ class EagleDrafter:
     ``begin()`` starts a sequence. ``propose(aux_SA, next_ids_S, k)`` receives the target features ``a_j`` [m, A] of
     the ``m`` anchors accepted since the last call (the prompt, at the first call) and the tokens ``t_{j+1}`` [m]
     that follow them (the last one is the target's newest greedy token), and returns ``k`` proposed target ids.
-    ``window``: the draft's sliding window in positions (``DraftKVCache``; None: full attention).
+    ``window``: the draft's sliding window in positions (``DraftKVCache``; None: full attention). ``columns``: the
+    indices of this draft's aux features in a wider ``aux_SA`` (a target capturing the aux layers of several drafts;
+    None: all of them).
     """
 
-    def __init__(self, draft: Eagle3Draft, window: int | None = None):
+    def __init__(self, draft: Eagle3Draft, window: int | None = None, columns: torch.Tensor | None = None):
         self.draft = draft
-        self.window = window
+        self.window, self.columns = window, columns
         self.device = draft.fc.weight.device
         self.draft_to_target = draft.draft_token_ids()
         self.cache = DraftKVCache(window)
@@ -173,6 +199,8 @@ class EagleDrafter:
         """Drop chain entries, then add step-0 entries for ``m`` new anchors; returns their output hidden [m, H]."""
         self.cache.crop(self.committed)
         m = int(aux_SA.shape[0])
+        if self.columns is not None:
+            aux_SA = aux_SA[:, self.columns]
         pos_BS = torch.arange(self.committed, self.committed + m, device=self.device)[None]
         hidden_BSH = self.draft.project_aux(aux_SA.to(self.device)[None])
         out_BSH, _ = self.draft.step(hidden_BSH, next_ids_S.to(self.device)[None], pos_BS, kv_cache=self.cache)
@@ -199,15 +227,6 @@ class EagleDrafter:
             hidden_H = self.chain_step(hidden_H, tokens[-1], step)
             tokens.append(self._greedy_target_id(hidden_H))
         return tokens
-
-
-def export_aux_layer_ids(path: Path) -> list[int]:
-    """The aux layer ids of an export folder's ``config.json``; ValueError naming the file when unreadable."""
-    file = Path(path) / CONFIG_FILE
-    try:
-        return Eagle3DraftConfig.from_hf_dict(json.loads(file.read_text())).aux_layer_ids
-    except (OSError, json.JSONDecodeError) as exc:
-        raise ValueError(f"{file}: cannot read the draft config ({exc})") from None
 
 
 def draft_window(window: int | None | dict[str, int | None], label: str) -> int | None:

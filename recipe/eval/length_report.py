@@ -21,22 +21,26 @@ def tau_standard_error(generations: list[Generation]) -> float:
     sums; its standard error treats prompts as the independent draws (the delta method for a ratio estimator,
     Cochran, "Sampling Techniques", 3rd ed., §6.3): SE = sqrt(Σ_i (e_i − τ·s_i)² / (n (n − 1))) / mean_i s_i.
     """
-    rows = [(sum(g.accepted) + g.verify_steps, g.verify_steps) for g in generations if g.verify_steps]
-    n = len(rows)
-    if n < 2:
+    return _ratio_se([(sum(g.accepted) + g.verify_steps, g.verify_steps) for g in generations if g.verify_steps])
+
+
+def _ratio_se(rows: list[tuple[int, int]]) -> float:
+    """:func:`tau_standard_error` of (emitted, verification steps) rows, every step count > 0."""
+    if len(rows) < 2:
         return float("nan")
     _, z = ratio_residuals(rows)
-    return math.sqrt(sum(x * x for x in z) / (n * (n - 1)))
+    return math.sqrt(sum(x * x for x in z) / (len(z) * (len(z) - 1)))
 
 
 def _run(label, k, prompts, gens, greedy) -> dict:
     return {**summarise_run(label, k, prompts, gens, greedy), "tau_se": tau_standard_error(gens)}
 
 
-def length_entry(length: int, context_prompts: list, prompts: list, greedy: list[Generation],
+def length_entry(length: int, context_prompts: list, greedy: list[Generation],
                  chains: dict[tuple[str, int], list[Generation]], trees: dict[str, list[Generation]] | None,
                  tree=None) -> dict:
-    """The JSON entry of one context length.
+    """The JSON entry of one context length (``context_prompts``: its ``ContextPrompt`` list, one generation of each
+    in ``greedy`` and in every list of ``chains`` and ``trees``).
 
     Keys: ``context_length`` (L, tokens), ``num_prompts``, ``mean_context_tokens`` and ``mean_prompt_tokens``
     (means over the prompts of ``ContextPrompt.context_tokens`` and of the rendered prompts' tokens), ``tau`` /
@@ -45,8 +49,8 @@ def length_entry(length: int, context_prompts: list, prompts: list, greedy: list
     ``tau_standard_error``) and ``tree_runs`` (one per draft, with ``tree``). With no prompts the τ values are null.
     """
     n = len(context_prompts)
-    runs = [_run(label, k, prompts, gens, greedy) for (label, k), gens in chains.items()] if n else []
-    tree_runs = [{**_run(label, tree.depth, prompts, gens, greedy), "tree": tree.as_dict()}
+    runs = [_run(label, k, context_prompts, gens, greedy) for (label, k), gens in chains.items()] if n else []
+    tree_runs = [{**_run(label, tree.depth, context_prompts, gens, greedy), "tree": tree.as_dict()}
                  for label, gens in trees.items()] if n and trees is not None else []
     return {
         "context_length": length, "num_prompts": n,
@@ -96,16 +100,13 @@ def _merge_runs(parts: list[dict]) -> dict:
     drafted = [sum(col) for col in zip(*(p["drafted_per_position"] for p in parts))]
     accepted = [sum(col) for col in zip(*(p["accepted_per_position"] for p in parts))]
     tokens, seconds = sum(p["new_tokens"] for p in parts), sum(p["seconds"] for p in parts)
-    rows = [(e, s) for e, s in zip(emitted, steps) if s]
-    z = ratio_residuals(rows)[1] if len(rows) >= 2 else []
-    merged = {**parts[0], "tau": sum(emitted) / sum(steps) if sum(steps) else float("nan"), "tau_by_category": {},
+    return {**parts[0], "tau": sum(emitted) / sum(steps) if sum(steps) else float("nan"), "tau_by_category": {},
               "verify_steps": sum(steps), "new_tokens": tokens, "drafted_per_position": drafted,
               "accepted_per_position": accepted,
               "acceptance_rate_per_position": [a / d if d else float("nan") for a, d in zip(accepted, drafted)],
               "seconds": seconds, "tokens_per_s": tokens / max(seconds, 1e-9), "greedy_tokens_per_s": float("nan"),
               "speedup": float("nan"), "per_prompt": {"emitted": emitted, "verify_steps": steps},
-              "tau_se": math.sqrt(sum(x * x for x in z) / (len(z) * (len(z) - 1))) if z else float("nan")}
-    return merged
+              "tau_se": _ratio_se([(e, s) for e, s in zip(emitted, steps) if s])}
 
 
 def _fmt(tau, se) -> str:

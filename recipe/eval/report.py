@@ -33,7 +33,7 @@ def tokens_per_s(generations: list[Generation]) -> float:
 
 def summarise_run(label: str, k: int, prompts: list[Prompt], generations: list[Generation],
                   greedy: list[Generation]) -> dict:
-    """One draft at one k over all prompts.
+    """One draft at one k over all prompts (``Prompt`` or ``ContextPrompt``: their ``category`` is read).
 
     Keys: ``draft``, ``num_draft_tokens``, ``tau`` (emitted tokens / verification steps over all prompts),
     ``tau_by_category``, ``verify_steps``, ``new_tokens``, ``drafted_per_position`` / ``accepted_per_position``

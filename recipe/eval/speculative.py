@@ -101,13 +101,17 @@ def prefill_prompt(target: CachedTarget, prompt_ids: list[int]) -> PromptPrefill
                          seconds=time.perf_counter() - start)
 
 
-def _reuse(target: CachedTarget, shared: PromptPrefill, prompt_ids: list[int]) -> float:
-    """Crop ``target``'s cache back to the shared prompt; returns the start time that counts the prefill's seconds."""
-    if shared.num_ids != len(prompt_ids) or len(target) < shared.num_ids:
+def _start(target: CachedTarget, prompt_ids: list[int], shared: PromptPrefill | None) -> tuple[float, PromptPrefill]:
+    """``(start time counting the prefill's seconds, the prefill)``: a new ``prefill_prompt``, or ``shared`` with
+    ``target``'s cache cropped back to its prompt (ValueError when it holds another prompt)."""
+    if shared is None:
+        shared = prefill_prompt(target, prompt_ids)
+    elif shared.num_ids != len(prompt_ids) or len(target) < shared.num_ids:
         raise ValueError(f"the shared prefill holds {shared.num_ids} prompt tokens, the prompt has {len(prompt_ids)} "
                          f"and the target cache {len(target)}")
-    target.crop(shared.num_ids)
-    return time.perf_counter() - shared.seconds
+    else:
+        target.crop(shared.num_ids)
+    return time.perf_counter() - shared.seconds, shared
 
 
 @torch.no_grad()
@@ -115,13 +119,8 @@ def greedy_generate(target: CachedTarget, prompt_ids: list[int], max_new_tokens:
                     eos_token_id: int | None = None, shared: PromptPrefill | None = None) -> Generation:
     """Plain greedy decoding with the target's KV cache: one forward per token. Returns the new tokens.
     ``shared``: the prompt's ``PromptPrefill`` on this ``target`` (its cache is cropped back to the prompt)."""
-    if shared is None:
-        start = time.perf_counter()
-        target.begin()
-        first = int(target.forward(prompt_ids, logits_rows=1).logits_SV[-1].argmax())
-    else:
-        start, first = _reuse(target, shared, prompt_ids), shared.first
-    tokens: list[int] = [first]
+    start, shared = _start(target, prompt_ids, shared)
+    tokens: list[int] = [shared.first]
     while len(tokens) < max_new_tokens and tokens[-1] != eos_token_id:
         tokens.append(int(target.forward([tokens[-1]]).logits_SV[-1].argmax()))
     return Generation(tokens=tokens, seconds=time.perf_counter() - start)
@@ -178,11 +177,7 @@ def prefill(target: CachedTarget, drafter, prompt_ids: list[int], shared: Prompt
     ``shared``, crop the target's cache back to that prefill of the prompt and reuse it). Returns ``(start time,
     [the target's first token], aux features [S, A] of the anchors not yet given to the drafter, the token after
     each of those anchors [S])``. Raises ValueError for an empty prompt."""
-    if shared is None:
-        shared = prefill_prompt(target, prompt_ids)
-        start = time.perf_counter() - shared.seconds
-    else:
-        start = _reuse(target, shared, prompt_ids)
+    start, shared = _start(target, prompt_ids, shared)
     drafter.begin()
     tokens = [shared.first]
     return start, tokens, shared.aux_SA, torch.tensor(list(prompt_ids[1:]) + tokens)

@@ -54,8 +54,8 @@ class EagleTreeDrafter(EagleDrafter):
     """``EagleDrafter`` that also proposes dynamic draft trees (the ``TreeDrafter`` interface of
     ``recipe.eval.tree``); ``propose`` (chain drafting) still works on the same cache."""
 
-    def __init__(self, draft, window: int | None = None):
-        super().__init__(draft, window)
+    def __init__(self, draft, window: int | None = None, columns=None):
+        super().__init__(draft, window, columns)
         self.cache = TreeDraftKVCache(window)
         self.to_target = self.draft_to_target.tolist()
 

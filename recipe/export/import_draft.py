@@ -1,7 +1,7 @@
 """Read an existing EAGLE-3 draft in any of the layouts SGLang and vLLM serve, as this project's export tensors
 (docs/training.md, "Warm start"; the export format: docs/algorithm.md, "Export format").
 
-Accepted sources (``PATH`` of ``run.py --init-draft``):
+Accepted sources (``PATH`` of ``run.py --init-draft`` and of ``python -m recipe.eval --draft``):
 
 - a folder holding ``model.safetensors`` or ``pytorch_model.bin`` (the first found wins, safetensors first), with
   an optional ``config.json``: this project's export, a SpecForge checkpoint, the EAGLE repository's release;
@@ -57,6 +57,14 @@ class ImportedDraft:
                 "format": self.file_format, "draft_vocab_size": int(self.tensors["lm_head.weight"].shape[0])
                 if "lm_head.weight" in self.tensors else None}
 
+    @property
+    def stated_aux_layer_ids(self) -> list[int] | None:
+        """The aux layer ids its config.json states (``eagle_config.eagle_aux_hidden_state_layer_ids``); None when
+        it states none: a run or an evaluation then takes the target's default ids, as SGLang and vLLM do."""
+        eagle = self.config.get("eagle_config")
+        ids = eagle.get("eagle_aux_hidden_state_layer_ids") if isinstance(eagle, dict) else None
+        return [int(i) for i in ids] if ids else None
+
 
 def file_sha256(path: Path) -> str:
     """sha256 (hex) of a file's bytes, read in 16 MiB blocks."""
@@ -67,9 +75,9 @@ def file_sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
-def find_files(path: Path) -> tuple[Path, Path | None]:
-    """``(weights file, config.json or None)`` of a draft folder or file. Raises ValueError naming the path when
-    there is no weights file, or when the folder holds only a sharded checkpoint (``*.index.json``)."""
+def find_files(path: Path, flag: str = "--init-draft") -> tuple[Path, Path | None]:
+    """``(weights file, config.json or None)`` of a draft folder or file. Raises ValueError naming ``flag`` and the
+    path when there is no weights file, or when the folder holds only a sharded checkpoint (``*.index.json``)."""
     path = Path(path)
     if path.is_dir():
         for name in (WEIGHTS_FILE, PICKLE_FILE):
@@ -79,17 +87,17 @@ def find_files(path: Path) -> tuple[Path, Path | None]:
         sharded = sorted(p.name for p in path.glob("*.index.json"))
         hint = (f" (it holds a sharded checkpoint, {', '.join(sharded)}: merge it into one file first)"
                 if sharded else "")
-        raise ValueError(f"--init-draft {path}: no {WEIGHTS_FILE} or {PICKLE_FILE} in the folder{hint}")
+        raise ValueError(f"{flag} {path}: no {WEIGHTS_FILE} or {PICKLE_FILE} in the folder{hint}")
     if path.is_file():
         if path.suffix != ".safetensors" and path.suffix not in PICKLE_SUFFIXES:
-            raise ValueError(f"--init-draft {path}: not a .safetensors or PyTorch ({', '.join(PICKLE_SUFFIXES)}) "
+            raise ValueError(f"{flag} {path}: not a .safetensors or PyTorch ({', '.join(PICKLE_SUFFIXES)}) "
                              "file")
         config = path.parent / CONFIG_FILE
         return path, config if config.is_file() else None
-    raise ValueError(f"--init-draft {path}: no such file or folder")
+    raise ValueError(f"{flag} {path}: no such file or folder")
 
 
-def read_weights(file: Path) -> tuple[dict[str, torch.Tensor], str]:
+def read_weights(file: Path, flag: str = "--init-draft") -> tuple[dict[str, torch.Tensor], str]:
     """``(tensors by stored key, file format)``: safetensors through ``safe_open``; a PyTorch pickle through
     ``torch.load(weights_only=True)`` only. Raises ValueError naming the file when it is unreadable, when the
     pickle asks for anything ``weights_only`` does not allow (the message says so: nothing of it ran), or when it
@@ -99,18 +107,18 @@ def read_weights(file: Path) -> tuple[dict[str, torch.Tensor], str]:
             with safe_open(str(file), framework="pt") as f:
                 return {k: f.get_tensor(k) for k in f.keys()}, "safetensors"
         except Exception as exc:  # safetensors raises its own error types for truncated or corrupt headers
-            raise ValueError(f"--init-draft {file}: unreadable safetensors file ({exc})") from None
+            raise ValueError(f"{flag} {file}: unreadable safetensors file ({exc})") from None
     try:
         state = torch.load(file, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise ValueError(f"--init-draft {file}: refused: the pickle needs more than tensors and plain containers, "
+        raise ValueError(f"{flag} {file}: refused: the pickle needs more than tensors and plain containers, "
                          f"and it is read only with torch.load(weights_only=True) so that no code in it runs "
                          f"({first}). Convert it to safetensors where you trust it") from None
     except (OSError, RuntimeError, EOFError) as exc:
-        raise ValueError(f"--init-draft {file}: unreadable PyTorch file ({exc})") from None
+        raise ValueError(f"{flag} {file}: unreadable PyTorch file ({exc})") from None
     if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
-        raise ValueError(f"--init-draft {file}: expected a flat dict of tensors (a state dict), got "
+        raise ValueError(f"{flag} {file}: expected a flat dict of tensors (a state dict), got "
                          f"{type(state).__name__}" + (" with non-tensor values" if isinstance(state, dict) else ""))
     return dict(state), "pytorch (weights_only)"
 
@@ -169,27 +177,27 @@ def complete_vocab_map(tensors: dict[str, torch.Tensor], vocab_size: int | None)
         tensors["t2d"] = torch.ones(rows, dtype=torch.bool)
 
 
-def load_draft(path: Path, vocab_size: int | None = None) -> ImportedDraft:
+def load_draft(path: Path, vocab_size: int | None = None, flag: str = "--init-draft") -> ImportedDraft:
     """Read the draft at ``path`` (module docstring) into an :class:`ImportedDraft` whose tensors carry the export
     names, with the vocabulary map completed (:func:`complete_vocab_map`; V from its config.json, else
     ``vocab_size``, the target's). Key names and shapes are not checked here (``recipe.train.init_draft`` checks them
-    against the run). Raises ValueError naming the path or file."""
+    against the run). Raises ValueError naming ``flag`` (the option that named the draft) and the path or file."""
     path = Path(path)
-    weights, config_file = find_files(path)
+    weights, config_file = find_files(path, flag)
     config = {}
     if config_file is not None:
         try:
             config = json.loads(config_file.read_text())
         except json.JSONDecodeError as exc:
-            raise ValueError(f"--init-draft {config_file}: invalid JSON at line {exc.lineno}: {exc.msg}") from None
+            raise ValueError(f"{flag} {config_file}: invalid JSON at line {exc.lineno}: {exc.msg}") from None
         if not isinstance(config, dict):
-            raise ValueError(f"--init-draft {config_file}: expected a JSON object")
-    stored, file_format = read_weights(weights)
+            raise ValueError(f"{flag} {config_file}: expected a JSON object")
+    stored, file_format = read_weights(weights, flag)
     try:
         tensors, layout, dropped = normalise_keys(stored)
         vocab = config.get("vocab_size", vocab_size)
         complete_vocab_map(tensors, int(vocab) if vocab is not None else None)
     except ValueError as exc:
-        raise ValueError(f"--init-draft {weights}: {exc}") from None
+        raise ValueError(f"{flag} {weights}: {exc}") from None
     return ImportedDraft(path=path, weights=weights, tensors=tensors, config=config, sha256=file_sha256(weights),
                          layout=layout, file_format=file_format, dropped=dropped)

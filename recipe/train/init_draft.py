@@ -56,12 +56,6 @@ class InitDraft:
         return self.imported.record()
 
 
-def _stated_aux_ids(config: dict) -> list[int] | None:
-    eagle = config.get("eagle_config")
-    ids = eagle.get("eagle_aux_hidden_state_layer_ids") if isinstance(eagle, dict) else None
-    return [int(i) for i in ids] if ids else None
-
-
 def prepare(path: Path, requested_vocab: int | None, target_vocab: int, overrides: dict) -> InitDraft:
     """Read the draft at ``path`` and settle what the run takes from it: the draft vocabulary size (its lm_head
     rows; ``requested_vocab``, ``--draft-vocab-size`` capped at the target's ``target_vocab``, must agree when
@@ -80,7 +74,7 @@ def prepare(path: Path, requested_vocab: int | None, target_vocab: int, override
     overrides = dict(overrides)
     notes = [f"starting from the draft {path} ({imported.layout} layout, {imported.file_format}, sha256 "
              f"{imported.sha256[:12]}…, {vd} draft tokens): its weights and vocabulary map; fresh optimizer"]
-    stated = _stated_aux_ids(imported.config)
+    stated = imported.stated_aux_layer_ids
     if stated is not None:
         given = overrides.get("aux_layer_ids")
         if given is not None and list(given) != stated:
