@@ -30,7 +30,7 @@ import sys
 from pathlib import Path
 
 from recipe.cli import parse_args
-from recipe.config import read_ds_config
+from recipe.config import load_sections
 from recipe.config_keys import ConfigError
 from recipe.io_errors import EXIT_WRITE_FAILED, WriteError
 from recipe.train.signals import EXIT_INTERRUPTED, StopRequest, clear_interrupted, write_interrupted
@@ -70,9 +70,10 @@ def launch_rank() -> int:
         return 0
 
 
-def _train(args, device, console, stop) -> int:
-    """Build the run, train it and say what was compiled; the exit code (0, or ``EXIT_INTERRUPTED`` after a saved
-    stop). Raises what ``main`` reports (bad input, checkpoint, out-of-memory and compile errors)."""
+def _train(args, sections, device, console, stop) -> int:
+    """Build the run from the JSON's parsed ``sections`` (``recipe.config.RunSections``), train it and say what was
+    compiled; the exit code (0, or ``EXIT_INTERRUPTED`` after a saved stop). Raises what ``main`` reports (bad input,
+    checkpoint, out-of-memory and compile errors)."""
     import torch.distributed as dist  # import cost: torch, once the process group is up
 
     # import cost: DeepSpeed and transformers, once the process group is up
@@ -83,7 +84,8 @@ def _train(args, device, console, stop) -> int:
     # import cost: pulls in deepspeed, transformers, torch
     from recipe.train.setup import build_run, write_resolved_config
 
-    parts = build_run(args, device, console)  # checks --output (a previous run, writable) before writing to it
+    # checks --output (a previous run, writable) before writing to it
+    parts = build_run(args, device, console, sections)
     trainer = Trainer(TrainSettings.from_args(args), parts, console)  # refuses an incompatible --resume
     # every check has passed: only now is anything of the previous run replaced
     if dist.get_rank() == 0:
@@ -135,8 +137,8 @@ def main(argv: list[str] | None = None) -> int:
     from recipe.train.oom import StepOutOfMemory  # import cost: pulls in torch
 
     console = Console(stderr=True)
-    try:  # a wrong path or broken JSON is found before the process group is up (every rank says so)
-        read_ds_config(args.ds_config)
+    try:  # the JSON parsed once, before the process group is up: every rank names a bad file, key or section
+        sections = load_sections(args.ds_config)
     except ConfigError as exc:
         if os.environ.get("RECIPE_DEBUG"):
             raise
@@ -154,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
     stop = StopRequest(watch_launcher=True, on_abort=release_shm_buffer).__enter__()
     finished = False  # every rank returned from training (then they all reach the barrier before the teardown)
     try:
-        code = _train(args, device, console, stop)
+        code = _train(args, sections, device, console, stop)
         finished = True
         return code
     except (ValueError, KeyError, OSError, CheckpointError, StepOutOfMemory, CompileError) as exc:

@@ -33,7 +33,8 @@ import torch
 import kernels.flex_attention  # noqa: F401 - registers "flex" (the built-ins: one import each)
 import kernels.ring_attention  # noqa: F401 - registers the "ring" sequence-split strategy
 import kernels.sdpa_attention  # noqa: F401 - registers "sdpa"
-from kernels.registry import attention_backend, attention_backend_names, sequence_parallel
+from kernels.registry import (DEFAULT_SEQUENCE_PARALLEL, attention_backend, attention_backend_names,
+                              sequence_parallel)
 from kernels.tiled_attention import TiledCausalAttention, check_tile_size  # registers "tiled"
 
 
@@ -78,7 +79,7 @@ def backend_runs_on(name: str, device) -> bool:
 
 
 def make_causal_attention(backend: str, tile_size: int | None, device, cp_group=None,
-                          sequence_parallel_name: str = "ring"):
+                          sequence_parallel_name: str = DEFAULT_SEQUENCE_PARALLEL):
     """The causal-block callable for ``midlayer.self_attn.causal_attention`` (training or inference).
 
     Args:

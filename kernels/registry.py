@@ -120,6 +120,12 @@ def unregister_sequence_parallel(name: str) -> None:
     _SPLITS.pop(name, None)
 
 
+DEFAULT_SEQUENCE_PARALLEL = "ring"
+"""The sequence-split strategy when none is named: the one default of the ``kernels.sequence_parallel`` switch
+(``recipe.config.KernelOptions``) and of every builder below it (ring attention over the zigzag shards,
+``kernels.ring_attention``)."""
+
+
 def sequence_parallel_names() -> tuple[str, ...]:
     """The registered sequence-split strategy names, in registration order."""
     return tuple(_SPLITS)

@@ -1,10 +1,14 @@
 """The DeepSpeed JSON of a training run (the flags of ``run.py`` are ``recipe.cli``).
 
-:func:`load_run_config` reads the JSON once, removes our sections (``parallelism``, ``memory``, ``kernels``, ``target``,
-``data``) and DeepSpeed's monitor sections (written by the training loop, see :func:`pop_monitor_sections`) before
-DeepSpeed sees the rest, and resolves them into a :class:`RunConfig`: the parallel layout, the batch plan, the dtype,
-the memory switches, the kernel choices, how the target is held (``recipe.target.options``), how a micro-batch's samples
-are laid out (``recipe.config_data``: packing) and the monitors. The scheduler's ``"auto"`` values need the run's
+:func:`load_sections` reads the JSON once and parses each of our sections into its one typed object, which holds
+the section's defaults and its validation (``parallelism``: ``recipe.parallel.dims.ParallelismOptions``, ``memory``:
+``recipe.config_memory.MemoryOptions``, ``kernels``: :class:`KernelOptions`, ``target``:
+``recipe.target.options.TargetOptions``, ``data``: ``recipe.config_data.DataOptions``), and DeepSpeed's monitor
+sections (written by the training loop, see :func:`pop_monitor_sections`), all removed before DeepSpeed sees the
+rest: a :class:`RunSections`. :meth:`RunSections.resolve` (:func:`load_run_config`: both steps at once) makes the
+:class:`RunConfig` of a world size: the parallel layout, the batch plan, the dtype. ``run.py`` and ``python -m
+recipe.plan`` both take these two steps, and everything downstream (set-up, model, planner, benchmarks) receives
+the objects, never the JSON. The scheduler's ``"auto"`` values need the run's
 optimizer steps, which only the data determines; :meth:`RunConfig.with_total_steps` fills them, and
 :meth:`RunConfig.deepspeed_config` refuses to hand DeepSpeed a config before that. Unknown keys are refused with the
 nearest valid name (:func:`check_config_keys`; the known keys come from DeepSpeed's own parser and pydantic models);
@@ -27,7 +31,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from kernels.attention_backends import backend_names
-from kernels.registry import sequence_parallel_names
+from kernels.registry import DEFAULT_SEQUENCE_PARALLEL, sequence_parallel_names
 from recipe.config_keys import (
     KERNELS_SECTION,
     ConfigError,
@@ -41,7 +45,7 @@ from recipe.config_keys import (
 )
 from recipe.config_data import DataOptions
 from recipe.config_memory import MemoryOptions, MemoryReport
-from recipe.parallel.dims import PARALLEL_SECTION, ParallelDims
+from recipe.parallel.dims import PARALLEL_SECTION, ParallelDims, ParallelismOptions
 from recipe.target.options import TARGET_SECTION, TargetOptions
 
 if TYPE_CHECKING:  # annotations only: reading a config does not import torch
@@ -97,7 +101,7 @@ class KernelOptions:
     """
 
     attention: str = "auto"
-    sequence_parallel: str = "ring"
+    sequence_parallel: str = DEFAULT_SEQUENCE_PARALLEL
     compile_small_ops: bool | str = "auto"
 
     @classmethod
@@ -109,7 +113,7 @@ class KernelOptions:
         section = {} if section is None else section
         if not isinstance(section, dict):
             raise ConfigError(f"{path}: '{KERNELS_SECTION}' must be an object like {{\"attention\": \"auto\"}}")
-        known = ("attention", "sequence_parallel", "compile_small_ops")
+        known = tuple(f.name for f in dataclasses.fields(cls))
         unknown = sorted(k for k in set(section) - set(known) if not k.startswith("_"))
         if unknown:
             hint = did_you_mean(unknown[0], known)
@@ -310,16 +314,48 @@ class RunConfig:
                 "monitor": self.monitor, "target": self.target.record(), "data": self.data.record()}
 
 
-def load_run_config(path: Path, world_size: int, overrides: dict | None = None) -> RunConfig:
-    """Read the DeepSpeed JSON at ``path`` once and resolve it for ``world_size`` processes.
+@dataclass(frozen=True)
+class RunSections:
+    """The run JSON parsed once (:func:`load_sections`), before the world size is known: each of our sections as its
+    one typed object, which holds the section's defaults and validation (``parallelism``:
+    ``recipe.parallel.dims.ParallelismOptions``, ``memory``: ``recipe.config_memory.MemoryOptions``, ``kernels``:
+    :class:`KernelOptions`, ``target``: ``recipe.target.options.TargetOptions``, ``data``:
+    ``recipe.config_data.DataOptions``), DeepSpeed's ``monitor`` sections and ``deepspeed``, the rest (keys checked,
+    comments stripped, batch sizes as written). ``run.py`` and ``python -m recipe.plan`` both read the JSON through
+    it; :meth:`resolve` makes the :class:`RunConfig` of a world size."""
 
-    ``overrides``: parallelism keys from the command line (``{"tp_size": 2, "cp_size": None}``; None values are
-    ignored). Removes our ``parallelism``, ``memory``, ``kernels``, ``target`` and ``data`` sections and the monitor
-    sections, resolves the layout (:class:`ParallelDims`), the batch plan (:func:`resolve_batch`) and the dtype; the
-    scheduler's ``"auto"`` values wait for :meth:`RunConfig.with_total_steps`. Raises ConfigError naming the file
-    (and the field) for an unreadable file, invalid JSON, an unknown key (:func:`check_config_keys`, with the
-    nearest valid name), a bad section (or a monitor whose package is missing), a layout that does not fit ``world_size`` or inconsistent batch sizes.
-    """
+    path: Path
+    parallelism: ParallelismOptions
+    memory: MemoryOptions
+    kernels: KernelOptions
+    target: TargetOptions
+    data: DataOptions
+    monitor: dict
+    deepspeed: dict
+
+    def resolve(self, world_size: int | None = None, overrides: dict | None = None) -> RunConfig:
+        """The :class:`RunConfig` of ``world_size`` processes (None: the section's own, tp·cp·dp with dp 1 when not
+        given: ``ParallelismOptions.world_size``). ``overrides``: parallelism keys from the command line
+        (``{"tp_size": 2, "cp_size": None}``; None values are ignored). Raises ConfigError naming the file for a
+        bad override, a layout that does not fit ``world_size`` or inconsistent batch sizes (:func:`resolve_batch`)."""
+        try:
+            dims = self.parallelism.with_overrides(overrides).dims(world_size)
+        except ValueError as exc:
+            raise ConfigError(f"{self.path}: {exc}") from None
+        ds_cfg = copy.deepcopy(self.deepspeed)
+        plan = resolve_batch(ds_cfg, dims.dp, dims.cp, self.path)
+        bf16 = bool((ds_cfg.get("bf16") or {}).get("enabled"))
+        return RunConfig(path=self.path, dims=dims, plan=plan, memory=self.memory, bf16=bf16, deepspeed=ds_cfg,
+                         monitor=self.monitor, target=self.target, kernels=self.kernels, data=self.data)
+
+
+def load_sections(path: Path) -> RunSections:
+    """Read the DeepSpeed JSON at ``path`` once and parse every section into its one object (:class:`RunSections`):
+    ours removed before DeepSpeed sees the dict, the monitor sections (:func:`pop_monitor_sections`), the rest checked
+    key by key (:func:`check_config_keys`, with the nearest valid name). No world size, no process group: ``run.py``
+    calls it before any work. Raises ConfigError naming the file (and the field) for an unreadable file, invalid
+    JSON, an unknown or refused key (:func:`read_ds_config`), or a bad section (or a monitor whose package is
+    missing)."""
     ds_cfg, section = read_ds_config(path)
     memory = MemoryOptions.pop_from(ds_cfg, path)
     kernels = KernelOptions.pop_from(ds_cfg, path)
@@ -332,16 +368,17 @@ def load_run_config(path: Path, world_size: int, overrides: dict | None = None) 
 
         check_section_keys(target_section["zero_optimization"], DeepSpeedZeroConfig,  # TargetOptions validates it
                            f"{TARGET_SECTION}.zero_optimization", path, only_close=True)
-    ds_cfg, section, target_section = strip_comments(ds_cfg), strip_comments(section), strip_comments(target_section)
     try:
-        target = TargetOptions.from_section(target_section)
+        target = TargetOptions.from_section(strip_comments(target_section))
+        parallelism = ParallelismOptions.from_section(strip_comments(section))
     except ValueError as exc:
         raise ConfigError(f"{path}: {exc}") from None
-    try:
-        dims = ParallelDims.from_config(section, world_size, overrides)
-    except ValueError as exc:
-        raise ConfigError(f"{path}: {exc}") from None
-    plan = resolve_batch(ds_cfg, dims.dp, dims.cp, path)
-    bf16 = bool((ds_cfg.get("bf16") or {}).get("enabled"))
-    return RunConfig(path=Path(path), dims=dims, plan=plan, memory=memory, bf16=bf16, deepspeed=ds_cfg,
-                     monitor=monitor, target=target, kernels=kernels, data=data)
+    return RunSections(path=Path(path), parallelism=parallelism, memory=memory, kernels=kernels, target=target,
+                       data=data, monitor=monitor, deepspeed=strip_comments(ds_cfg))
+
+
+def load_run_config(path: Path, world_size: int | None = None, overrides: dict | None = None) -> RunConfig:
+    """``load_sections(path).resolve(world_size, overrides)``: the JSON read once and resolved for ``world_size``
+    processes (the layout, :class:`ParallelDims`; the batch plan, :func:`resolve_batch`; the dtype); the scheduler's
+    ``"auto"`` values wait for :meth:`RunConfig.with_total_steps`. Raises ConfigError as those do."""
+    return load_sections(path).resolve(world_size, overrides)

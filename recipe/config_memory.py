@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
@@ -41,8 +41,12 @@ tile (``recipe.model.flops.FLASH_BACKWARD``), so the size changes memory, not FL
 CPU_AUTO = {"checkpoint_ttt_steps": False, "loss_chunk_size": None, "teacher_logits_once": True,
             "mlp_tile_size": None, "attention_tile_size": AUTO_ATTENTION_TILE}
 """What "auto" is without device memory to plan against (the CPU): the values of an absent key."""
-_SIZES = ("loss_chunk_size", "attention_tile_size", "mlp_tile_size", "argmax_chunk_size")
-_FLAGS = ("checkpoint_ttt_steps", "teacher_logits_once")
+SIZE = {"kind": "size"}
+"""A :class:`MemoryOptions` field's metadata: a positive integer or null ("auto" too when it is :data:`PLANNED`)."""
+FLAG = {"kind": "flag"}
+"""A :class:`MemoryOptions` field's metadata: true or false ("auto" too when it is :data:`PLANNED`)."""
+SPARSE = {"kind": "sparse"}
+"""``sparse_anchors``' metadata: one of ``recipe.model.sparse_anchors.SPARSE_ANCHORS_MODES``."""
 
 
 class MemoryFacts(Protocol):
@@ -92,13 +96,13 @@ class MemoryOptions:
     ``deepspeed.checkpointing`` only, which this recipe does not use, so it is not read.
     """
 
-    loss_chunk_size: int | None | str = None
-    checkpoint_ttt_steps: bool | str = False
-    attention_tile_size: int | None | str = 1024
-    mlp_tile_size: int | None | str = None
-    argmax_chunk_size: int | None = None
-    sparse_anchors: bool | str = "auto"
-    teacher_logits_once: bool | str = True
+    loss_chunk_size: int | None | str = field(default=None, metadata=SIZE)
+    checkpoint_ttt_steps: bool | str = field(default=False, metadata=FLAG)
+    attention_tile_size: int | None | str = field(default=1024, metadata=SIZE)
+    mlp_tile_size: int | None | str = field(default=None, metadata=SIZE)
+    argmax_chunk_size: int | None = field(default=None, metadata=SIZE)
+    sparse_anchors: bool | str = field(default="auto", metadata=SPARSE)
+    teacher_logits_once: bool | str = field(default=True, metadata=FLAG)
 
     def argmax_positions(self, vocab_size: int, dtype: torch.dtype) -> int:
         """Positions per argmax matmul for a target of ``vocab_size`` logits of ``dtype``: ``argmax_chunk_size`` if
@@ -145,21 +149,8 @@ class MemoryOptions:
             raise ConfigError(f"{path}: unknown key(s) {unknown} in '{MEMORY_SECTION}'"
                               f"{'; did you mean ' + hint + '?' if hint else ''}; known keys: {list(known)}")
         values = {key: section.get(key, getattr(cls, key)) for key in known}
-        for key in _SIZES:
-            value, auto = values[key], key in PLANNED and values[key] == AUTO
-            if not auto and value is not None and (not isinstance(value, int) or isinstance(value, bool) or value <= 0):
-                also = ', null or "auto"' if key in PLANNED else " or null"
-                raise ConfigError(f"{path}: '{MEMORY_SECTION}.{key}' must be a positive integer{also}, got {value!r}")
-        for key in _FLAGS:
-            if not isinstance(values[key], bool) and values[key] != AUTO:
-                raise ConfigError(f"{path}: '{MEMORY_SECTION}.{key}' must be true, false or \"auto\", "
-                                  f"got {values[key]!r}")
-        try:
-            check_sparse_mode(values["sparse_anchors"])
-        except ValueError:
-            choices = ", ".join(str(m).lower() if isinstance(m, bool) else f'"{m}"' for m in SPARSE_ANCHORS_MODES)
-            raise ConfigError(f"{path}: '{MEMORY_SECTION}.sparse_anchors' must be one of {choices}, "
-                              f"got {values['sparse_anchors']!r}") from None
+        for f in dataclasses.fields(cls):
+            _check_value(f.name, f.metadata.get("kind"), values[f.name], path)
         return cls(**values)
 
     def candidates(self, rank_tokens: int) -> list["MemoryOptions"]:
@@ -224,6 +215,26 @@ class MemoryOptions:
         if facts is None:
             raise ValueError("MemoryOptions.resolve: free_bytes given without the run's facts to plan with")
         return _plan(base, facts, device, int(free_bytes))
+
+
+def _check_value(key: str, kind: str | None, value, path: Path | str) -> None:
+    """The one validation of a ``memory`` switch by its field's ``kind`` (:data:`SIZE`, :data:`FLAG`,
+    :data:`SPARSE`; "auto" allowed for the :data:`PLANNED` switches). Raises ConfigError naming the file and field."""
+    auto = key in PLANNED and value == AUTO
+    if kind == "size" and not auto and value is not None and (not isinstance(value, int) or isinstance(value, bool)
+                                                              or value <= 0):
+        also = ', null or "auto"' if key in PLANNED else " or null"
+        raise ConfigError(f"{path}: '{MEMORY_SECTION}.{key}' must be a positive integer{also}, got {value!r}")
+    if kind == "flag" and not isinstance(value, bool) and not auto:
+        also = ' or "auto"' if key in PLANNED else ""
+        raise ConfigError(f"{path}: '{MEMORY_SECTION}.{key}' must be true{',' if also else ' or'} false{also}, "
+                          f"got {value!r}")
+    if kind == "sparse":
+        try:
+            check_sparse_mode(value)
+        except ValueError:
+            choices = ", ".join(str(m).lower() if isinstance(m, bool) else f'"{m}"' for m in SPARSE_ANCHORS_MODES)
+            raise ConfigError(f"{path}: '{MEMORY_SECTION}.{key}' must be one of {choices}, got {value!r}") from None
 
 
 @dataclass(frozen=True)

@@ -31,13 +31,13 @@ from rich.console import Console
 from rich.table import Table
 
 from recipe.cli import add_data_arguments, check_data_arguments, int_list
-from recipe.config import read_ds_config
+from recipe.config import load_sections
 from recipe.config_keys import ConfigError
 from recipe.data.store import DTYPES, HiddenStateStore, StoreMeta, examples_hash
 from recipe.data.store_writer import StoreWriter, shard_plan
 from recipe.parallel.collectives import Collectives
 from recipe.target.head import validity_rows
-from recipe.target.options import TARGET_SECTION, TargetOptions
+from recipe.target.options import TargetOptions
 from recipe.target.partition import build_target
 from recipe.train.distributed import cuda_device_index, launcher_environment
 
@@ -168,7 +168,7 @@ def _parse(argv=None) -> argparse.Namespace:
                    "WORLD_SIZE > 1); same as target.partition = \"zero3\" in the JSON")
     p.add_argument("--ds_config", "--deepspeed_config", dest="ds_config", type=Path,
                    help="the training run's DeepSpeed JSON: its 'target' section (partition, zero_optimization) "
-                   "says how the target is held; the rest is not read")
+                   "says how the target is held (the whole file is checked as run.py checks it)")
     p.add_argument("--local_rank", "--local-rank", type=int, help=argparse.SUPPRESS)  # appended by deepspeed
     args = p.parse_args(argv)
     check_data_arguments(p, args)
@@ -176,16 +176,10 @@ def _parse(argv=None) -> argparse.Namespace:
 
 
 def target_options(args: argparse.Namespace) -> TargetOptions:
-    """The ``target`` section of ``--ds_config`` (defaults without it), with ``partition = "zero3"`` under
-    ``--partition-target``. Raises ConfigError naming the file and field for a bad JSON or section."""
-    section = None
-    if args.ds_config is not None:
-        cfg, _ = read_ds_config(args.ds_config)
-        section = cfg.get(TARGET_SECTION)
-    try:
-        options = TargetOptions.from_section(section)
-    except ValueError as exc:
-        raise ConfigError(f"{args.ds_config}: {exc}") from None
+    """The ``target`` section of ``--ds_config`` as the run parses it (``recipe.config.load_sections``; the defaults
+    without the flag), with ``partition = "zero3"`` under ``--partition-target``. Raises ConfigError naming the file
+    and field for a bad JSON or section."""
+    options = TargetOptions() if args.ds_config is None else load_sections(args.ds_config).target
     if args.partition_target:
         options = TargetOptions(partition="zero3", zero_optimization=options.zero_optimization)
     return options

@@ -187,7 +187,7 @@ def test_the_planner_resolves_what_a_search_of_every_candidate_finds():
     best = min((c for c, (_, p) in every.items() if p <= budget), key=lambda c: every[c][0])
     assert resolved.memory == dataclasses.replace(best, sparse_anchors="auto:h200")
     assert report.predicted_peak_bytes == every[best][1] <= budget
-    assert resolved.spec == spec_for_memory(spec, best)
+    assert resolved.spec == spec_for_memory(spec, dataclasses.replace(best, sparse_anchors="auto:h200"))
     generous, report = resolve_inputs(inputs, 256, "cuda", peaks[-1])
     assert generous.memory.savings() == frozenset() and report.rejected is None
 

@@ -11,6 +11,7 @@ import pytest
 from helpers.tiny_target import ARCHITECTURES as TINY
 from transformers import Gemma2Config, LlamaConfig, Phi3Config, Qwen3Config
 
+from recipe.parallel.dims import ParallelDims
 from recipe.target.registry import (ARCHITECTURES, GENERIC, arch_facts, check_split_target, draft_config_for,
                                     final_logit_softcap, splits_target)
 
@@ -68,7 +69,12 @@ def test_architectures_outside_the_ring_are_refused_at_cp_with_the_offline_way()
 
 def test_the_target_forward_is_split_at_cp_and_at_tp_only_through_the_ring():
     llama, gemma = LlamaConfig(), Gemma2Config()
-    assert [splits_target(llama, cp, tp) for cp, tp in ((1, 1), (2, 1), (1, 2), (2, 2))] == [False, True, True, True]
-    assert [splits_target(gemma, 1, tp) for tp in (1, 2)] == [False, False]  # every tp rank runs it whole
+
+    def dims(cp, tp):
+        return ParallelDims(world_size=cp * tp, cp=cp, tp=tp)
+
+    layouts = ((1, 1), (2, 1), (1, 2), (2, 2))
+    assert [splits_target(llama, dims(cp, tp)) for cp, tp in layouts] == [False, True, True, True]
+    assert [splits_target(gemma, dims(1, tp)) for tp in (1, 2)] == [False, False]  # every tp rank runs it whole
     with pytest.raises(ValueError, match="'gemma2'.*python -m recipe.dump"):
-        splits_target(gemma, 2, 1)
+        splits_target(gemma, dims(2, 1))

@@ -10,6 +10,7 @@ ignores an unknown top-level key silently, so removing it keeps the dict clean; 
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Mapping, NamedTuple
 
@@ -92,24 +93,66 @@ class ParallelDims:
         """Grid coordinates of global ``rank``."""
         return rank_coords(rank, self.dp, self.cp, self.tp)
 
+    @property
+    def cp_enabled(self) -> bool:
+        """Whether the sequence is split over context-parallel ranks (cp > 1): the one place "cp > 1" is decided
+        for a run's layout (ring attention, zigzag shards, the split target forward)."""
+        return self.cp > 1
+
     # ---- config --------------------------------------------------------------------------------------------------
     @classmethod
     def from_config(cls, section: Mapping | None, world_size: int,
                     overrides: Mapping | None = None) -> "ParallelDims":
-        """Build from our JSON section ``{"tp_size": int, "cp_size": int, "dp_size": int}`` (all optional).
+        """``ParallelismOptions.from_section(section).with_overrides(overrides).dims(world_size)``. Raises ValueError
+        as those do."""
+        return ParallelismOptions.from_section(section).with_overrides(overrides).dims(world_size)
 
-        ``overrides`` (e.g. from the command line) replaces section values; ``None`` values are ignored. Missing
-        degrees default to tp=1, cp=1, dp inferred. Raises ValueError naming unknown keys (and listing the known
-        ones), non-integer or non-positive values, or a product that does not match ``world_size``.
-        """
-        merged = dict(section or {})
-        merged.update({k: v for k, v in (overrides or {}).items() if v is not None})
-        unknown = sorted(set(merged) - set(_KNOWN_KEYS))
+
+@dataclass(frozen=True)
+class ParallelismOptions:
+    """Our ``"parallelism"`` section of the run JSON, parsed once (``recipe.config.load_sections``), before the
+    world size is known: ``tp_size`` (default 1), ``cp_size`` (default 1), ``dp_size`` (None: inferred from the world
+    size). The degrees' defaults and validation live here only; :meth:`dims` makes the run's :class:`ParallelDims`.
+    Raises ValueError naming ``parallelism.<key>`` for a degree that is not an integer >= 1."""
+
+    tp_size: int = 1
+    cp_size: int = 1
+    dp_size: int | None = None
+
+    def __post_init__(self):
+        for key in _KNOWN_KEYS:
+            value = getattr(self, key)
+            if (value is not None or key != "dp_size") and (not isinstance(value, int) or isinstance(value, bool)
+                                                             or value < 1):
+                raise ValueError(f"'{PARALLEL_SECTION}.{key}' must be an integer >= 1, got {value!r}")
+
+    @classmethod
+    def from_section(cls, section: Mapping | None) -> "ParallelismOptions":
+        """Parse ``{"tp_size": int, "cp_size": int, "dp_size": int}`` (all optional; None: the defaults). Raises
+        ValueError naming unknown keys (listing the known ones) or a bad degree."""
+        section = dict(section or {})
+        unknown = sorted(set(section) - set(_KNOWN_KEYS))
         if unknown:
             raise ValueError(f"unknown key(s) {unknown} in the '{PARALLEL_SECTION}' config section; known keys: "
                              f"{list(_KNOWN_KEYS)}")
-        for key, value in merged.items():
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"'{PARALLEL_SECTION}.{key}' must be an integer >= 1, got {value!r}")
-        return cls(world_size=world_size, tp=merged.get("tp_size", 1), cp=merged.get("cp_size", 1),
-                   dp=merged.get("dp_size", -1))
+        return cls(**section)
+
+    def with_overrides(self, overrides: Mapping | None) -> "ParallelismOptions":
+        """A copy with the command line's degrees (``run.py --tp-size/--cp-size``, the planner's ``--tp/--cp``:
+        ``{"tp_size": 2, "cp_size": None}``; None values ignored). Raises ValueError as the constructor does."""
+        changes = {k: v for k, v in (overrides or {}).items() if v is not None}
+        unknown = sorted(set(changes) - set(_KNOWN_KEYS))
+        if unknown:
+            raise ValueError(f"unknown parallelism override(s) {unknown}; known keys: {list(_KNOWN_KEYS)}")
+        return dataclasses.replace(self, **changes)
+
+    @property
+    def world_size(self) -> int:
+        """The processes this section describes by itself: tp·cp·dp (dp 1 when not given; the planner's default)."""
+        return self.tp_size * self.cp_size * (self.dp_size or 1)
+
+    def dims(self, world_size: int | None = None) -> ParallelDims:
+        """The :class:`ParallelDims` of ``world_size`` processes (None: :attr:`world_size`). Raises ValueError when
+        the degrees do not fit it."""
+        return ParallelDims(world_size=self.world_size if world_size is None else world_size, tp=self.tp_size,
+                            cp=self.cp_size, dp=-1 if self.dp_size is None else self.dp_size)

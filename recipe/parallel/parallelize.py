@@ -21,6 +21,7 @@ from torch import nn
 
 from kernels.attention_backends import make_causal_attention
 from kernels.compile_policy import compile_on
+from kernels.registry import DEFAULT_SEQUENCE_PARALLEL
 from recipe.model.draft import Eagle3Draft, is_exported
 from recipe.model.small_ops import EAGER_SMALL_OPS, install_small_ops, process_small_ops
 from recipe.model.ttt import TTTModel
@@ -47,7 +48,7 @@ def parallelize(model: nn.Module, pstate, memory, device=None, kernel_options=No
     ``memory``: the run's ``recipe.config_memory.MemoryOptions`` (read: ``attention_tile_size`` and
     ``mlp_tile_size``, None when the object lacks it); ``kernel_options``: its
     ``recipe.config.KernelOptions`` (read: ``attention``, ``sequence_parallel``, ``compile_small_ops``; None:
-    "auto", resolved for ``device``, and "ring"); ``device`` (where
+    "auto", resolved for ``device``, and ``kernels.registry.DEFAULT_SEQUENCE_PARALLEL``); ``device`` (where
     the model will run) defaults to ``pstate.device``, else the CPU. Raises ValueError when tp does not divide a
     split draft dimension (every one named), the tile size is invalid, or the kernel is unknown or cannot run on
     ``device``.
@@ -59,10 +60,10 @@ def parallelize(model: nn.Module, pstate, memory, device=None, kernel_options=No
         apply_tensor_parallel(model, tp_group)
     tile = getattr(memory, "mlp_tile_size", None)
     model.draft.get_submodule("midlayer").mlp_tiling = None if tile is None else mlp_tiling(tile, tp_group)
-    cp_group = pstate.cp_group if pstate is not None and pstate.cp_size > 1 else None
+    cp_group = pstate.cp_group if pstate is not None and pstate.dims.cp_enabled else None
     model.draft.get_submodule("midlayer.self_attn").causal_attention = make_causal_attention(
         getattr(kernel_options, "attention", "auto"), memory.attention_tile_size, device, cp_group,
-        getattr(kernel_options, "sequence_parallel", "ring"))
+        getattr(kernel_options, "sequence_parallel", DEFAULT_SEQUENCE_PARALLEL))
     compiled = compile_on(getattr(kernel_options, "compile_small_ops", "auto"), device)
     return install_small_ops(model, process_small_ops() if compiled else EAGER_SMALL_OPS)
 
@@ -80,7 +81,7 @@ def build_training_model(draft: Eagle3Draft, target_head: torch.Tensor, memory, 
         target_head: the target lm_head [V, H_t] or its draft rows [Vd, H_t] (``TTTModel.set_target_head``).
         memory: ``recipe.config_memory.MemoryOptions`` (read: ``loss_chunk_size``, ``checkpoint_ttt_steps``,
             ``sparse_anchors``, ``teacher_logits_once``, and what ``parallelize`` reads); kernel_options:
-            ``recipe.config.KernelOptions`` (None: "auto" and the ring).
+            ``recipe.config.KernelOptions`` (None: its defaults).
         pstate, device: as :func:`parallelize`.
         target_softcap: the target's final logit soft-cap (``recipe.target.registry.final_logit_softcap``).
         before_split: called with the single-device model before the layout is applied (weights loaded into it

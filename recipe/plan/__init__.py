@@ -13,10 +13,11 @@ Per rank, by component (bytes; GiB in the table):
 target_forward)`` (the target's forward ends before the draft's step begins); a layout fits when total ≤ the GPU.
 
 Public API: :func:`predict_step` (one ``recipe.plan.spec.BenchSpec`` row: the step bytes ``time_step`` would
-measure), :class:`PlanInputs` / :func:`load_inputs` (from a ds_config and a target) / :func:`run_inputs` (from a
-run's resolved config), :func:`plan_rows` (the table of one layout), :func:`longest_fit`, and for the memory
-section's ``"auto"`` (``recipe.config_memory.MemoryOptions.resolve``) :class:`PlanFacts` (each candidate's hardware
-FLOPs and per-rank total) and :func:`resolve_inputs` (the inputs with the section resolved for a GPU and length).
+measure), :class:`PlanInputs` / :func:`load_inputs` (from a ds_config, read by :func:`read_sections`, and a target) /
+:func:`run_inputs` (from a run's resolved config), :func:`plan_rows` (the table of one layout), :func:`longest_fit`,
+and for the memory section's ``"auto"`` (``recipe.config_memory.MemoryOptions.resolve``) :class:`PlanFacts` (each
+candidate's hardware FLOPs and per-rank total) and :func:`resolve_inputs` (the inputs with the section resolved for
+a GPU and length).
 """
 from __future__ import annotations
 
@@ -28,13 +29,13 @@ from pathlib import Path
 
 import torch
 
-from recipe.config import RunConfig, load_run_config, read_ds_config
+from recipe.config import KernelOptions, RunConfig, RunSections, load_sections
 from recipe.config_keys import ConfigError
 from recipe.config_memory import CPU_AUTO, MemoryOptions, MemoryReport
 from recipe.model.flops import DraftShape, Recompute, step_flops
 from recipe.parallel.dims import seq_divisor
 from recipe.plan import states
-from recipe.plan.spec import DTYPES, BenchSpec, spec_for_memory
+from recipe.plan.spec import DTYPES, BenchSpec, planned_sparse, spec_for_memory
 from recipe.plan.states import gpu_bytes
 from recipe.plan.trace import ActivationFit, fit_activation, is_dense, trace_lengths, trace_step, uses_tiles
 from recipe.target.named import resolve_config
@@ -49,6 +50,7 @@ __all__ = [
     "plan_length",
     "plan_rows",
     "predict_step",
+    "read_sections",
     "resolve_inputs",
     "run_inputs",
     "trace_limit",
@@ -72,7 +74,7 @@ def trace_limit(spec: BenchSpec) -> int:
     elif is_dense(spec):
         limit = 16384
     else:
-        limit = 8 * spec.attention_tile * (2 * spec.cp if spec.cp > 1 else 1)
+        limit = 8 * spec.attention_tile * (2 * spec.cp if spec.dims.cp_enabled else 1)
     if "chunked" in spec.layout:
         limit = min(limit, 16 * spec.loss_chunk_size * spec.cp)
     return limit
@@ -130,8 +132,10 @@ class PlanInputs:
     whether the online target's attention can be routed (``routable_attention``: its forward is then split over
     the cp·tp ranks, ``recipe.target.split``), the argmax chunk (``argmax_chunk``, positions), the ``memory``
     section as configured (``"auto"`` values until :func:`resolve_inputs`: ``spec`` then holds the CPU's values,
-    ``recipe.config_memory.CPU_AUTO``, and :func:`plan_length` refuses to plan; ``sparse_anchors`` "auto" is planned
-    dense, the larger peak of a fully supervised batch) and the ``memory_report`` of its resolution."""
+    ``recipe.config_memory.CPU_AUTO``, and :func:`plan_length` refuses to plan; ``sparse_anchors`` "auto" stays
+    "auto" in ``spec`` too, decided per traced batch by the run's rule, ``recipe.plan.spec.planned_sparse``), the
+    ``memory_report`` of its resolution and the run's ``kernels`` section (``recipe.config.KernelOptions``, resolved
+    for the device planned: ``spec.attention_backend`` is its ``attention``)."""
 
     spec: BenchSpec
     dp: int
@@ -149,6 +153,7 @@ class PlanInputs:
     argmax_chunk: int = 1024
     memory: MemoryOptions = MemoryOptions()
     memory_report: MemoryReport | None = None
+    kernels: KernelOptions = KernelOptions()
 
     @property
     def world(self) -> int:
@@ -173,13 +178,26 @@ def _read_target_config(target: Path):
         raise PlanError(f"--target {file}: not a transformers config.json ({exc})") from None
 
 
-def load_inputs(ds_config: Path, target: Path, gpu: str = "h200", world_size: int | None = None,
+def read_sections(ds_config: Path) -> RunSections:
+    """``--ds_config`` parsed once, as run.py parses it (``recipe.config.load_sections``). Raises PlanError naming the
+    file for a missing or bad one."""
+    if not Path(ds_config).is_file():
+        raise PlanError(f"--ds_config {ds_config}: no such file")
+    try:
+        return load_sections(Path(ds_config))
+    except (ConfigError, ValueError, TypeError) as exc:
+        raise PlanError(f"--ds_config {ds_config}: {exc}") from None
+
+
+def load_inputs(ds_config: Path | RunSections, target: Path, gpu: str = "h200", world_size: int | None = None,
                 tp: int | None = None, cp: int | None = None, ttt_steps: int = 7, draft_vocab_size: int = 32000,
                 offline: bool = False, freeze_lm_head: bool = False, length: int | None = None) -> PlanInputs:
-    """Resolve a ds_config (``recipe.config.load_run_config``: parallelism, memory, target sections, batch, bf16,
-    ZeRO stage) and a target config into :class:`PlanInputs` (:func:`run_inputs`), the draft geometry derived as
-    run.py derives it (``recipe.target.registry.draft_config_for``, draft vocab capped at V). ``tp`` / ``cp``
-    override the JSON's parallelism; ``world_size`` defaults to tp·cp (dp = 1). The attention backend is resolved
+    """Resolve a ds_config (a path, or its ``recipe.config.RunSections`` from :func:`read_sections`: the objects
+    run.py reads; ``RunSections.resolve``: layout, batch, bf16, ZeRO stage) and a target config into
+    :class:`PlanInputs` (:func:`run_inputs`), the draft geometry derived as run.py derives it
+    (``recipe.target.registry.draft_config_for``, draft vocab capped at V). ``tp`` / ``cp`` override the JSON's
+    parallelism as ``--tp-size`` / ``--cp-size`` do; ``world_size`` defaults to the section's own (tp·cp, dp 1
+    unless ``parallelism.dp_size`` says: ``ParallelismOptions.world_size``). The attention backend is resolved
     for CUDA ("auto" → flex). ``length``: the memory section's "auto" values are resolved for ``gpu`` at this many
     tokens (:func:`resolve_inputs`, as a run of that longest sample does); None leaves them to the caller. Raises
     PlanError naming the input for a missing/bad file, layout or GPU name."""
@@ -189,14 +207,10 @@ def load_inputs(ds_config: Path, target: Path, gpu: str = "h200", world_size: in
         size = gpu_bytes(gpu)
     except ValueError as exc:
         raise PlanError(str(exc)) from None
-    if not Path(ds_config).is_file():
-        raise PlanError(f"--ds_config {ds_config}: no such file")
+    sections = ds_config if isinstance(ds_config, RunSections) else read_sections(ds_config)
+    ds_config = sections.path
     try:
-        _, section = read_ds_config(Path(ds_config))
-        tp = tp or int(section.get("tp_size") or 1)
-        cp = cp or int(section.get("cp_size") or 1)
-        world = world_size or tp * cp
-        config = load_run_config(Path(ds_config), world, {"tp_size": tp, "cp_size": cp}).for_device("cuda")
+        config = sections.resolve(world_size, {"tp_size": tp, "cp_size": cp}).for_device("cuda")
     except (ConfigError, ValueError, TypeError) as exc:
         raise PlanError(f"--ds_config {ds_config}: {exc}") from None
     hf = _read_target_config(target)
@@ -206,7 +220,7 @@ def load_inputs(ds_config: Path, target: Path, gpu: str = "h200", world_size: in
         raise PlanError(f"--target {target}: {exc}") from None
     if not offline:
         try:
-            splits_target(hf, config.dims.cp, config.dims.tp)
+            splits_target(hf, config.dims)
         except ValueError as exc:
             raise PlanError(f"--target {target} online at cp_size={config.dims.cp}: {exc}") from None
     try:
@@ -231,8 +245,7 @@ def run_inputs(config: RunConfig, hf, draft, *, ttt_steps: int, offline: bool, f
     from recipe.target.registry import arch_facts  # import cost: pulls in transformers
 
     mem, dims = config.memory, config.dims
-    planned = dataclasses.replace(mem, sparse_anchors=mem.sparse_anchors is True,
-                                  **{k: CPU_AUTO[k] for k in mem.auto_switches})
+    planned = dataclasses.replace(mem, **{k: CPU_AUTO[k] for k in mem.auto_switches})  # until resolve_inputs
     spec = BenchSpec(seq_len=2 * dims.cp * dims.tp, hidden=draft.hidden_size, heads=draft.num_attention_heads,
                      kv_heads=draft.num_key_value_heads, head_dim=draft.head_dim,
                      intermediate=draft.intermediate_size, draft_vocab=draft.draft_vocab_size, vocab=draft.vocab_size,
@@ -248,7 +261,8 @@ def run_inputs(config: RunConfig, hf, draft, *, ttt_steps: int, offline: bool, f
                       fp32_grad_accum=(config.deepspeed.get("data_types") or {}).get("grad_accum_dtype") == "fp32",
                       fp32_comm=config.deepspeed.get("communication_data_type") == "fp32",
                       routable_attention=arch_facts(hf).routable_attention,
-                      argmax_chunk=mem.argmax_positions(int(hf.vocab_size), torch.bfloat16), memory=mem)
+                      argmax_chunk=mem.argmax_positions(int(hf.vocab_size), torch.bfloat16), memory=mem,
+                      kernels=config.kernels)
 
 
 @dataclass
@@ -340,16 +354,17 @@ def longest_fit(inputs: PlanInputs, fit: ActivationFit | None = None, granularit
 
 
 def plan_rows(inputs: PlanInputs, lengths: list[int]) -> dict:
-    """One layout's table: ``{"tp", "cp", "dp", "world", "layout", "backend", "mlp_tile", "sparse_anchors",
-    "teacher_logits_once", "mask", "fit": {a, b, c, kind, trace_lengths}, "rows": [plan_length per length],
-    "longest_fit"}``."""
+    """One layout's table: ``{"tp", "cp", "dp", "world", "layout", "backend", "mlp_tile", "sparse_anchors" (the path
+    the longest length takes: "auto" decided by ``recipe.plan.spec.planned_sparse``), "teacher_logits_once", "mask",
+    "fit": {a, b, c, kind, trace_lengths}, "rows": [plan_length per length], "longest_fit"}``."""
     for n in lengths:
         _check_length(inputs, n)
     spec = inputs.spec
     fit = layout_fit(spec)
     rows = [plan_length(inputs, n, None if n <= trace_limit(spec) else fit) for n in lengths]
     return {"tp": spec.tp, "cp": spec.cp, "dp": inputs.dp, "world": inputs.world, "layout": spec.layout,
-            "backend": spec.attention_backend, "mlp_tile": spec.mlp_tile, "sparse_anchors": spec.sparse_anchors,
+            "backend": spec.attention_backend, "mlp_tile": spec.mlp_tile,
+            "sparse_anchors": planned_sparse(dataclasses.replace(spec, seq_len=max(lengths))),  # "auto": decided
             "teacher_logits_once": spec.teacher_logits_once,
             "mask": spec.mask,
             "fit": {"a": fit.a, "b": fit.b, "c": fit.c, "kind": fit.kind,

@@ -30,7 +30,8 @@ from rich.table import Table
 from recipe.cli import add_data_arguments, check_data_arguments, length_list
 from recipe.config_keys import ConfigError
 from recipe.config_memory import MemoryOptions, MemoryReport
-from recipe.plan import PlanError, PlanInputs, load_inputs, longest_fit, plan_rows, resolve_inputs, states
+from recipe.plan import (PlanError, PlanInputs, load_inputs, longest_fit, plan_rows, read_sections, resolve_inputs,
+                         states)
 from recipe.plan.states import GIB
 from recipe.plan.spec import MASKS, check_fraction, fraction_mask, mask_fraction, spec_draft_config, spec_for_memory
 from recipe.plan.supervision import measure_supervision
@@ -145,9 +146,10 @@ def make_plan(args, argv: list[str]) -> dict:
     layouts, masks, planned = [], list(args.sparse_anchors or []), getattr(args, "supervision", None)
     if planned is not None:
         masks.append(fraction_mask(planned["fraction"]))
+    sections = read_sections(args.ds_config)  # the JSON read once, as run.py reads it
     for tp in args.tp or [None]:
         for cp in args.cp or [None]:
-            loaded = load_inputs(args.ds_config, args.target, args.gpu, args.world_size, tp, cp, args.ttt_steps,
+            loaded = load_inputs(sections, args.target, args.gpu, args.world_size, tp, cp, args.ttt_steps,
                                  args.draft_vocab_size, args.offline, args.freeze_lm_head)
             loaded = dataclasses.replace(loaded, memory=_override(loaded.memory, args.memory))
             for tile in args.mlp_tile or [loaded.memory.mlp_tile_size]:

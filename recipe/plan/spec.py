@@ -13,7 +13,10 @@ import torch
 from recipe.config import KernelOptions
 from recipe.config_memory import MemoryOptions
 from recipe.model.flops import DraftShape, Recompute, StepFlops, speed_fields, step_flops
-from recipe.parallel.dims import check_tp_divides, seq_divisor
+from recipe.model.sparse_anchors import check_sparse_mode, sparse_pays
+from recipe.model.ttt import make_ttt_batch
+from recipe.parallel.cp_shard import shard_ttt_batch
+from recipe.parallel.dims import ParallelDims, check_tp_divides, seq_divisor
 
 LAYOUTS = {"full": (False, False), "chunked": (True, False), "ckpt": (False, True), "chunked+ckpt": (True, True)}
 """Layout name -> (chunked loss, checkpointed TTT steps)."""
@@ -84,8 +87,13 @@ class BenchSpec:
     "tiled" is the reference) and the MLP tile (``memory.mlp_tile_size``: positions per sequence tile of the draft's
     norm + MLP, ``recipe.model.tiled_mlp``; None: untiled), the supervision ``mask`` (``MASKS`` or a
     ``fraction_mask`` name), whether the step runs on the needed anchors only (``sparse_anchors``,
-    ``memory.sparse_anchors``) and whether the teacher logits are computed once per micro-batch
-    (``memory.teacher_logits_once``). ``recipe.plan.predict_step`` predicts its memory."""
+    ``memory.sparse_anchors``: true, false, or "auto" / "auto:KIND", decided for the step's batch as the run decides
+    every micro-batch, :func:`planned_sparse`) and whether the teacher logits are computed once per micro-batch
+    (``memory.teacher_logits_once``). ``memory``: the run's ``memory`` section this spec stands for
+    (``recipe.config_memory.MemoryOptions``, as :func:`spec_for_memory` received it, "auto:KIND" of
+    ``sparse_anchors`` intact; None for a benchmark's spec: the defaults): the fields above override the switches they
+    name, and every other switch of the section (``argmax_chunk_size``, a new one) reaches the step's model from it
+    (:func:`spec_memory`). ``recipe.plan.predict_step`` predicts its memory."""
 
     seq_len: int
     layout: str = "full"
@@ -110,8 +118,9 @@ class BenchSpec:
     steps: int = 1
     seed: int = 0
     mask: str = "full"
-    sparse_anchors: bool = False
+    sparse_anchors: bool | str = False
     teacher_logits_once: bool = True
+    memory: MemoryOptions | None = None
 
     def __post_init__(self):
         if self.layout not in LAYOUTS:
@@ -119,6 +128,9 @@ class BenchSpec:
         if self.dtype not in DTYPES:
             raise ValueError(f"unknown dtype {self.dtype!r}; choose from {sorted(DTYPES)}")
         mask_fraction(self.mask)  # ValueError for an unknown mask
+        check_sparse_mode(self.sparse_anchors)
+        if isinstance(self.memory, dict):  # dataclasses.asdict of a spec, as the benchmarks hand it to their ranks
+            object.__setattr__(self, "memory", MemoryOptions(**self.memory))
         if self.mlp_tile is not None and (isinstance(self.mlp_tile, bool) or not isinstance(self.mlp_tile, int)
                                           or self.mlp_tile < 1):
             raise ValueError(f"mlp tile {self.mlp_tile!r} must be None or a positive integer")
@@ -133,6 +145,11 @@ class BenchSpec:
     def world_size(self) -> int:
         return self.tp * self.cp
 
+    @property
+    def dims(self) -> ParallelDims:
+        """The layout of the step's ranks (dp 1): ``dims.cp_enabled`` says whether its sequence is split."""
+        return ParallelDims(world_size=self.world_size, tp=self.tp, cp=self.cp)
+
 
 def spec_draft_config(spec: BenchSpec):
     """The ``Eagle3DraftConfig`` of ``spec``'s draft geometry (aux layers [1, 2, 3], RoPE table covering the length)."""
@@ -146,21 +163,47 @@ def spec_draft_config(spec: BenchSpec):
 
 
 def spec_memory(spec: BenchSpec) -> MemoryOptions:
-    """The run config's ``memory`` section ``spec`` stands for: the loss chunk and checkpointed steps of its layout
-    (``LAYOUTS``), its attention and MLP tiles, ``sparse_anchors`` and ``teacher_logits_once``."""
+    """The ``memory`` section the step of ``spec`` runs with: ``spec.memory`` (None: the defaults) with the loss chunk
+    and checkpointed steps of its layout (``LAYOUTS``), its attention and MLP tiles, ``sparse_anchors`` (the path
+    this step takes) and ``teacher_logits_once``."""
     chunked, ckpt = LAYOUTS[spec.layout]
-    return MemoryOptions(loss_chunk_size=spec.loss_chunk_size if chunked else None, checkpoint_ttt_steps=ckpt,
-                         attention_tile_size=spec.attention_tile, mlp_tile_size=spec.mlp_tile,
-                         sparse_anchors=spec.sparse_anchors, teacher_logits_once=spec.teacher_logits_once)
+    base = MemoryOptions() if spec.memory is None else spec.memory
+    return dataclasses.replace(base, loss_chunk_size=spec.loss_chunk_size if chunked else None,
+                               checkpoint_ttt_steps=ckpt, attention_tile_size=spec.attention_tile,
+                               mlp_tile_size=spec.mlp_tile, sparse_anchors=spec.sparse_anchors,
+                               teacher_logits_once=spec.teacher_logits_once)
+
+
+def spec_batch(spec: BenchSpec, cp_rank: int = 0):
+    """The ``recipe.bench.measure.random_batch`` of ``spec`` with real host index tensors (zeros for the tokens) and
+    float fields of zero width, as cp rank ``cp_rank`` holds it (zigzag shard under CP): ``(TTTBatch,
+    num_label_rows)``. The planner's trace replaces the float fields by fake tensors of full width."""
+    b, s = spec.batch, spec.seq_len
+    ones = torch.ones(b, s, dtype=torch.bool)
+    empty = torch.empty(b, s, 0)
+    batch = make_ttt_batch(torch.zeros(b, s, dtype=torch.int64), supervised_mask(spec.mask, b, s), ones, empty, empty,
+                           ones, spec.ttt_steps)
+    if spec.dims.cp_enabled:
+        batch = shard_ttt_batch(batch, spec.cp, cp_rank)
+    return batch, batch.target_hidden_BLH.shape[1]
+
+
+def planned_sparse(spec: BenchSpec) -> bool:
+    """The path a run's model takes for the micro-batch of ``spec`` (its supervision ``mask`` at ``seq_len``, cp rank
+    0's shard) with ``memory.sparse_anchors`` = ``spec.sparse_anchors``: itself when a bool; for ``"auto"`` /
+    ``"auto:KIND"`` the rule the model applies to every micro-batch (``recipe.model.sparse_anchors.sparse_pays``;
+    a fully supervised batch runs dense)."""
+    if isinstance(spec.sparse_anchors, bool):
+        return spec.sparse_anchors
+    return sparse_pays(spec.sparse_anchors, spec_batch(spec)[0].valid_KBS)
 
 
 def spec_for_memory(spec: BenchSpec, memory: MemoryOptions) -> BenchSpec:
-    """``spec`` with the switches of a resolved ``memory`` section (the inverse of :func:`spec_memory`): its layout
-    from ``loss_chunk_size`` and ``checkpoint_ttt_steps`` (``LAYOUTS``; an unchunked spec keeps its
-    ``loss_chunk_size`` field, unused), the attention and MLP tiles, ``sparse_anchors`` (true only when forced:
-    "auto" runs a fully supervised batch dense, the larger of the two peaks) and ``teacher_logits_once``. The one
-    mapping from a memory section to the planned step. Raises ValueError for a switch of
-    ``recipe.config_memory.PLANNED`` still "auto"."""
+    """``spec`` planning a resolved ``memory`` section (held whole as ``spec.memory``): its layout from
+    ``loss_chunk_size`` and ``checkpoint_ttt_steps`` (``LAYOUTS``; an unchunked spec keeps its ``loss_chunk_size``
+    field, unused), the attention and MLP tiles, ``sparse_anchors`` as it is ("auto:KIND" included: the step decides
+    it for its batch, :func:`planned_sparse`) and ``teacher_logits_once``. The one mapping from a memory section to the
+    planned step. Raises ValueError for a switch of ``recipe.config_memory.PLANNED`` still "auto"."""
     if memory.auto_switches:
         raise ValueError(f"memory switches {list(memory.auto_switches)} are still \"auto\": resolve them first "
                          "(MemoryOptions.resolve)")
@@ -168,8 +211,8 @@ def spec_for_memory(spec: BenchSpec, memory: MemoryOptions) -> BenchSpec:
     layout = next(name for name, switches in LAYOUTS.items() if switches == (chunked, ckpt))
     return dataclasses.replace(spec, layout=layout, loss_chunk_size=memory.loss_chunk_size or spec.loss_chunk_size,
                                attention_tile=memory.attention_tile_size, mlp_tile=memory.mlp_tile_size,
-                               sparse_anchors=memory.sparse_anchors is True,
-                               teacher_logits_once=bool(memory.teacher_logits_once))
+                               sparse_anchors=memory.sparse_anchors,
+                               teacher_logits_once=bool(memory.teacher_logits_once), memory=memory)
 
 
 def spec_kernels(spec: BenchSpec, attention: str | None = None) -> KernelOptions:

@@ -22,7 +22,9 @@ Where the real code cannot run on fake tensors, the trace uses the hooks the cod
   the ring's flex pair kernel under CP).
 - the TTT model's ``trace_hints`` (``recipe.model.trace_hints.TraceHints``): U, the number of distinct label rows
   the teacher logits hold (``torch.unique`` has a data-dependent shape), and, with ``memory.sparse_anchors``, the
-  anchor sets, both computed from the real host batch (the spec's supervision ``mask``) before the trace.
+  anchor sets, both computed from the real host batch (the spec's supervision ``mask``) before the trace; an
+  "auto" ``sparse_anchors`` is decided on that batch first, by the model's own rule
+  (``recipe.plan.spec.planned_sparse``).
 - a backend whose kernel reads position values (``sdpa``) is traced as the backend it declares
   (``AttentionBackend.traced_as``: ``tiled``, the same tiles).
 Fit (:func:`fit_activation`): the step peak is affine in the rank's tokens, ``a + b·S``, once S is past the loss
@@ -50,8 +52,8 @@ from recipe.model.sparse_anchors import anchor_sets
 from recipe.model.trace_hints import TraceHints
 from recipe.parallel.dims import seq_divisor
 from recipe.parallel.parallelize import build_training_model
-from recipe.plan.spec import (DTYPES, LAYOUTS, BenchSpec, spec_draft_config, spec_kernels, spec_memory,
-                              supervised_mask)
+from recipe.plan.spec import (DTYPES, LAYOUTS, BenchSpec, planned_sparse, spec_batch, spec_draft_config,
+                              spec_kernels, spec_memory)
 
 CATEGORIES = ("Parameter", "Buffer", "Gradient", "Activation", "Temp", "Optstate", "Other")
 
@@ -99,23 +101,6 @@ def build_traced_model(spec: BenchSpec, pstate, backend: str):
     return cast_module(model, DTYPES[spec.dtype])
 
 
-def host_batch(spec: BenchSpec, cp_rank: int = 0):
-    """The ``random_batch`` of ``spec`` with real host index tensors (zeros for the tokens) and float fields of
-    zero width: ``(batch, num_label_rows)``; the trace replaces the float fields by fake tensors of full width."""
-    from recipe.model.ttt import make_ttt_batch
-    from recipe.parallel.cp_shard import shard_ttt_batch
-
-
-    b, s = spec.batch, spec.seq_len
-    ones = torch.ones(b, s, dtype=torch.bool)
-    empty = torch.empty(b, s, 0)
-    batch = make_ttt_batch(torch.zeros(b, s, dtype=torch.int64), supervised_mask(spec.mask, b, s), ones, empty, empty,
-                           ones, spec.ttt_steps)
-    if spec.cp > 1:
-        batch = shard_ttt_batch(batch, spec.cp, cp_rank)
-    return batch, batch.target_hidden_BLH.shape[1]
-
-
 @contextlib.contextmanager
 def fake_world(tp: int, cp: int):
     """A ``ParallelState`` of rank 0 in a fake process group of tp·cp ranks (None when tp·cp = 1); the group is
@@ -161,7 +146,8 @@ def trace_step(spec: BenchSpec) -> TraceResult:
     "auto" or a registered backend (:func:`traced_backend`). Raises ValueError for a spec BenchSpec rejects."""
     from recipe.model.ttt import ttt_objective
 
-    batch, rows = host_batch(spec)
+    spec = dataclasses.replace(spec, sparse_anchors=planned_sparse(spec))  # "auto": the run's rule on this batch
+    batch, rows = spec_batch(spec)
     dt = DTYPES[spec.dtype]
     hints = TraceHints(int(torch.unique(batch.target_row_KS).numel()),
                        anchor_sets(batch.valid_KBS, batch.position_ids_BS, batch.target_row_KS)
@@ -212,7 +198,7 @@ def _total(snapshot: dict) -> int:
 
 def is_dense(spec: BenchSpec) -> bool:
     """Whether the causal block keeps [S, S] scores: untiled tiled/sdpa attention on one cp rank."""
-    return spec.attention_tile is None and spec.cp == 1 and uses_tiles(spec)
+    return spec.attention_tile is None and not spec.dims.cp_enabled and uses_tiles(spec)
 
 
 def trace_lengths(spec: BenchSpec) -> list[int]:

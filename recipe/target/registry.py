@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
 from recipe.model.draft_config import Eagle3DraftConfig, rope_fields
+from recipe.parallel.dims import ParallelDims
 from recipe.target.aux_layers import default_aux_layer_ids
 
 
@@ -108,15 +109,15 @@ def check_split_target(config: Any) -> None:
                          "run.py (or train with cp_size = 1)")
 
 
-def splits_target(config: Any, cp: int, tp: int) -> bool:
-    """Whether an online run's target forward is split over the cp·tp ranks of each dp replica
-    (``recipe.target.split.SplitTarget``): always at cp > 1, and at tp > 1 when its attention runs through the ring
-    (``routable_attention``; otherwise every tp rank runs it whole). The rule run.py and the planner share. Raises
-    ValueError (:func:`check_split_target`) at cp > 1 for a target the ring cannot run."""
-    if cp > 1:
+def splits_target(config: Any, dims: ParallelDims) -> bool:
+    """Whether an online run's target forward is split over the cp·tp ranks of each dp replica of the layout ``dims``
+    (``recipe.target.split.SplitTarget``): always when ``dims.cp_enabled``, and at tp > 1 when its attention runs
+    through the ring (``routable_attention``; otherwise every tp rank runs it whole). The rule run.py and the
+    planner share. Raises ValueError (:func:`check_split_target`) under cp for a target the ring cannot run."""
+    if dims.cp_enabled:
         check_split_target(config)
         return True
-    return tp > 1 and arch_facts(config).routable_attention
+    return dims.tp > 1 and arch_facts(config).routable_attention
 
 
 def draft_config_for(config: Any, draft_vocab_size: int,

@@ -42,6 +42,7 @@ from transformers import AttentionInterface
 from kernels.attention_backends import make_causal_attention
 from kernels.documents import token_positions
 from kernels.host_positions import attach_host_copies
+from kernels.registry import DEFAULT_SEQUENCE_PARALLEL
 from recipe.parallel.cp_shard import label_rows, zigzag_indices
 from recipe.target.capture import TargetModel, capture_layer_outputs
 from recipe.target.head import lm_head_argmax
@@ -160,7 +161,7 @@ class SplitTarget:
     def __init__(self, target: TargetModel, comm, cp_group, cp_size: int, cp_rank: int,
                  attention_backend: str = "auto", tile_size: int | None = None, argmax_chunk_size: int = 1024, *,
                  tp_group=None, tp_size: int = 1, tp_rank: int = 0, split_group=None,
-                 sequence_parallel: str = "ring"):
+                 sequence_parallel: str = DEFAULT_SEQUENCE_PARALLEL):
         check_split_target(target.config)
         if tp_size > 1 and split_group is None:
             raise ValueError(f"SplitTarget over tp_size={tp_size} needs the cp·tp split_group "
@@ -176,7 +177,7 @@ class SplitTarget:
 
     @classmethod
     def from_state(cls, target: TargetModel, pstate, attention_backend: str = "auto", tile_size: int | None = None,
-                   argmax_chunk_size: int = 1024, sequence_parallel: str = "ring") -> "SplitTarget":
+                   argmax_chunk_size: int = 1024, sequence_parallel: str = DEFAULT_SEQUENCE_PARALLEL) -> "SplitTarget":
         """The target split over ``pstate``'s (a ``recipe.parallel.topology.ParallelState``) cp·tp group."""
         return cls(target, pstate.comm, pstate.cp_group, pstate.cp_size, pstate.cp_rank, attention_backend,
                    tile_size, argmax_chunk_size, tp_group=pstate.tp_group, tp_size=pstate.tp_size,

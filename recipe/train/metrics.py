@@ -267,7 +267,7 @@ def plan_summary(parts) -> str:
             f"accum {p.grad_accum} × dp {p.dp}; {config.total_steps} steps over {len(parts.builder)} samples; "
             f"dtype {str(config.dtype).removeprefix('torch.')}; attention {config.kernels.attention} "
             f"(tile {config.memory.attention_tile_size}"
-            f"{f', {config.kernels.sequence_parallel} over cp' if d.cp > 1 else ''}); "
+            f"{f', {config.kernels.sequence_parallel} over cp' if d.cp_enabled else ''}); "
             f"small ops {'compiled' if config.kernels.compile_small_ops is True else 'eager'}; batch {asdict(p)}; "
             f"collectives {dist.get_backend()} on "
             f"{parts.pstate.device}" + (f"; {parts.resharding}" if parts.resharding else "")

@@ -17,7 +17,7 @@ from rich.console import Console
 from transformers import AutoConfig
 
 from recipe.cli import TrainArgs
-from recipe.config import RunConfig, load_run_config
+from recipe.config import RunConfig, RunSections, load_sections
 from recipe.data.vocab import VocabMap, build_vocab_map, vocab_coverage_report
 from recipe.model.draft import Eagle3Draft
 from recipe.model.draft_config import Eagle3DraftConfig, load_draft_config_overrides
@@ -101,14 +101,14 @@ def _token_rows(examples, store):
                               "loss_mask": [r["loss_mask"].tolist() for r in rows]})
 
 
-def build_run(args: TrainArgs, device: torch.device, console: Console) -> RunParts:
-    """Everything a run needs before its first step (module docstring); collective over the world.
+def build_run(args: TrainArgs, device: torch.device, console: Console,
+              sections: RunSections | None = None) -> RunParts:
+    """Everything a run needs before its first step (module docstring); collective over the world. ``sections``:
+    ``--ds_config`` as ``run.py`` parsed it (None: read here), resolved by :func:`run_config`.
 
     Raises ConfigError/ValueError/KeyError/OSError naming the file or field for bad input (``run.py`` prints them).
     """
-    config = load_run_config(args.ds_config, dist.get_world_size(),
-                             {"tp_size": args.tp_size, "cp_size": args.cp_size}).for_device(device)
-    config = dataclasses.replace(config, data=run_data_options(args, config, device))
+    config = run_config(args, sections, dist.get_world_size(), device)
     pstate = ParallelState(config.dims, device)
     resume = check_output(args, pstate.comm)  # before anything is written into --output or data is read
     if args.resume == "auto" and dist.get_rank() == 0:
@@ -252,6 +252,16 @@ def _training_model(args: TrainArgs, config: RunConfig, draft_config, hf_config,
     return model
 
 
+def run_config(args: TrainArgs, sections: RunSections | None, world_size: int, device: torch.device) -> RunConfig:
+    """The run's ``RunConfig`` before its data is read: ``sections`` (``--ds_config`` parsed once,
+    ``recipe.config.load_sections``; None: read here) resolved for ``world_size`` processes with
+    ``--tp-size``/``--cp-size`` (``RunSections.resolve``), its kernels for ``device`` (``RunConfig.for_device``) and
+    ``--packing`` applied (:func:`run_data_options`). Raises ConfigError naming the file and field."""
+    sections = load_sections(args.ds_config) if sections is None else sections
+    config = sections.resolve(world_size, {"tp_size": args.tp_size, "cp_size": args.cp_size}).for_device(device)
+    return dataclasses.replace(config, data=run_data_options(args, config, device))
+
+
 def run_data_options(args: TrainArgs, config: RunConfig, device: torch.device):
     """The run's ``data`` section (``recipe.config_data.DataOptions``) with ``--packing``/``--no-packing`` applied;
     ``"auto"`` pads on the CPU (``DataOptions.for_device``) and, online, packs only where the target's forward
@@ -280,7 +290,7 @@ def online_target(args: TrainArgs, config: RunConfig, pstate: ParallelState, dra
     argmax_chunk = config.memory.argmax_positions(hf_config.vocab_size, dtype)
     target = build_target(args.target, config.target, aux_layer_ids=draft_config.aux_layer_ids, dtype=dtype,
                           device=device)
-    if splits_target(hf_config, dims.cp, dims.tp):
+    if splits_target(hf_config, dims):
         target = SplitTarget.from_state(target, pstate, config.kernels.attention, config.memory.attention_tile_size,
                                         argmax_chunk, config.kernels.sequence_parallel)
     return target, argmax_chunk
