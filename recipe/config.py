@@ -1,4 +1,4 @@
-"""The DeepSpeed JSON of a training run (the flags of ``run.py`` are ``recipe.cli``).
+"""The DeepSpeed JSON of a training run (the flags of ``run.py`` are ``recipe.train.flags``).
 
 :func:`load_run_config` reads the JSON once, removes our sections (``parallelism``, ``memory``, ``kernels``, ``target``,
 ``data``) and DeepSpeed's monitor sections (written by the training loop, see :func:`pop_monitor_sections`) before

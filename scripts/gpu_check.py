@@ -258,7 +258,7 @@ def table_child(smoke: bool, out: Path, deadline: float) -> None:
 
 def run_child(kind: str, args, out: Path, timeout: float, cap: int, log) -> dict:
     """``--child kind`` as a subprocess capped at ``timeout`` seconds (the parent's hard limit)."""
-    from recipe.cli import subprocess_env
+    from recipe.processes import subprocess_env
 
     cmd = [sys.executable, str(Path(__file__).resolve()), "--child", kind, "--out", str(out), "--deadline",
            f"{time.time() + timeout:.1f}", "--wheels", str(args.wheels)] + (["--smoke"] if args.smoke else [])

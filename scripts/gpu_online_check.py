@@ -68,7 +68,7 @@ ESTIMATES_S = dict(
     data=10, data_cached=4,           # chaining and tokenising the conversations; later rows hit the cache
     compile=30, compile_cached=10,    # flex forward + backward compiles (first 4k step on the H200: 10.3 s)
     save=20,             # a checkpoint of the 8B-shaped draft: ~13 GB of files and their sha256 manifest
-    resume_load=15,      # manifest check, DeepSpeed's files and the layout change (recipe.train.reshard)
+    resume_load=15,      # manifest check, DeepSpeed's files and the layout change (recipe.lifecycle.reshard)
     export=5,
     draft_step_linear=1.92, draft_step_quadratic=0.89,  # draft step s at x = L / 32k: a·x + b·x² (H200 table)
     mlp_tile_factor=1.15,  # the MLP tiles' recompute

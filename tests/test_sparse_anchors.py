@@ -21,8 +21,8 @@ from helpers.tolerance import FP32_AFTER_ADAM, FP32_CURVE, FP32_REORDERED, max_r
 
 from recipe.config import KernelOptions
 from recipe.config_memory import MemoryOptions
-from recipe.model.sparse_anchors import AUTO_SPARSE_SHARE, anchor_sets, needed_share, needed_steps, sparse_pays
 from recipe.model import ttt_steps
+from recipe.model.sparse_anchors import AUTO_SPARSE_SHARE, anchor_sets, needed_share, needed_steps, sparse_pays
 from recipe.model.ttt import TTTBatch, TTTModel
 from recipe.parallel.parallelize import parallelize
 
