@@ -27,7 +27,7 @@ assets: setup
 test: setup
 	$(BIN)/python -m pytest -q --durations=40 tests
 
-# The CPU demo, or where the venv's torch sees CUDA the GPU-sized one (python -m recipe.bench demo-gpu, about nine
+# The CPU demo, or where the venv's torch sees CUDA the GPU-sized one (python -m recipe.experiments demo-gpu, about nine
 # minutes of one GPU); DEMO_SCALE=cpu or DEMO_SCALE=gpu picks one (recipe.demo.demo_scale).
 demo: setup
 	$(BIN)/python -m recipe.demo

@@ -8,16 +8,16 @@ machines).
 
 Exit codes: 0 finished; 2 bad input or configuration (``error (rank N): ...`` names the file, line or field, no
 traceback; argparse errors also exit 2), or a step out of accelerator memory (the message names the step, the
-length, the rank's memory and the switches to try, ``recipe.train.oom``), or flex attention that would run uncompiled
+length, the rank's memory and the switches to try, ``recipe.lifecycle.oom``), or flex attention that would run uncompiled
 on CUDA (``kernels.flex_attention.FlexCompileError``); 75
-(``recipe.train.signals.EXIT_INTERRUPTED``) interrupted by SIGTERM/SIGINT (or the launcher's death) after a checkpoint
+(``recipe.lifecycle.signals.EXIT_INTERRUPTED``) interrupted by SIGTERM/SIGINT (or the launcher's death) after a checkpoint
 of the last completed step was saved, rank 0 wrote ``OUTPUT/INTERRUPTED`` (continue with ``--resume``; the
 ``deepspeed`` launcher passes 75 on only when the ranks were signalled, docs/training.md "Interruption, resume and exit
 codes"); 74 (``recipe.io_errors.EXIT_WRITE_FAILED``, sysexits EX_IOERR) the run
 is not complete because its output could not be written (a checkpoint, ``metrics.jsonl``, monitor files or the
 export: disk full, I/O error, permission; ``error (rank N): ...`` names the path and the cause; the final save and
 the export were each retried once); ``checkpoints/latest`` still names the last complete checkpoint, continue with
-``--resume`` once there is room; 76 (``recipe.train.watch.EXIT_HUNG``) no step, checkpoint or validation finished
+``--resume`` once there is room; 76 (``recipe.lifecycle.watch.EXIT_HUNG``) no step, checkpoint or validation finished
 within ``--hang-timeout-minutes``: every rank wrote its Python stacks to ``OUTPUT/hang-rank-R.txt``, nothing was
 saved, ``checkpoints/latest`` is the resume point; 128+signum when a second signal, 2 s or more after the first,
 forced an immediate exit. ``RECIPE_DEBUG=1`` re-raises errors with their traceback.
@@ -29,19 +29,19 @@ import os
 import sys
 from pathlib import Path
 
-from recipe.cli import parse_args
 from recipe.config import load_sections
 from recipe.config_keys import ConfigError
 from recipe.io_errors import EXIT_WRITE_FAILED, WriteError
-from recipe.train.signals import EXIT_INTERRUPTED, StopRequest, clear_interrupted, write_interrupted
-from recipe.train.watch import group_timeout
+from recipe.lifecycle.signals import EXIT_INTERRUPTED, StopRequest, clear_interrupted, write_interrupted
+from recipe.lifecycle.watch import group_timeout
+from recipe.train.flags import parse_args
 
 
 def mark_interrupted(output: Path, stop, console) -> None:
     """Write ``OUTPUT/INTERRUPTED`` naming the checkpoint ``checkpoints/latest`` points at (rank 0, after an
-    interrupted run saved it; ``recipe.train.signals.write_interrupted``). A failed write only warns: the checkpoint
+    interrupted run saved it; ``recipe.lifecycle.signals.write_interrupted``). A failed write only warns: the checkpoint
     is saved and the exit code still says so."""
-    from recipe.train.checkpoint import RUN_STATE, latest_tag  # import cost: torch, DeepSpeed (see main)
+    from recipe.lifecycle.checkpoint import RUN_STATE, latest_tag  # import cost: torch, DeepSpeed (see main)
 
     try:
         tag = latest_tag(output / "checkpoints")
@@ -56,11 +56,11 @@ def mark_interrupted(output: Path, stop, console) -> None:
 
 def launch_rank() -> int:
     """This process's global rank before ``init_distributed``: the group's when one is up, else the launcher's
-    variables' (``recipe.train.distributed.launcher_ranks``), 0 when they do not describe a world."""
+    variables' (``recipe.lifecycle.distributed.launcher_ranks``), 0 when they do not describe a world."""
     # import cost: torch (see main)
     import torch.distributed as dist
 
-    from recipe.train.distributed import launcher_ranks  # import cost: pulls in torch
+    from recipe.lifecycle.distributed import launcher_ranks  # import cost: pulls in torch
 
     if dist.is_initialized():
         return dist.get_rank()
@@ -122,7 +122,7 @@ def _compile_lines(console) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     # import cost: torch, DeepSpeed and transformers load only from here, so --help and flag errors answer without them
-    from recipe.train.distributed import default_cuda_alloc_conf
+    from recipe.lifecycle.distributed import default_cuda_alloc_conf
 
     default_cuda_alloc_conf()  # expandable segments on CUDA unless the user set the allocator (before any allocation)
 
@@ -132,9 +132,9 @@ def main(argv: list[str] | None = None) -> int:
     from rich.markup import escape  # import cost: rich
 
     from kernels.compile_policy import CompileError  # import cost: pulls in torch
-    from recipe.train.checkpoint import CheckpointError  # import cost: pulls in torch
-    from recipe.train.distributed import close_process_group, init_distributed, release_shm_buffer  # import cost: torch
-    from recipe.train.oom import StepOutOfMemory  # import cost: pulls in torch
+    from recipe.lifecycle.checkpoint import CheckpointError  # import cost: pulls in torch
+    from recipe.lifecycle.distributed import close_process_group, init_distributed, release_shm_buffer  # import cost: torch
+    from recipe.lifecycle.oom import StepOutOfMemory  # import cost: pulls in torch
 
     console = Console(stderr=True)
     try:  # the JSON parsed once, before the process group is up: every rank names a bad file, key or section
@@ -146,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         device, owns_group = init_distributed(group_timeout(args.hang_timeout_minutes))
-    except ValueError as exc:  # the launcher's variables do not describe a world (recipe.train.distributed)
+    except ValueError as exc:  # the launcher's variables do not describe a world (recipe.lifecycle.distributed)
         if os.environ.get("RECIPE_DEBUG"):
             raise
         console.print(f"[bold red]error[/bold red]: {escape(str(exc))}")

@@ -1,4 +1,4 @@
-"""The DeepSpeed JSON of a training run (the flags of ``run.py`` are ``recipe.cli``).
+"""The DeepSpeed JSON of a training run (the flags of ``run.py`` are ``recipe.train.flags``).
 
 :func:`load_sections` reads the JSON once and parses each of our sections into its one typed object, which holds
 the section's defaults and its validation (``parallelism``: ``recipe.parallel.dims.ParallelismOptions``, ``memory``:

@@ -20,8 +20,8 @@ random draft does not propose the target's greedy token, so its τ is 1. The def
 on 2 CPU cores, setup and the long-context rows included (docs/results/demo_cpu.md).
 
 Scale (``cli``): with ``DEMO_SCALE=gpu``, or ``DEMO_SCALE`` unset and a CUDA device, ``python -m recipe.demo`` hands
-its flags to ``python -m recipe.bench demo-gpu`` (the demo at GPU scale, ``recipe.bench.demo_gpu``); ``DEMO_SCALE=cpu``
-keeps this demo on a GPU machine. ``main`` is always the CPU demo (``recipe.bench data`` runs it per arm).
+its flags to ``python -m recipe.experiments demo-gpu`` (the demo at GPU scale, ``recipe.experiments.demo_gpu``); ``DEMO_SCALE=cpu``
+keeps this demo on a GPU machine. ``main`` is always the CPU demo (``recipe.experiments data`` runs it per arm).
 """
 from __future__ import annotations
 
@@ -37,16 +37,17 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
+from recipe.arg_types import context_length_list, positive_int_list
 from recipe.assets import prepare_assets
-from recipe.cli import context_length_list, positive_int_list, subprocess_env
 from recipe.data.store import HiddenStateStore
 from recipe.eval.by_length import evaluate, evaluate_by_length
 from recipe.eval.context import context_prompts, read_context_data
 from recipe.eval.prompts import read_prompts
 from recipe.eval.tree import add_tree_arguments, tree_from_args
+from recipe.lifecycle.distributed import free_port
 from recipe.plot import CURVES_FILE, plot_note
+from recipe.processes import subprocess_env
 from recipe.target.capture import load_tokenizer
-from recipe.train.distributed import free_port
 
 REPO = Path(__file__).resolve().parent.parent
 ANSWERS = ("sharegpt", "regenerated")
@@ -154,7 +155,7 @@ def stage_train(args, assets, store: Path | None, console: Console, data_args: l
 
     The samples are the hidden-state ``store`` (offline) or, with ``data_args`` (e.g. ``["--data", FILE,
     "--chain-conversations", "4k"]``), read and run through the target online; ``extra`` are more ``run.py`` flags
-    (``recipe.bench long_context``'s arms: ``--cp-size``, ``--init-draft``, ``--position-offset-max``)."""
+    (``recipe.experiments.long_context``'s arms: ``--cp-size``, ``--init-draft``, ``--position-offset-max``)."""
     export = args.output / "export"
     if (export / "config.json").is_file():
         console.print(f"train: {export} exists, skipped (delete it to retrain)")
@@ -179,7 +180,7 @@ def train_argv(args, assets, store: Path | None, data_args: list[str] | None = N
                extra: list[str] | tuple = ()) -> list[str]:
     """``run.py`` and its flags for :func:`stage_train` (writes ``OUTPUT/ds_config.json``): the samples are ``store``
     or ``data_args``, then ``extra``; ``--resume`` when ``OUTPUT`` holds a checkpoint, ``--overwrite`` when it holds
-    a run that stopped before its first one. ``recipe.bench demo-gpu`` launches the same argv itself (one GPU, a
+    a run that stopped before its first one. ``recipe.experiments demo-gpu`` launches the same argv itself (one GPU, a
     deadline)."""
     samples = data_args if data_args is not None else ["--hidden-states", str(store)]
     argv = ["run.py", "--ds_config", str(_ds_config(args)), "--target", str(assets.target), *samples,
@@ -366,7 +367,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 SCALES = ("cpu", "gpu")
-"""``DEMO_SCALE`` values: the CPU demo above, or the GPU-sized demo (``python -m recipe.bench demo-gpu``)."""
+"""``DEMO_SCALE`` values: the CPU demo above, or the GPU-sized demo (``python -m recipe.experiments demo-gpu``)."""
 
 
 def demo_scale(environ: dict | None = None) -> str:
@@ -381,7 +382,7 @@ def demo_scale(environ: dict | None = None) -> str:
 
 def cli(argv: list[str] | None = None) -> int:
     """``python -m recipe.demo``: :func:`main` at the CPU scale; at the GPU scale (:func:`demo_scale`) the flags go to
-    ``python -m recipe.bench demo-gpu`` in a process of its own (docs/results/demo_gpu.md)."""
+    ``python -m recipe.experiments demo-gpu`` in a process of its own (docs/results/demo_gpu.md)."""
     argv = sys.argv[1:] if argv is None else list(argv)
     try:
         scale = demo_scale()
@@ -389,7 +390,7 @@ def cli(argv: list[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     if scale == "gpu":
-        cmd = [sys.executable, "-m", "recipe.bench", "demo-gpu", *argv]
+        cmd = [sys.executable, "-m", "recipe.experiments", "demo-gpu", *argv]
         print(f"DEMO_SCALE gpu: $ {' '.join(cmd)}", flush=True)
         return subprocess.call(cmd, cwd=REPO)
     return main(argv)

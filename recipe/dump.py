@@ -30,16 +30,17 @@ import torch.distributed as dist
 from rich.console import Console
 from rich.table import Table
 
-from recipe.cli import add_data_arguments, check_data_arguments, int_list
+from recipe.arg_types import int_list
 from recipe.config import load_sections
 from recipe.config_keys import ConfigError
+from recipe.data.flags import add_data_arguments, check_data_arguments
 from recipe.data.store import DTYPES, HiddenStateStore, StoreMeta, examples_hash
 from recipe.data.store_writer import StoreWriter, shard_plan
+from recipe.lifecycle.distributed import cuda_device_index, launcher_environment
 from recipe.parallel.collectives import Collectives
 from recipe.target.head import validity_rows
 from recipe.target.options import TargetOptions
 from recipe.target.partition import build_target
-from recipe.train.distributed import cuda_device_index, launcher_environment
 
 
 @dataclass

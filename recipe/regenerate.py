@@ -45,9 +45,9 @@ from pathlib import Path
 
 import torch
 
-from recipe.cli import add_data_arguments, check_data_arguments
+from recipe.data.flags import add_data_arguments, check_data_arguments
 from recipe.jsonl import read_jsonl
-from recipe.train.distributed import launcher_ranks
+from recipe.lifecycle.distributed import launcher_ranks
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 

@@ -64,6 +64,7 @@ sys.path.insert(0, str(ROOT))
 
 from scripts.gpu_check_e2e import (E2E, PROVENANCE, e2e_commands, e2e_env, prepare_carry, provenance,  # noqa: E402
                                    run_e2e_stage, run_stage, skipped)
+from scripts.gpu_check_parts import import_stage, local_action, output_folder  # noqa: E402
 
 BUDGET_S = 540
 """Running time of one GPU check: a device call may run 600 s (the wheels' install and this process's own start
@@ -258,7 +259,7 @@ def table_child(smoke: bool, out: Path, deadline: float) -> None:
 
 def run_child(kind: str, args, out: Path, timeout: float, cap: int, log) -> dict:
     """``--child kind`` as a subprocess capped at ``timeout`` seconds (the parent's hard limit)."""
-    from recipe.cli import subprocess_env
+    from recipe.processes import subprocess_env
 
     cmd = [sys.executable, str(Path(__file__).resolve()), "--child", kind, "--out", str(out), "--deadline",
            f"{time.time() + timeout:.1f}", "--wheels", str(args.wheels)] + (["--smoke"] if args.smoke else [])
@@ -341,23 +342,14 @@ def run_check(args, parts: list[str], out: Path) -> dict:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     parts = [p.strip() for p in args.parts.split(",") if p.strip()]
-    if args.dry_run:
-        dry_run(args.smoke)
-        return 0
-    if args.prepare:
-        print(f"wrote {prepare_carry(args.prepare, E2E['gpu']['conversations'], E2E['gpu']['prompts'])}")
-        return 0
-    if args.collect:
-        print(f"wrote {collect(args.collect)}")
-        return 0
-    if args.plan_rows:
-        print(f"wrote {write_plan_rows()}")
-        return 0
-    out = args.out or Path(os.environ.get("OUT") or "gpu_check_out")
-    out.mkdir(parents=True, exist_ok=True)
+    done = local_action(args, {"dry_run": lambda _: dry_run(args.smoke) or 0,
+                               "prepare": lambda folder: prepare_carry(folder, E2E["gpu"]["conversations"],
+                                                                       E2E["gpu"]["prompts"]),
+                               "collect": collect, "plan_rows": lambda _: write_plan_rows()})
+    if done is not None:
+        return done
+    out = output_folder(args, "gpu_check_out")
     if args.child == "imports":
-        from scripts.gpu_check_parts import import_stage
-
         return import_stage(args.wheels, out, need_cuda=not args.smoke)
     if args.child == "table":
         table_child(args.smoke, out, args.deadline or time.time() + stage_caps()["table"])

@@ -192,8 +192,8 @@ def run_e2e_stage(name: str, ctx: dict) -> dict:
 
 
 def e2e_env(smoke: bool) -> dict:
-    """The e2e stages' environment: ``recipe.cli.subprocess_env`` without a launcher's rank variables, wide rich."""
-    from recipe.cli import subprocess_env
+    """The e2e stages' environment: ``recipe.processes.subprocess_env`` without a launcher's rank variables, wide rich."""
+    from recipe.processes import subprocess_env
 
     env = subprocess_env(2 if smoke else 1)
     for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):

@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import json
+import os
 import pkgutil
 import sys
 import time
@@ -241,3 +242,28 @@ def _one_row(model, spec, device, random_batch, time_step) -> dict:
         torch.cuda.empty_cache()
     row["seconds_wall"] = round(time.monotonic() - t0, 1)
     return row
+
+
+def local_action(args, actions: dict) -> int | None:
+    """The CPU-side modes every GPU script shares (``--dry-run``, ``--prepare``, ``--collect``, ``--plan-rows``):
+    ``actions`` maps a flag's attribute name to a callable of its value that returns the exit code (an int) or what
+    it wrote (a path, a list of paths, printed as ``wrote PATH``; exit 0). The first flag that is set runs; None
+    when none is (the device run goes on)."""
+    for flag, action in actions.items():
+        value = getattr(args, flag, None)
+        if not value:
+            continue
+        result = action(value)
+        if isinstance(result, int):
+            return result
+        for path in result if isinstance(result, (list, tuple)) else [result]:
+            print(f"wrote {path}")
+        return 0
+    return None
+
+
+def output_folder(args, default: str) -> Path:
+    """The device run's output folder: ``--out``, else ``$OUT``, else ``default``; created."""
+    out = args.out or Path(os.environ.get("OUT") or default)
+    out.mkdir(parents=True, exist_ok=True)
+    return out

@@ -1,4 +1,4 @@
-"""The GPU-sized demo (``python -m recipe.bench demo-gpu``, what ``make demo`` runs on a GPU machine) in ONE device
+"""The GPU-sized demo (``python -m recipe.experiments demo-gpu``, what ``make demo`` runs on a GPU machine) in ONE device
 call of at most 540 s, with the real SmolLM2 target and all shipped conversations carried from here.
 
     python scripts/gpu_demo.py --prepare            # here: .gpu_demo_stage/ and .gpu_demo/, both calls' sizes checked
@@ -23,7 +23,7 @@ Stages of call 2, each with a deadline from ``ESTIMATES_S`` within ``BUDGET_S`` 
 stage and stage runner): ``imports``, ``unpack``, ``convert``, then ``demo`` with ``--budget`` = what is left
 (``OUT/gpu_demo.json`` records them; the demo writes ``OUT/demo_gpu.json`` after each of its own stages, so a call
 stopped at its limit still brings back what it did). ``--collect`` joins the two JSONs into
-docs/results/demo_gpu.json and writes the page (``recipe.bench.demo_gpu_page``) and the plots beside it.
+docs/results/demo_gpu.json and writes the page (``recipe.experiments.demo_gpu_page``) and the plots beside it.
 """
 from __future__ import annotations
 
@@ -290,7 +290,7 @@ def run_call(args, out: Path, work: Path) -> dict:
     if not (target / "config.json").is_file():
         return report
     budget = BUDGET_S * f - (time.monotonic() - start) - est["demo_start"] - est["margin"]
-    demo = [py, "-m", "recipe.bench", "demo-gpu", "--target", str(target), "--data", files["conversations"],
+    demo = [py, "-m", "recipe.experiments", "demo-gpu", "--target", str(target), "--data", files["conversations"],
             "--prompts", str(args.assets / PROMPTS), "--output", str(work / "demo"), "--budget", f"{budget:.0f}",
             "--json", str(out / "demo_gpu.json")] + (["--tiny"] if args.tiny else [])
     report["stages"].append(stream_stage("demo", demo, env, budget + est["demo_start"] + est["margin"] / 2,
@@ -300,7 +300,7 @@ def run_call(args, out: Path, work: Path) -> dict:
 
 
 def dry_run() -> None:
-    from recipe.bench.demo_gpu_plan import GPU, plan, plan_lines  # import cost: torch (the FLOP model)
+    from recipe.experiments.demo_gpu_plan import GPU, plan, plan_lines  # import cost: torch (the FLOP model)
 
     total = 0
     print(f"gpu_demo call 2 (budget {BUDGET_S} s; estimates, not measurements)")
@@ -311,7 +311,7 @@ def dry_run() -> None:
     print(f"{'demo':<8} est {ESTIMATES_S['demo_start']:>5} s  deadline {total:>5} s  (the process's start)")
     budget = BUDGET_S - total - ESTIMATES_S["margin"]
     p = plan(GPU, budget, with_assets=False)
-    print(f"demo     budget {budget} s (python -m recipe.bench demo-gpu --budget {budget}), its stages from its start:")
+    print(f"demo     budget {budget} s (python -m recipe.experiments demo-gpu --budget {budget}), its stages from its start:")
     print("\n".join("  " + line for line in plan_lines(p, GPU)))
     end = total + max(s["deadline"] for s in p["stages"].values())
     print(f"total    deadline {end:.0f} s of the call (budget {BUDGET_S} s; the call's outer timeout 575 s)")
@@ -320,8 +320,8 @@ def dry_run() -> None:
 def collect(src: Path) -> list[Path]:
     """docs/results/demo_gpu.json (the demo's JSON with the call's stages and provenance under ``call``), its plots
     and docs/results/demo_gpu.md."""
-    from recipe.bench.demo_gpu_page import page_markdown  # import cost: torch (recipe.bench)
-    from recipe.bench.demo_gpu_report import write_outputs
+    from recipe.experiments.demo_gpu_page import page_markdown  # import cost: torch (recipe.experiments)
+    from recipe.experiments.demo_gpu_report import write_outputs
 
     result = json.loads((src / "demo_gpu.json").read_text())
     call = src / "gpu_demo.json"

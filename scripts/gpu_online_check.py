@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
 import sys
 import tempfile
@@ -53,6 +52,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from scripts.gpu_check_e2e import e2e_env, prepare_carry, random_export, run_stage, skipped  # noqa: E402
+from scripts.gpu_check_parts import import_stage, local_action, output_folder  # noqa: E402
 from scripts.gpu_online_rows import (ROW, ROWS, Row, eval_length_record, fitting, gpu_key,  # noqa: E402
                                      read_metrics, resume_continuity, row_argv, row_ds_config, row_estimate,
                                      row_length, row_record, run_row_child, target_forward_flops)
@@ -68,7 +68,7 @@ ESTIMATES_S = dict(
     data=10, data_cached=4,           # chaining and tokenising the conversations; later rows hit the cache
     compile=30, compile_cached=10,    # flex forward + backward compiles (first 4k step on the H200: 10.3 s)
     save=20,             # a checkpoint of the 8B-shaped draft: ~13 GB of files and their sha256 manifest
-    resume_load=15,      # manifest check, DeepSpeed's files and the layout change (recipe.train.reshard)
+    resume_load=15,      # manifest check, DeepSpeed's files and the layout change (recipe.lifecycle.reshard)
     export=5,
     draft_step_linear=1.92, draft_step_quadratic=0.89,  # draft step s at x = L / 32k: a·x + b·x² (H200 table)
     mlp_tile_factor=1.15,  # the MLP tiles' recompute
@@ -369,23 +369,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"gpu_online_check: --rows: unknown {sorted(unknown)}; choose from {[*ROW, 'eval']}", file=sys.stderr)
         return 2
     rows = [r for r in ROWS if r.name in args.stages]
-    if args.dry_run:
-        dry_run(rows, args.gpu, args.smoke)
-        return 0
-    if args.prepare:
-        print(f"wrote {prepare(args.prepare)}")
-        return 0
-    if args.plan_rows:
-        print(f"wrote {write_plan_rows()}")
-        return 0
-    if args.collect:
-        print(f"wrote {collect(args.collect)}")
-        return 0
-    out = args.out or Path(os.environ.get("OUT") or "gpu_online_check_out")
-    out.mkdir(parents=True, exist_ok=True)
+    done = local_action(args, {"dry_run": lambda _: dry_run(rows, args.gpu, args.smoke) or 0, "prepare": prepare,
+                               "plan_rows": lambda _: write_plan_rows(), "collect": collect})
+    if done is not None:
+        return done
+    out = output_folder(args, "gpu_online_check_out")
     if args.child == "imports":
-        from scripts.gpu_check_parts import import_stage
-
         return import_stage(args.wheels, out, need_cuda=not args.smoke)
     if args.child == "row":
         (out / "rows").mkdir(exist_ok=True)

@@ -50,7 +50,7 @@ ROWS = (
     Row("longest_zero1_mlp", "longest", "zero1_bf16.json", 2, mlp_tile=4096),
 )
 """In running order. ``8k_zero3_resume`` continues ``8k_zero1`` from its step-2 checkpoint under ZeRO-3 (a layout
-change: ``recipe.train.reshard``); its step 3 is compared with the straight run's step 3."""
+change: ``recipe.lifecycle.reshard``); its step 3 is compared with the straight run's step 3."""
 ROW = {r.name: r for r in ROWS}
 SMOKE_LENGTHS = {8192: 128, 32768: 256, 131072: 384, "longest": 512}
 SMOKE_MLP_TILE = 64
@@ -175,7 +175,7 @@ def run_row_child(argv: list[str], out: Path) -> int:
     ``device_used_max`` / ``outside_allocator_max``, the data report's ``samples`` / ``longest`` / ``truncated``
     and the device name. Returns run.main's exit code."""
     sys.path.insert(0, str(ROOT))
-    from recipe.train.distributed import default_cuda_alloc_conf
+    from recipe.lifecycle.distributed import default_cuda_alloc_conf
 
     default_cuda_alloc_conf()
     import torch

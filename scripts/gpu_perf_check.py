@@ -40,6 +40,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from scripts.gpu_check_e2e import PROVENANCE, e2e_env, provenance, run_stage, skipped  # noqa: E402
+from scripts.gpu_check_parts import import_stage, local_action, output_folder  # noqa: E402
 from scripts.gpu_online_rows import gpu_key  # noqa: E402
 from scripts.gpu_perf_rows import (BUDGET_S, ESTIMATES_S, PLAN_FILE, ROW, ROWS, auto_switches, bench_spec,  # noqa: E402
                                    flipped, plan_key, row_estimate, row_length, step_seconds)
@@ -306,30 +307,30 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _plan_rows(_) -> Path:
+    from scripts.gpu_perf_rows import write_plan_rows  # import cost: the planner (torch)
+
+    return write_plan_rows()
+
+
+def _collect(folder: Path, results_dir: Path) -> list[Path]:
+    from scripts.gpu_perf_report import collect  # import cost: the report's page builder
+
+    return collect(folder, results_dir)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     unknown = [n for n in args.rows.split(",") if n not in ROW]
     if unknown:
         print(f"gpu_perf_check: --rows: unknown {unknown}; choose from {list(ROW)}", file=sys.stderr)
         return 2
-    if args.dry_run:
-        return dry_run(args.gpu)
-    if args.plan_rows:
-        from scripts.gpu_perf_rows import write_plan_rows
-
-        print(f"wrote {write_plan_rows()}")
-        return 0
-    if args.collect:
-        from scripts.gpu_perf_report import collect
-
-        for path in collect(args.collect, args.results_dir):
-            print(f"wrote {path}")
-        return 0
-    out = args.out or Path(os.environ.get("OUT") or "gpu_perf_check_out")
-    out.mkdir(parents=True, exist_ok=True)
+    done = local_action(args, {"dry_run": lambda _: dry_run(args.gpu), "plan_rows": _plan_rows,
+                               "collect": lambda folder: _collect(folder, args.results_dir)})
+    if done is not None:
+        return done
+    out = output_folder(args, "gpu_perf_check_out")
     if args.child == "imports":
-        from scripts.gpu_check_parts import import_stage
-
         return import_stage(args.wheels, out, need_cuda=not args.smoke)
     if args.child == "rows":
         return run_rows_child(args, out)

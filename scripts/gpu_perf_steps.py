@@ -32,8 +32,8 @@ def _sync(device: torch.device) -> None:
 
 
 def init_process_group(device_type: str) -> None:
-    """One rank of its own (``recipe.train.distributed.init_distributed``: NCCL on CUDA, gloo on the CPU)."""
-    from recipe.train.distributed import free_port, init_distributed
+    """One rank of its own (``recipe.lifecycle.distributed.init_distributed``: NCCL on CUDA, gloo on the CPU)."""
+    from recipe.lifecycle.distributed import free_port, init_distributed
 
     os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=os.environ.get("MASTER_PORT") or str(free_port()))

@@ -20,7 +20,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 def pytest_sessionstart(session):
     """A build of DeepSpeed's CPU comm op killed in an earlier session (a timeout, Ctrl-C) leaves torch's build lock
     behind, and every test that sets up DeepSpeed would wait on it forever: remove such a stale lock first."""
-    from recipe.train.distributed import clear_stale_build_locks
+    from recipe.lifecycle.distributed import clear_stale_build_locks
 
     clear_stale_build_locks()
 

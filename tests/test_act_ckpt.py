@@ -10,6 +10,7 @@ from helpers.cases import assert_same_run, build_case, model_pair, run_model, ze
 from helpers.ranks import run_ranks
 from kernels.ring_attention import make_ring_causal_attention
 from kernels.ttt_attention import TTTKVCache
+from recipe.model.step_checkpoint import checkpointed_step
 from recipe.model.ttt import TTTModel
 from helpers.tp_reference import zigzag_unsplit
 from helpers.tolerance import FP32_AFTER_ADAM, FP32_REORDERED, max_rel, within
@@ -75,13 +76,12 @@ def test_no_grad_forward_skips_checkpointing_and_matches():
 
 def test_checkpointed_step_extends_the_callers_cache():
     draft, head_VH, batch = build_case(seed=4, K=2)
-    model = TTTModel(draft, head_VH, checkpoint_steps=True)
     hidden = draft.project_aux(batch.aux_hidden_BSA)
-    hidden, cache = model._checkpointed_step(hidden, batch.input_ids_KBS[0], batch.position_ids_BS,
-                                             batch.key_valid_BS, None)
+    hidden, cache = checkpointed_step(draft, hidden, batch.input_ids_KBS[0], batch.position_ids_BS,
+                                      batch.key_valid_BS, None)
     assert isinstance(cache, TTTKVCache) and cache.num_steps == 1 and cache.block[2] is batch.position_ids_BS
-    same, cache = model._checkpointed_step(hidden, batch.input_ids_KBS[1], batch.position_ids_BS,
-                                           batch.key_valid_BS, cache)
+    same, cache = checkpointed_step(draft, hidden, batch.input_ids_KBS[1], batch.position_ids_BS,
+                                    batch.key_valid_BS, cache)
     assert cache.num_steps == 2 and len(cache.diag_k) == 1 and same.shape == hidden.shape
 
 

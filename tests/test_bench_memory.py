@@ -9,11 +9,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from recipe.arg_types import parse_length
 from recipe.bench import memory
-from recipe.cli import parse_length
 from recipe.bench.measure import build_model, random_batch, time_step
-from recipe.plan.spec import BenchSpec
 from recipe.plan import predict_step
+from recipe.plan.spec import BenchSpec
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -11,9 +11,9 @@ import torch
 
 from helpers.ranks import run_ranks
 from recipe.export import LATEST
-from recipe.train import checkpoint as ckpt
-from recipe.train.manifest import MANIFEST, manifest_dict
-from recipe.train.rng_state import rng_state, set_rng_state
+from recipe.lifecycle import checkpoint as ckpt
+from recipe.lifecycle.manifest import MANIFEST, manifest_dict
+from recipe.lifecycle.rng_state import rng_state, set_rng_state
 
 
 def _complete(root, step):

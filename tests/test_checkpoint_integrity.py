@@ -29,10 +29,10 @@ from helpers.ranks import run_ranks
 from helpers.training import train_argv, write_ds_config
 from recipe.export import LATEST
 from recipe.io_errors import EXIT_WRITE_FAILED
-from recipe.train import checkpoint as ckpt
-from recipe.train.manifest import MANIFEST, manifest_dict, verify
-from recipe.train.rng_state import RNG_FORMAT, load_rng_file, rng_file, rng_state, save_rng_file, set_rng_state
-from recipe.train.signals import EXIT_INTERRUPTED
+from recipe.lifecycle import checkpoint as ckpt
+from recipe.lifecycle.manifest import MANIFEST, manifest_dict, verify
+from recipe.lifecycle.rng_state import RNG_FORMAT, load_rng_file, rng_file, rng_state, save_rng_file, set_rng_state
+from recipe.lifecycle.signals import EXIT_INTERRUPTED
 
 STEPS = 12
 WIDE = {"COLUMNS": "4000"}  # rich wraps the error line at the terminal width; these paths are long

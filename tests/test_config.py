@@ -4,8 +4,8 @@ import pytest
 from helpers.training import write_ds_config
 
 from recipe.config import BatchPlan, KernelOptions, load_run_config, resolve_batch, resolve_scheduler
-from recipe.config_memory import MemoryOptions
 from recipe.config_keys import ConfigError, deepspeed_top_level_keys
+from recipe.config_memory import MemoryOptions
 from recipe.parallel.dims import ParallelDims
 
 
@@ -217,7 +217,7 @@ def test_deepspeed_layout_keys_are_refused_naming_our_cp_size(tmp_path, key):
 
 def test_run_py_refuses_sequence_parallel_size_before_any_work(tmp_path, monkeypatch, capsys):
     """run.py answers before the process group (or anything else) is started: init_distributed is never called."""
-    import recipe.train.distributed as distributed
+    import recipe.lifecycle.distributed as distributed
     from run import main
 
     def no_world(*args, **kwargs):

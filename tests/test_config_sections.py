@@ -12,7 +12,6 @@ from helpers.training import write_ds_config
 
 import recipe.config
 from kernels.registry import DEFAULT_SEQUENCE_PARALLEL
-from recipe.cli import parse_args
 from recipe.config import KernelOptions, RunSections, load_sections
 from recipe.config_data import DataOptions
 from recipe.config_keys import ConfigError
@@ -21,6 +20,7 @@ from recipe.parallel.dims import ParallelDims, ParallelismOptions
 from recipe.plan import PlanError, load_inputs
 from recipe.plan.spec import BenchSpec, planned_sparse, spec_for_memory, spec_memory
 from recipe.target.options import TargetOptions
+from recipe.train.flags import parse_args
 from recipe.train.setup import run_config
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -1,5 +1,5 @@
 """recipe.demo pieces that run without training (the DeepSpeed JSON, the regeneration command, the evaluation stage
-on the real target with a random export) and ``python -m recipe.bench data``'s arm parsing and rows."""
+on the real target with a random export) and ``python -m recipe.experiments data``'s arm parsing and rows."""
 from __future__ import annotations
 
 import json
@@ -10,7 +10,7 @@ from rich.console import Console
 from transformers import AutoConfig
 
 from recipe import demo
-from recipe.bench import data as bench_data
+from recipe.experiments import data as bench_data
 from recipe.export import export_tensors, write_export
 from recipe.model.draft import Eagle3Draft
 from recipe.target.registry import draft_config_for

@@ -1,4 +1,4 @@
-"""The GPU-sized demo (``python -m recipe.bench demo-gpu``, ``make demo`` on a GPU) on the CPU: its plan fits one
+"""The GPU-sized demo (``python -m recipe.experiments demo-gpu``, ``make demo`` on a GPU) on the CPU: its plan fits one
 device call and is what ``--dry-run`` prints, ``DEMO_SCALE`` picks the scale, chunks of one context length merge into
 the entry of one run, the page quotes its JSON, the device call's carried parts join back byte for byte, and (slow)
 every stage at the tiny scale through run.py and recipe.eval, then the results page made from that run's JSON."""
@@ -17,13 +17,13 @@ from safetensors.torch import load_file
 
 from helpers.training import ROOT
 from recipe import demo
-from recipe.bench import demo_gpu
-from recipe.bench.demo_gpu_page import page_markdown
-from recipe.bench.demo_gpu_plan import ESTIMATES_S, GPU, TINY, eval_jobs, plan, step_seconds
-from recipe.bench.demo_gpu_report import mtbench_section, section
 from recipe.eval.context import ContextPrompt
 from recipe.eval.length_report import length_entry, merge_entries
 from recipe.eval.speculative import Generation
+from recipe.experiments import demo_gpu
+from recipe.experiments.demo_gpu_page import page_markdown
+from recipe.experiments.demo_gpu_plan import ESTIMATES_S, GPU, TINY, eval_jobs, plan, step_seconds
+from recipe.experiments.demo_gpu_report import mtbench_section, section
 
 sys.path.insert(0, str(ROOT / "tests"))
 import test_docs  # noqa: E402  (the docs check's table reader)
@@ -102,7 +102,7 @@ def test_demo_scale_from_the_environment_or_cuda(monkeypatch):
     monkeypatch.setattr(demo, "main", lambda argv: calls.append(("cpu", argv)) or 0)
     monkeypatch.setenv("DEMO_SCALE", "gpu")
     assert demo.cli(["--budget", "300"]) == 0
-    assert calls[-1][1:] == ["-m", "recipe.bench", "demo-gpu", "--budget", "300"]
+    assert calls[-1][1:] == ["-m", "recipe.experiments", "demo-gpu", "--budget", "300"]
     monkeypatch.setenv("DEMO_SCALE", "cpu")
     assert demo.cli(["--epochs", "1"]) == 0 and calls[-1] == ("cpu", ["--epochs", "1"])
     monkeypatch.setenv("DEMO_SCALE", "tpu")
@@ -261,7 +261,7 @@ def test_a_run_past_its_deadline_is_stopped_then_killed(tmp_path):
         return demo_gpu.run_until(cmd, demo_gpu.run_env(1, False), time.monotonic() + seconds, 3, tmp_path / "log")
 
     assert run("sys.exit(0)", 30) == (0, False)
-    # run.py's answer to SIGTERM: a checkpoint, then exit 75 (recipe.train.signals.EXIT_INTERRUPTED)
+    # run.py's answer to SIGTERM: a checkpoint, then exit 75 (recipe.lifecycle.signals.EXIT_INTERRUPTED)
     assert run("signal.signal(signal.SIGTERM, lambda *a: sys.exit(75))\ntime.sleep(60)", 1) == (75, True)
     start = time.monotonic()
     assert run("signal.signal(signal.SIGTERM, signal.SIG_IGN)\ntime.sleep(60)", 1) == (-9, True)  # after grace

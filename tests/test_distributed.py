@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from recipe.train.distributed import (EXPANDABLE_SEGMENTS, clear_stale_build_locks, default_cuda_alloc_conf,
+from recipe.lifecycle.distributed import (EXPANDABLE_SEGMENTS, clear_stale_build_locks, default_cuda_alloc_conf,
                                       free_port, launcher_environment, release_shm_buffer)
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -77,7 +77,7 @@ def test_plain_python_is_one_process_on_a_free_local_port(env):
 
 
 def test_a_task_that_sees_one_gpu_uses_it_whatever_its_local_rank():
-    from recipe.train.distributed import cuda_device_index
+    from recipe.lifecycle.distributed import cuda_device_index
 
     assert [cuda_device_index(r, 8) for r in range(8)] == list(range(8))
     assert cuda_device_index(5, 1) == 0  # srun --gpus-per-task=1
@@ -144,7 +144,7 @@ def test_inconsistent_launcher_variables_are_a_clear_value_error(env, message):
 
 _RANK_SCRIPT = """
 import torch, torch.distributed as dist
-from recipe.train.distributed import init_distributed, release_shm_buffer
+from recipe.lifecycle.distributed import init_distributed, release_shm_buffer
 device, created = init_distributed()
 total = torch.tensor([float(dist.get_rank() + 1)])
 dist.all_reduce(total)

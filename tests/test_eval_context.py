@@ -10,7 +10,7 @@ import pytest
 import torch
 from helpers.tiny_draft import target_and_draft
 
-from recipe.cli import context_length_list
+from recipe.arg_types import context_length_list
 from recipe.eval.by_length import evaluate_by_length
 from recipe.eval.context import (
     ABOUT_CONTEXT_REQUESTS,

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from helpers.ranks import run_ranks
-from recipe.cli import parse_args
+from recipe.train.flags import parse_args
 from helpers.faults import Job, run_jobs
 from helpers.training import train_argv, write_ds_config
 

@@ -84,7 +84,7 @@ def test_frozen_lm_head_tp2_zero3_matches_single_process(runs):
 
 
 def test_freeze_needs_a_target_initialised_head(capsys):
-    from recipe.cli import parse_args
+    from recipe.train.flags import parse_args
 
     base = ["--ds_config", "c.json", "--target", "t", "--hidden-states", "s", "--output", "o", "--freeze-lm-head"]
     with pytest.raises(SystemExit):
@@ -95,7 +95,7 @@ def test_freeze_needs_a_target_initialised_head(capsys):
 
 
 def test_resume_refuses_a_different_freeze_setting(tmp_path):
-    from recipe.train.resume_checks import check_compatible
+    from recipe.lifecycle.resume_checks import check_compatible
 
     state = {"world_size": 1, "tp": 1, "cp": 1, "dp": 1, "global_batch": 4, "zero_stage": 0, "data_fingerprint": "x",
              "ttt_steps": 3, "draft_vocab_size": 64, "aux_layer_ids": [1, 2, 3], "max_length": 64, "seed": 0}

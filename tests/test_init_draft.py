@@ -145,7 +145,7 @@ def test_resume_takes_only_the_draft_the_run_started_from(tiny_target, export, t
 
 
 def test_cli_draft_vocab_default_is_the_drafts_with_init_draft():
-    from recipe.cli import DEFAULT_DRAFT_VOCAB, parse_args
+    from recipe.train.flags import DEFAULT_DRAFT_VOCAB, parse_args
 
     base = ["--ds_config", "c.json", "--target", "t", "--hidden-states", "s", "--output", "o"]
     assert parse_args(base).draft_vocab_size == DEFAULT_DRAFT_VOCAB

@@ -31,8 +31,8 @@ from helpers.faults import Job, run_jobs, same_curve
 from helpers.ranks import run_ranks
 from helpers.training import ROOT, train_argv, write_ds_config
 from recipe.export import LATEST
-from recipe.train.distributed import free_port
-from recipe.train.signals import EXIT_INTERRUPTED, INTERRUPTED_FILE
+from recipe.lifecycle.distributed import free_port
+from recipe.lifecycle.signals import EXIT_INTERRUPTED, INTERRUPTED_FILE
 
 psutil = pytest.importorskip("psutil")
 

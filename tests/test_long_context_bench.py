@@ -1,4 +1,4 @@
-"""``python -m recipe.bench long-context``: the arms' training flags (stages stubbed, nothing trained), the evaluation
+"""``python -m recipe.experiments long-context``: the arms' training flags (stages stubbed, nothing trained), the evaluation
 commands (every arm's draft in one ``recipe.eval`` run, windows as ``DIR@W``), and the report built from a
 ``recipe.eval --context-lengths`` JSON."""
 from __future__ import annotations
@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from recipe.bench import long_context as lc
-from recipe.bench.long_context_report import (arm_summary, length_rows, paired_rows, paired_table, plot_report,
+from recipe.experiments import long_context as lc
+from recipe.experiments.long_context_report import (arm_summary, length_rows, paired_rows, paired_table, plot_report,
                                               report, report_table)
 from recipe.eval.report import paired_tau_difference
 

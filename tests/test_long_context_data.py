@@ -200,8 +200,8 @@ def test_real_sharegpt_rows_warn_at_128k_and_chain(tokenizer, assets, tmp_path):
 
 
 def test_chain_flag_is_parsed_with_the_length_syntax(capsys):
-    from recipe.cli import parse_args
     from recipe.dump import _parse
+    from recipe.train.flags import parse_args
 
     args = parse_args(["--ds_config", "x.json", "--target", "t", "--output", "o", "--data", "d.jsonl",
                        "--chain-conversations", "32k"])

@@ -201,7 +201,7 @@ def _draft_config(**changes):
 
 def test_resume_check_of_older_checkpoints(tmp_path):
     from recipe.export import DRAFT_CONFIG_FILE
-    from recipe.train.resume_checks import check_compatible
+    from recipe.lifecycle.resume_checks import check_compatible
 
     geometry = dataclasses.asdict(_draft_config())
     current = {"seed": 0, "target_fingerprint": "w1:abc", "draft_config": geometry}
@@ -219,7 +219,7 @@ def test_resume_check_of_older_checkpoints(tmp_path):
 # --- flags and messages ----------------------------------------------------------------------------------------------
 
 def test_overwrite_and_resume_are_exclusive(capsys):
-    from recipe.cli import parse_args
+    from recipe.train.flags import parse_args
 
     with pytest.raises(SystemExit) as exc:
         parse_args(["--ds_config", "x.json", "--target", "t", "--hidden-states", "s", "--output", "o", "--resume",

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from recipe.config_memory import MemoryOptions
-from recipe.train.oom import out_of_memory_message
+from recipe.lifecycle.oom import out_of_memory_message
 
 
 def test_message_names_the_length_per_cp_rank_and_the_next_switches():

@@ -255,9 +255,9 @@ def test_data_section_and_the_padding_report():
 def test_run_json_and_flags_set_packing(tmp_path):
     import json
 
-    from recipe.cli import parse_args
     from recipe.config import load_run_config
     from recipe.config_keys import ConfigError
+    from recipe.train.flags import parse_args
 
     path = tmp_path / "run.json"
     base = {"train_batch_size": 4, "train_micro_batch_size_per_gpu": 4, "optimizer": {"type": "AdamW"}}

@@ -99,7 +99,7 @@ def test_offsets_train_the_same_curve_under_tp2_and_cp2(curves):
 
 
 def test_resume_with_another_offset_is_refused(tmp_path):
-    from recipe.train.resume_checks import check_compatible
+    from recipe.lifecycle.resume_checks import check_compatible
 
     check_compatible({}, {"position_offset_max": 0}, tmp_path, keys=("position_offset_max",))  # older checkpoint
     with pytest.raises(ValueError, match="position_offset_max: checkpoint 0, now 1000"):

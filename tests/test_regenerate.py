@@ -68,7 +68,7 @@ def test_ranks_take_slices_and_output_is_training_data(chat_target, tmp_path, mo
 
     data = _data(tmp_path / "chats.jsonl")
     out = tmp_path / "r.jsonl"
-    # rank 0 as torchrun/deepspeed start it, rank 1 as mpirun does (recipe.train.distributed.launcher_ranks)
+    # rank 0 as torchrun/deepspeed start it, rank 1 as mpirun does (recipe.lifecycle.distributed.launcher_ranks)
     launchers = [{"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0"},
                  {"OMPI_COMM_WORLD_RANK": "1", "OMPI_COMM_WORLD_SIZE": "2", "OMPI_COMM_WORLD_LOCAL_RANK": "1"}]
     for env in launchers:

@@ -1,4 +1,4 @@
-"""Resume on another layout (``recipe.train.reshard``): a checkpoint written on any (world size, dp, tp, cp, ZeRO
+"""Resume on another layout (``recipe.lifecycle.reshard``): a checkpoint written on any (world size, dp, tp, cp, ZeRO
 stage) continues on any other with the same global batch, data, seed and settings.
 
 Real SmolLM2 store (``real_store``), fp32, gloo, global batch 4, the shipped warm-up/cosine schedule and clipping,
@@ -33,8 +33,8 @@ from helpers.faults import Job, run_jobs
 from helpers.ranks import run_ranks
 from helpers.training import ROOT, assert_curves_close
 from helpers.tolerance import FP32_AFTER_ADAM, FP32_CURVE, within
-from recipe.train.manifest import MANIFEST, manifest_dict
-from recipe.train.reshard import TRAIN_STATE_FILE
+from recipe.lifecycle.manifest import MANIFEST, manifest_dict
+from recipe.lifecycle.reshard import TRAIN_STATE_FILE
 
 pytestmark = pytest.mark.slow  # DeepSpeed training on 1, 2 and 4 ranks with the real target's hidden states
 

@@ -1,6 +1,6 @@
 """The layout-free training state survives every DeepSpeed optimizer wrapper exactly, in bf16 (tiny target, 2 gloo
-ranks): a checkpoint written by one wrapper, resumed on another layout (``recipe.train.reshard.restore``) and
-gathered again (``recipe.train.reshard.gather``) gives back the saved fp32 masters and both Adam moments bit for bit,
+ranks): a checkpoint written by one wrapper, resumed on another layout (``recipe.lifecycle.reshard.restore``) and
+gathered again (``recipe.lifecycle.reshard.gather``) gives back the saved fp32 masters and both Adam moments bit for bit,
 and the same Adam step, learning rates, scheduler state and step counters.
 
 The wrappers, each a source and a destination once: bf16 ZeRO-0 dp2 (DeepSpeed's unfused bf16 optimizer: fp32 copies
@@ -36,8 +36,8 @@ def _roundtrips(rank: int, world: int, sources: dict[str, list[str]], resumes: l
     from rich.console import Console
 
     sys.path.insert(0, str(ROOT))
-    from recipe.cli import parse_args
-    from recipe.train import reshard
+    from recipe.lifecycle import reshard
+    from recipe.train.flags import parse_args
     from recipe.train.loop import Trainer, TrainSettings
     from recipe.train.setup import build_run
     from run import main
@@ -90,7 +90,7 @@ def test_a_run_without_adam_saves_no_layout_free_state_and_says_so(tiny_target_a
     its own layout, has no train_state.safetensors, the run says once why, and a resume on another layout is refused
     naming the checkpoint's layout."""
     from helpers.faults import Job, run_jobs
-    from recipe.train.reshard import TRAIN_STATE_FILE
+    from recipe.lifecycle.reshard import TRAIN_STATE_FILE
 
     target, store = tiny_target_and_store
     sgd = {"type": "SGD", "params": {"lr": 0.05, "momentum": 0.9}}

@@ -13,10 +13,10 @@ from helpers.faults import Job, run_jobs, same_curve
 from helpers.ranks import run_ranks
 from helpers.training import train_argv, write_ds_config
 from recipe.export import LATEST
-from recipe.train.checkpoint import FAULT_ENV, PARTIAL
-from recipe.train.manifest import verify
-from recipe.train.resume_checks import check_compatible
-from recipe.train.signals import EXIT_INTERRUPTED
+from recipe.lifecycle.checkpoint import FAULT_ENV, PARTIAL
+from recipe.lifecycle.manifest import verify
+from recipe.lifecycle.resume_checks import check_compatible
+from recipe.lifecycle.signals import EXIT_INTERRUPTED
 
 STEPS, STOP = 20, 10
 
@@ -105,7 +105,7 @@ def test_check_compatible_lists_every_difference_and_lets_the_layout_change(tmp_
 
 
 def test_describe_change_names_both_layouts_and_reads_older_checkpoints_as_unchanged_in_dtype():
-    from recipe.train.resume_checks import describe_change
+    from recipe.lifecycle.resume_checks import describe_change
 
     now = {"world_size": 4, "tp": 2, "cp": 1, "dp": 2, "zero_stage": 3, "dtype": "bfloat16", "grad_accum_dtype": "fp32"}
     assert describe_change(dict(now), now) is None
@@ -124,7 +124,7 @@ def test_describe_change_names_both_layouts_and_reads_older_checkpoints_as_uncha
 
 
 def test_check_optimizer_refuses_another_optimizer_class_on_the_same_layout(tmp_path):
-    from recipe.train.resume_checks import check_optimizer
+    from recipe.lifecycle.resume_checks import check_optimizer
 
     check_optimizer({"optimizer": "AdamW"}, {"optimizer": "AdamW"}, tmp_path)
     check_optimizer({}, {"optimizer": "FusedAdam"}, tmp_path)  # written before the key: not checked

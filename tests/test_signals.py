@@ -18,7 +18,7 @@ from helpers.faults import Job, run_jobs, same_curve
 from helpers.ranks import run_ranks
 from helpers.training import ROOT, train_argv, write_ds_config
 from recipe.export import LATEST
-from recipe.train.signals import (EXIT_INTERRUPTED, GRACE_S, StopRequest, broken_link, launcher_chain,
+from recipe.lifecycle.signals import (EXIT_INTERRUPTED, GRACE_S, StopRequest, broken_link, launcher_chain,
                                   launcher_name)
 
 
@@ -73,7 +73,7 @@ def test_sigterm_to_torchrun_saves_a_checkpoint_that_resumes_exactly(tiny_target
 @pytest.mark.slow
 def test_second_signal_exits_at_once_after_the_grace_period():
     script = ("import os, signal, time\n"
-              "from recipe.train.signals import StopRequest\n"
+              "from recipe.lifecycle.signals import StopRequest\n"
               "with StopRequest() as stop:\n"
               "    os.kill(os.getpid(), signal.SIGTERM); time.sleep(0.2)\n"
               "    os.kill(os.getpid(), signal.SIGINT); time.sleep(0.2)\n"
@@ -190,7 +190,7 @@ def test_the_launcher_watch_stops_a_rank_whose_launcher_dies(tmp_path):
     of SIGKILL: the orphaned rank's launcher watch requests the stop (the rank shares the test's stderr pipe, so
     ``subprocess.run`` returns once it has exited too)."""
     rank = ("import sys, time\n"
-            "from recipe.train.signals import StopRequest\n"
+            "from recipe.lifecycle.signals import StopRequest\n"
             "with StopRequest(watch_launcher=True) as stop:\n"
             "    print('ready', flush=True)\n"
             "    deadline = time.monotonic() + 30\n"

@@ -32,8 +32,8 @@ from helpers.ranks import run_ranks
 from helpers.slurm_rank import write_python
 from helpers.training import ROOT, train_argv, write_ds_config
 from recipe.export import LATEST
-from recipe.train.manifest import verify
-from recipe.train.signals import INTERRUPTED_FILE
+from recipe.lifecycle.manifest import verify
+from recipe.lifecycle.signals import INTERRUPTED_FILE
 
 pytestmark = pytest.mark.slow
 SCRIPT = "scripts/slurm/train.sbatch"

@@ -8,9 +8,9 @@ import datasets
 import pytest
 from transformers import AutoTokenizer
 
-from recipe.cli import parse_args
 from recipe.data.examples import build_examples
 from recipe.data.sources import resolve_source
+from recipe.train.flags import parse_args
 
 MAX_LENGTH = 64
 

@@ -21,6 +21,7 @@ from helpers.tolerance import FP32_AFTER_ADAM, FP32_CURVE, FP32_REORDERED, max_r
 
 from recipe.config import KernelOptions
 from recipe.config_memory import MemoryOptions
+from recipe.model import ttt_steps
 from recipe.model.sparse_anchors import AUTO_SPARSE_SHARE, anchor_sets, needed_share, needed_steps, sparse_pays
 from recipe.model.ttt import TTTBatch, TTTModel
 from recipe.parallel.parallelize import parallelize
@@ -361,8 +362,8 @@ def test_auto_takes_the_sparse_path_only_where_it_pays(monkeypatch):
         monkeypatch.setattr("recipe.model.sparse_anchors.AUTO_SPARSE_SHARE", threshold)
         calls = []
         model = TTTModel(copy.deepcopy(draft), head_VH, sparse_anchors="auto")
-        original = model._forward_sparse
-        monkeypatch.setattr(model, "_forward_sparse", lambda b, original=original: calls.append(1) or original(b))
+        monkeypatch.setattr("recipe.model.ttt.sparse_steps",
+                            lambda m, b: calls.append(1) or ttt_steps.sparse_steps(m, b))
         got = run_model(model, case)
         assert calls == ([1] if sparse else [])
         assert_same_run(got, run_model(TTTModel(copy.deepcopy(draft), head_VH), case))

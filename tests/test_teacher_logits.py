@@ -7,7 +7,8 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from recipe.model.ttt import TTTModel, teacher_logits
+from recipe.model.ttt import TTTModel
+from recipe.model.ttt_steps import teacher_logits
 from helpers.cases import assert_same_run, model_pair, run_model
 from helpers.tolerance import FP64_REORDERED, assert_close_rel
 

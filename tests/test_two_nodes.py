@@ -22,7 +22,7 @@ import pytest
 from helpers.faults import same_curve
 from helpers.ranks import run_ranks
 from helpers.training import ROOT, run_training, train_argv, write_ds_config
-from recipe.train.distributed import free_port
+from recipe.lifecycle.distributed import free_port
 
 pytestmark = pytest.mark.slow  # two DeepSpeed launchers of 2 ranks each, and a 4-rank reference
 
@@ -92,9 +92,9 @@ def test_two_nodes_train_the_one_node_curve(two_nodes):
 
 def test_two_node_checkpoints_and_export_are_complete(two_nodes):
     from recipe.export import check_export, load_export
-    from recipe.train.checkpoint import latest_tag
-    from recipe.train.rng_state import rng_file
-    from recipe.train.manifest import MANIFEST, verify
+    from recipe.lifecycle.checkpoint import latest_tag
+    from recipe.lifecycle.manifest import MANIFEST, verify
+    from recipe.lifecycle.rng_state import rng_file
 
     tmp, _, _, _, _ = two_nodes
     root = tmp / "two_nodes" / "checkpoints"

@@ -18,13 +18,13 @@ import pytest
 from helpers.faults import Job, run_jobs, same_curve
 from helpers.ranks import run_ranks
 from helpers.training import ROOT, train_argv, write_ds_config
-from recipe.cli import build_parser, parse_args
 from recipe.export import LATEST
-from recipe.train.distributed import free_port
-from recipe.train.manifest import verify
-from recipe.train.output_dir import resume_mode
-from recipe.train.signals import EXIT_INTERRUPTED
-from recipe.train.watch import EXIT_HUNG, HangWatchdog, SaveClock, group_timeout
+from recipe.lifecycle.distributed import free_port
+from recipe.lifecycle.manifest import verify
+from recipe.lifecycle.output_dir import resume_mode
+from recipe.lifecycle.signals import EXIT_INTERRUPTED
+from recipe.lifecycle.watch import EXIT_HUNG, HangWatchdog, SaveClock, group_timeout
+from recipe.train.flags import build_parser, parse_args
 
 DS = str(ROOT / "ds_configs" / "zero0.json")
 
@@ -64,7 +64,7 @@ def test_a_missing_ds_config_is_refused_before_the_process_group_is_up(tmp_path,
 
     def no_group(*args, **kwargs):
         raise AssertionError("the process group was started")
-    monkeypatch.setattr("recipe.train.distributed.init_distributed", no_group)
+    monkeypatch.setattr("recipe.lifecycle.distributed.init_distributed", no_group)
     assert not dist.is_initialized()
     code = main(["--ds_config", str(tmp_path / "nope.json"), "--target", "t", "--data", "d", "--output", "o"])
     err = " ".join(capsys.readouterr().err.split())  # rich wraps at the width its console was made with

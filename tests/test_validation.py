@@ -124,7 +124,7 @@ def test_held_out_data_online_fraction_and_conflicting_flags():
 
 
 def test_eval_flags_parse(capsys):
-    from recipe.cli import parse_args
+    from recipe.train.flags import parse_args
 
     base = ["--ds_config", "c.json", "--target", "t", "--output", "o", "--hidden-states", "s"]
     args = parse_args(base + ["--eval-fraction", "0.1", "--eval-every", "5"])

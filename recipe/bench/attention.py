@@ -27,9 +27,9 @@ from rich.console import Console
 from rich.table import Table
 
 from kernels.attention_backends import backend_names, backend_runs_on, make_causal_attention, resolve_attention_backend
+from recipe.arg_types import length_list
 from recipe.bench.common import MIB, add_draft_shape_arguments, write_json
 from recipe.bench.measure import MALLOC_ENV, CpuPeak, CudaPeak
-from recipe.cli import length_list
 from recipe.plan.spec import DTYPES
 
 
@@ -210,8 +210,3 @@ def main(argv: list[str] | None = None) -> int:
         write_json(args.json, report)
         console.print(f"wrote {args.json}")
     return 0
-
-
-if __name__ == "__main__":
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    sys.exit(main())

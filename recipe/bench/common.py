@@ -1,8 +1,10 @@
-"""Helpers shared by the benchmarks: byte counts and JSON (process launch lives in ``recipe.bench.ranks``, the
-int-list flag type in ``recipe.config``)."""
+"""Helpers shared by the benchmarks and the experiments: byte counts, JSON and the subcommand dispatch of their
+``__main__`` (process launch lives in ``recipe.bench.ranks``, the flag types in ``recipe.arg_types``)."""
 from __future__ import annotations
 
+import importlib
 import json
+import sys
 from pathlib import Path
 
 MIB, GIB = 1024 ** 2, 1024 ** 3
@@ -45,3 +47,17 @@ def add_draft_shape_arguments(parser, **defaults) -> None:
         default, note = value if isinstance(value, tuple) else (value, None)
         text = DRAFT_SHAPE_HELP[name] + (f" ({note})" if note else "")
         parser.add_argument("--" + name.replace("_", "-"), type=int, default=default, help=text)
+
+
+def dispatch(commands: dict[str, str], usage: str, argv: list[str] | None, what: str) -> int:
+    """Run ``commands[argv[0]]``'s ``main(argv[1:])`` (the module imported only then: each has its own imports and
+    ``--help``); ``usage`` printed for no argument (exit 2) or ``-h`` (0), and with an error naming the ``what``
+    (e.g. "benchmark") for an unknown one (2). Returns the exit code."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(usage)
+        return 0 if argv else 2
+    if argv[0] not in commands:
+        print(f"error: unknown {what} {argv[0]!r}\n{usage}", file=sys.stderr)
+        return 2
+    return importlib.import_module(commands[argv[0]]).main(argv[1:])

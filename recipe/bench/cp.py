@@ -22,9 +22,9 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
+from recipe.arg_types import positive_int_list
 from recipe.bench.common import GIB, MIB, add_draft_shape_arguments, write_json
 from recipe.bench.measure import run_measurement
-from recipe.cli import positive_int_list
 from recipe.parallel.cp_shard import contiguous_indices, zigzag_indices
 from recipe.plan.spec import BenchSpec
 

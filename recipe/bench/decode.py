@@ -28,9 +28,9 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
+from recipe.arg_types import positive_int_list
 from recipe.bench.common import write_json
 from recipe.bench.target import save_random_target
-from recipe.cli import positive_int_list
 from recipe.model.packed_linear import pack_linear_layers, packing_available
 
 

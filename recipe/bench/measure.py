@@ -21,10 +21,10 @@ from contextlib import contextmanager
 
 import torch
 
+from recipe.lifecycle.distributed import free_port
 from recipe.model.draft import Eagle3Draft
 from recipe.parallel.parallelize import build_training_model
 from recipe.plan.spec import DTYPES, BenchSpec, spec_draft_config, spec_kernels, spec_memory, supervised_mask
-from recipe.train.distributed import free_port
 
 MALLOC_ENV = "MALLOC_MMAP_THRESHOLD_"
 

@@ -1,6 +1,6 @@
 """Memory report: peak memory per rank and time of a TTT training step vs sequence length, per layout.
 
-``python -m recipe.bench.memory --lengths 2k,4k,8k [--tp N --cp N] [--draft-vocab V] [--hidden H] [--budget-gib X]
+``python -m recipe.bench memory --lengths 2k,4k,8k [--tp N --cp N] [--draft-vocab V] [--hidden H] [--budget-gib X]
 [--attention-tile T] [--mlp-tile M] [--json OUT] [--plot OUT.png]`` measures forward + backward of ``TTTModel`` on
 random aux states (no target) for each length and layout (``full`` logits, ``chunked`` loss, ``ckpt`` per-step
 checkpointing, ``chunked+ckpt``), each in fresh processes (``recipe.bench.measure``), with the causal block tiled at
@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -23,9 +22,9 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
+from recipe.arg_types import length_list
 from recipe.bench.common import add_draft_shape_arguments
 from recipe.bench.measure import run_measurement
-from recipe.cli import length_list
 from recipe.plan import layout_fit, predict_step, trace_limit
 from recipe.plan.spec import LAYOUTS, BenchSpec
 
@@ -54,7 +53,7 @@ def _available_gib() -> float | None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m recipe.bench.memory", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m recipe.bench memory", description=__doc__.split("\n\n")[0])
     p.add_argument("--lengths", type=length_list, default=length_list("1k,2k,4k"), help="e.g. 2k,4k,8k (k = 1024)")
     p.add_argument("--layouts", type=layout_list, default=list(LAYOUTS), help=f"subset of {','.join(LAYOUTS)}")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (spawned, gloo on CPU)")
@@ -206,7 +205,7 @@ def write_plot(report: dict, path: Path, console: Console) -> bool:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """CLI entry (also ``python -m recipe.bench memory``). Returns the exit status: 0, or 2 on bad flags."""
+    """CLI entry (``python -m recipe.bench memory``). Returns the exit status: 0, or 2 on bad flags."""
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.device is None:
@@ -237,8 +236,3 @@ def main(argv: list[str] | None = None) -> int:
     if args.plot and write_plot(report, args.plot, console):
         console.print(f"wrote {args.plot}")
     return 0
-
-
-if __name__ == "__main__":
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    sys.exit(main())

@@ -26,9 +26,9 @@ import torch
 import torch.multiprocessing as mp
 from rich.table import Table
 
+from recipe.arg_types import length, parse_length
 from recipe.bench.common import GIB, write_json
 from recipe.bench.measure import mmap_threshold_for_children, time_step
-from recipe.cli import length, parse_length
 from recipe.config import KernelOptions
 from recipe.config_memory import MemoryOptions
 from recipe.data.packing import RowLayout, packed_layout, padded_layout

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from recipe.train.distributed import free_port
+from recipe.lifecycle.distributed import free_port
 
 
 # What a forkserver imports once so that each rank it forks starts with them loaded (a spawned rank imports them
@@ -57,15 +57,17 @@ def spawn_gloo_ranks(world: int, fn, *args, timeout: float = 900.0, seed: int | 
     no import cost a rank, for the tests). Either way a rank gets the caller's current environment.
 
     ``fn`` must be a module-level function; results travel as ``torch.save`` bytes (tensors sent as shared-memory
-    handles would die with the worker). ``seed``: ``torch.manual_seed`` on every rank after the group is up. Raises RuntimeError with the failing rank's traceback, or on a rank
-    that dies without a result (e.g. killed for memory) or a timeout.
+    handles would die with the worker). ``seed``: ``torch.manual_seed`` on every rank after the group is up.
+    Raises RuntimeError with the failing rank's traceback, or on a rank that dies without a result (e.g. killed for
+    memory) or a timeout.
     """
     ctx = mp.get_context(start_method)
     if start_method == "forkserver":
         ctx.set_forkserver_preload(FORKSERVER_PRELOAD)  # no effect once this process's server runs
     results_q = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_worker, args=(r, world, port, fn, args, results_q, seed, dict(os.environ))) for r in range(world)]
+    procs = [ctx.Process(target=_worker, args=(r, world, port, fn, args, results_q, seed, dict(os.environ)))
+             for r in range(world)]
     for proc in procs:
         proc.start()
     results, error = {}, None

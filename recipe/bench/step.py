@@ -34,10 +34,10 @@ from rich.console import Console
 from rich.table import Table
 
 from kernels.attention_backends import backend_names, backend_runs_on, resolve_attention_backend
+from recipe.arg_types import length_list
 from recipe.bench.common import GIB, add_draft_shape_arguments, write_json
 from recipe.bench.measure import run_measurement
 from recipe.bench.packing import add_packing_arguments, main_packing
-from recipe.cli import length_list
 from recipe.model.flops import run_peak_tflops
 from recipe.plan.spec import DTYPES, LAYOUTS, MASKS, BenchSpec, spec_speed
 
@@ -198,8 +198,3 @@ def main(argv: list[str] | None = None) -> int:
         write_json(args.json, report)
         console.print(f"wrote {args.json}")
     return 0
-
-
-if __name__ == "__main__":
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    sys.exit(main())

@@ -28,9 +28,9 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
+from recipe.arg_types import positive_int_list
 from recipe.bench.common import MIB, add_draft_shape_arguments, tensor_bytes, write_json
 from recipe.bench.ranks import spawn_gloo_ranks
-from recipe.cli import positive_int_list
 from recipe.config_memory import MemoryOptions
 from recipe.parallel.dims import ParallelDims
 

@@ -23,10 +23,10 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
+from recipe.arg_types import positive_int_list
 from recipe.bench.common import GIB, MIB, add_draft_shape_arguments, tensor_bytes, write_json
 from recipe.bench.measure import CpuPeak, build_model, random_batch
 from recipe.bench.ranks import spawn_gloo_ranks
-from recipe.cli import positive_int_list
 from recipe.model.ttt import ttt_objective
 from recipe.parallel.dims import ParallelDims
 from recipe.plan.spec import BenchSpec

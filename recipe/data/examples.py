@@ -32,10 +32,10 @@ from pathlib import Path
 import datasets
 from rich.console import Console
 
-from recipe.cli import add_data_arguments, check_data_arguments
 from recipe.data.chain import ChainReport, chain_rows
 from recipe.data.chat_mask import tokenize_conversation
 from recipe.data.conversations import BadRow
+from recipe.data.flags import add_data_arguments, check_data_arguments
 from recipe.data.lengths import LengthReport
 from recipe.data.report import DataReport, SkipReport
 from recipe.data.sources import fingerprint as _hash

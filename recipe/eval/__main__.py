@@ -29,8 +29,8 @@ from pathlib import Path
 import torch
 from rich.console import Console
 
+from recipe.arg_types import context_length_list, positive_int_list
 from recipe.assets import prepare_assets
-from recipe.cli import context_length_list, positive_int_list
 from recipe.eval.by_length import (
     ON_MISMATCH,
     REFERENCE_MODES,

@@ -65,7 +65,7 @@ def length_entry(length: int, context_prompts: list, greedy: list[Generation],
 
 def merge_entries(entries: list[dict]) -> dict:
     """One :func:`length_entry` from entries of the same context length measured on disjoint prompt sets (the
-    parallel chunks of ``recipe.bench demo-gpu``), in the given order: every run's ``per_prompt`` counts
+    parallel chunks of ``recipe.experiments demo-gpu``), in the given order: every run's ``per_prompt`` counts
     concatenated, its counts summed (``verify_steps``, ``new_tokens``, ``seconds``, ``drafted_per_position``,
     ``accepted_per_position``), τ = Σ emitted / Σ steps and ``tau_se`` recomputed over all prompts (as
     :func:`tau_standard_error`), ``tokens_per_s`` = new tokens / seconds; what the entries cannot give over all

@@ -22,7 +22,7 @@ from safetensors.torch import save_file
 from recipe.io_errors import WriteError, writing
 
 CONFIG_FILE = "config.json"
-# A checkpoint folder (written by recipe.train.checkpoint) holds the full draft that an export is made from:
+# A checkpoint folder (written by recipe.lifecycle.checkpoint) holds the full draft that an export is made from:
 LATEST = "latest"  # the checkpoints folder's marker naming the newest complete checkpoint
 DRAFT_FILE = "draft.safetensors"  # the full draft (ZeRO-gathered, TP-consolidated)
 DRAFT_CONFIG_FILE = "draft_config.json"  # its export config.json

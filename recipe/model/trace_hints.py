@@ -28,7 +28,7 @@ class TraceHints:
     def teacher_logits(self, target_hidden_BLH: torch.Tensor, target_row_KS: torch.Tensor,
                        target_head_VdH: torch.Tensor, target_softcap: float | None = None,
                        chunk_size: int | None = None):
-        """``recipe.model.ttt.teacher_logits``'s result shapes, built as it builds them (``chunk_size`` rows per
+        """``recipe.model.ttt_steps.teacher_logits``'s result shapes, built as it builds them (``chunk_size`` rows per
         head matmul): logits [B, U, Vd] of U rows (row 0 repeated) and an all-zero index [K, S] int64."""
         rows_U = torch.zeros(self.teacher_rows, dtype=torch.int64, device=target_row_KS.device)
         return (teacher_table(target_hidden_BLH, rows_U, target_head_VdH, target_softcap, chunk_size),

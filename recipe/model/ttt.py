@@ -9,21 +9,20 @@ and ``argmax z[p+1+k]`` in the draft vocabulary.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
 from typing import Callable, ClassVar, NamedTuple
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
 from kernels.documents import packed_positions
-from kernels.ttt_attention import TTTKVCache
-from recipe.model.call_extent import CallExtent, piece_count
-from recipe.model.chunked_loss import chunked_soft_ce, teacher_table
+from recipe.model.call_extent import CallExtent
 from recipe.model.draft import Eagle3Draft
-from recipe.model.loss import soft_ce, target_logits
-from recipe.model.sparse_anchors import QueryRows, check_sparse_mode, sparse_pays
-from recipe.model.ttt_sparse import sparse_steps
+from recipe.model.loss import soft_ce
+from recipe.model.sparse_anchors import check_sparse_mode, sparse_pays
+from recipe.model.step_checkpoint import checkpointed_step
+from recipe.model.ttt_steps import dense_steps, sparse_steps
 
 
 @dataclass
@@ -163,25 +162,6 @@ def target_in_draft_vocab(argmax_BS: torch.Tensor, t2d: torch.Tensor) -> torch.T
     return t2d.to(argmax_BS.device)[argmax_BS.long()]
 
 
-@torch.no_grad()
-def teacher_logits(target_hidden_BLH: torch.Tensor, target_row_KS: torch.Tensor, target_head_VdH: torch.Tensor,
-                   target_softcap: float | None = None, chunk_size: int | None = None
-                   ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The target logits over the draft vocabulary of every row some TTT step reads, each row computed once.
-
-    Args: target_hidden_BLH [B, L, H_t] target last hidden rows; target_row_KS [K, S] int64, step k's label row of
-    anchor p (``TTTBatch.target_row_KS``); target_head_VdH [Vd (or the TP shard Vd/tp), H_t] target head rows;
-    target_softcap: the target's final logit soft-cap (``recipe.target.head.target_logits``); chunk_size: rows per
-    head matmul (``chunked_loss.teacher_table``; None: all at once).
-    Returns ``(logits_BUV, index_KS)``: logits_BUV [B, U, Vd] in the head's dtype for the U distinct rows (sorted;
-    about S + K of them, since step k reads rows p + 1 + k), and index_KS [K, S] int64 such that step k's target
-    logits are ``logits_BUV[:, index_KS[k]]`` — the same rows ``target_hidden[:, target_row_KS[k]] @ head.T``
-    gives, K times less head matmul work.
-    """
-    rows_U, index_KS = torch.unique(target_row_KS, sorted=True, return_inverse=True)
-    return teacher_table(target_hidden_BLH, rows_U, target_head_VdH, target_softcap, chunk_size), index_KS
-
-
 class TTTOutput(NamedTuple):
     """Per-step sums of one forward: ``loss_sum_K`` [K] float32 (with grad), ``correct_K`` and ``valid_K`` [K] int64.
 
@@ -291,108 +271,24 @@ class TTTModel(nn.Module):
             self.target_head_d = converted
 
     def forward(self, batch: TTTBatch) -> TTTOutput:
-        """Unroll the draft ``batch.num_steps`` times; sums per step (the loop normalises by global counts)."""
+        """Unroll the draft ``batch.num_steps`` times; sums per step (the loop normalises by global counts). The
+        steps run dense or sparse (``recipe.model.ttt_steps``) as ``sparse_anchors`` decides for this batch."""
         self._match_head_dtype()
         if isinstance(self.sparse_anchors, str) and self.trace_hints is not None:  # the planner's trace: as planned
             sparse = self.trace_hints.anchor_sets is not None
         else:
             sparse = sparse_pays(self.sparse_anchors, batch.valid_KBS)
-        if sparse:
-            return self._forward_sparse(batch)
-        hidden_BSH = self.draft.project_aux(batch.aux_hidden_BSA)
-        kv_cache = None
-        teacher = None
-        if self.teacher_logits_once:
-            teacher = (self.trace_hints.teacher_logits if self.trace_hints else teacher_logits)(
-                batch.target_hidden_BLH, batch.target_row_KS, self.target_head_d, self.target_softcap,
-                self.loss_chunk_size)
-        losses, corrects = [], []
-        seq_len = batch.extent().seq_len  # a longer rank of the ZeRO group: as many MLP tiles as it makes
-        queries = QueryRows(None, None, seq_len, dense=True) if seq_len > batch.position_ids_BS.shape[1] else None
-        for k in range(batch.num_steps):
-            step = self._checkpointed_step if self.checkpoint_steps and torch.is_grad_enabled() else self.draft.step
-            hidden_BSH, kv_cache = step(hidden_BSH, batch.input_ids_KBS[k], batch.position_ids_BS,
-                                        batch.key_valid_BS, kv_cache, queries)
-            loss_sum, correct = self._step_loss(hidden_BSH, batch, k, teacher)
-            losses.append(loss_sum.float())
-            corrects.append(correct.to(torch.int64))
+        losses, corrects = (sparse_steps if sparse else dense_steps)(self, batch)
         valid_K = batch.valid_KBS.sum(dim=(1, 2)).to(torch.int64)
         return TTTOutput(loss_sum_K=torch.stack(losses), correct_K=torch.stack(corrects), valid_K=valid_K)
 
-    def _forward_sparse(self, batch: TTTBatch) -> TTTOutput:
-        """``forward`` on the needed anchors only (``sparse_anchors``; ``recipe.model.ttt_sparse``)."""
-        losses, corrects = sparse_steps(self, batch)
-        valid_K = batch.valid_KBS.sum(dim=(1, 2)).to(torch.int64)
-        return TTTOutput(loss_sum_K=torch.stack(losses), correct_K=torch.stack(corrects), valid_K=valid_K)
-
-    def _step_loss(self, hidden_BSH: torch.Tensor, batch: TTTBatch, k: int,
-                   teacher: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """(loss_sum, correct) of step k, all positions at once or in chunks of ``loss_chunk_size``; ``teacher``
-        is ``teacher_logits`` of the batch (None: step k's target logits are computed here)."""
-        if self.loss_chunk_size is not None:  # empty chunks after its own up to the group's largest B·S
-            source = (teacher[0], teacher[1][k], None) if teacher is not None else \
-                (batch.target_hidden_BLH, batch.target_row_KS[k], self.target_head_d)
-            return chunked_soft_ce(self.draft.logits, self.loss_fn, hidden_BSH, *source, batch.valid_KBS[k],
-                                   self.loss_chunk_size, target_softcap=self.target_softcap,
-                                   min_chunks=piece_count(batch.extent().positions, self.loss_chunk_size))
-        logits_BSV = self.draft.logits(hidden_BSH)
-        with torch.no_grad():
-            if teacher is not None:
-                logits_BUV, index_KS = teacher
-                target_logits_BSV = logits_BUV[:, index_KS[k]]
-            else:
-                rows_BSH = batch.target_hidden_BLH[:, batch.target_row_KS[k]]
-                target_logits_BSV = target_logits(rows_BSH, self.target_head_d, self.target_softcap)
-        return self.loss_fn(logits_BSV, target_logits_BSV, batch.valid_KBS[k])
-
-    def _checkpointed_step(self, hidden_BSH, input_ids_BS, position_ids_BS, key_valid_BS, kv_cache, queries=None):
-        """``draft.step`` under ``torch.utils.checkpoint``; returns ``(hidden_out_BSH, kv_cache)`` like it
-        (``queries``: ``draft.step``'s, the sparse path's step-0 query rows).
-
-        The cache is mutated by ``step`` (it appends the step's K/V), so it cannot be closed over: a recomputation in
-        backward would see the later steps' keys. Instead the cache's tensors enter the checkpointed function as
-        inputs, a fresh ``TTTKVCache`` is rebuilt from them on every (re)computation, and the step's new K/V leave
-        as outputs; the caller's cache is then extended with them.
-        """
-        if kv_cache is not None and not isinstance(kv_cache, TTTKVCache):
-            raise TypeError(f"checkpoint_steps needs a TTTKVCache, got {type(kv_cache).__name__}")
-        state = _cache_tensors(kv_cache)
-        block_meta = (position_ids_BS, key_valid_BS) if kv_cache is None or kv_cache.block is None \
-            else kv_cache.block[2:]
-
-        def run(hidden, ids, positions, key_valid, block_pos, block_valid, *cache_state):
-            cache = _cache_from_tensors(cache_state, block_pos, block_valid)
-            hidden_out, cache = self.draft.step(hidden, ids, positions, key_valid, cache, queries)
-            new_k, new_v = (cache.block[0], cache.block[1]) if not cache.diag_k else (cache.diag_k[-1],
-                                                                                       cache.diag_v[-1])
-            return hidden_out, new_k, new_v
-
-        hidden_out, new_k, new_v = checkpoint(run, hidden_BSH, input_ids_BS, position_ids_BS, key_valid_BS, *block_meta,
-                                              *state, use_reentrant=False, preserve_rng_state=False)
-        cache = TTTKVCache() if kv_cache is None else kv_cache
-        if cache.block is None:
-            cache.block = (new_k, new_v, position_ids_BS, key_valid_BS)
-        else:
-            cache.diag_k.append(new_k)
-            cache.diag_v.append(new_v)
-        return hidden_out, cache
-
-
-def _cache_tensors(cache: TTTKVCache | None) -> tuple[torch.Tensor, ...]:
-    """(K_0, V_0, K_1, V_1, ...) of a TTT cache (empty before step 0)."""
-    if cache is None or cache.block is None:
-        return ()
-    pairs = [(cache.block[0], cache.block[1])] + list(zip(cache.diag_k, cache.diag_v))
-    return tuple(t for pair in pairs for t in pair)
-
-
-def _cache_from_tensors(state, block_pos_BS, block_valid_BS) -> TTTKVCache:
-    """Inverse of ``_cache_tensors``, given the causal block's key positions [B, S] and validity ([B, S] or None)."""
-    cache = TTTKVCache()
-    if state:
-        cache.block = (state[0], state[1], block_pos_BS, block_valid_BS)
-        cache.diag_k, cache.diag_v = list(state[2::2]), list(state[3::2])
-    return cache
+    def step_function(self) -> Callable:
+        """The callable of one TTT step, ``draft.step``'s signature and result: under ``torch.utils.checkpoint``
+        (``recipe.model.step_checkpoint.checkpointed_step``) when ``checkpoint_steps`` is on and grad is enabled,
+        else ``draft.step`` itself."""
+        if self.checkpoint_steps and torch.is_grad_enabled():
+            return functools.partial(checkpointed_step, self.draft)
+        return self.draft.step
 
 
 STEP_DECAY = 0.8  # EAGLE-3's weight of TTT step k is STEP_DECAY ** k

@@ -27,13 +27,14 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from recipe.cli import add_data_arguments, check_data_arguments, length_list
+from recipe.arg_types import length_list
 from recipe.config_keys import ConfigError
 from recipe.config_memory import MemoryOptions, MemoryReport
+from recipe.data.flags import add_data_arguments, check_data_arguments
 from recipe.plan import (PlanError, PlanInputs, load_inputs, longest_fit, plan_rows, read_sections, resolve_inputs,
                          states)
-from recipe.plan.states import GIB
 from recipe.plan.spec import MASKS, check_fraction, fraction_mask, mask_fraction, spec_draft_config, spec_for_memory
+from recipe.plan.states import GIB
 from recipe.plan.supervision import measure_supervision
 
 SHOWN = (("activations", ("draft_activations",)), ("ZeRO states", ("weights", "grads", "optimizer")),

@@ -57,7 +57,7 @@ group, a split online target's ring over cp·tp): send/receive opens its own cha
 ALLOCATOR_SLACK = 0.05
 """Fraction of the tensor bytes lost to the caching allocator's fragmentation, with expandable segments
 (``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True``, which ``run.py`` sets on CUDA unless the user set the
-allocator: ``recipe.train.distributed.default_cuda_alloc_conf``): freed blocks are then unmapped pages of one
+allocator: ``recipe.lifecycle.distributed.default_cuda_alloc_conf``): freed blocks are then unmapped pages of one
 growing segment instead of fixed-size segments that a larger request cannot reuse (PyTorch's CUDA memory notes,
 "Optimizing memory usage with PYTORCH_CUDA_ALLOC_CONF"). Without them the gap between ``max_memory_reserved`` and
 ``max_memory_allocated`` can be far larger; the GPU check records both per row."""

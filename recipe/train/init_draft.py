@@ -17,7 +17,7 @@ is built from it:
   target's, unless ``--draft-config`` sets them): a draft whose config states others is trained and exported with
   the run's, and the run plan says so.
 
-The weights go into the single-device model before ``parallelize`` (as ``recipe.train.reshard.load_master_weights``
+The weights go into the single-device model before ``parallelize`` (as ``recipe.lifecycle.reshard.load_master_weights``
 does for a resharded resume), so every layout (tp, cp, dp, ZeRO stage) cuts its shards from them; the embedding is
 the target's. The optimizer starts fresh at step 0. With ``--resume`` the checkpoint's weights are used and the
 draft is only compared (:func:`check_resume`): resuming the run it started (same file contents) is the normal

@@ -8,12 +8,12 @@ micro-batch's loss by the accumulation steps, so each rank back-propagates its l
 
 Reliability. Resume continues exactly: the step counter is the data position (``recipe.train.sampler``), and the
 checkpoint holds the engine state, every rank's RNG, the vocabulary map and the layout-free training state; a
-checkpoint of another layout (world size, dp, tp, cp, ZeRO stage, dtype) is resharded (``recipe.train.reshard``), one
-of other data or global batch is refused before DeepSpeed touches it (``recipe.train.resume_checks``), and so is a
+checkpoint of another layout (world size, dp, tp, cp, ZeRO stage, dtype) is resharded (``recipe.lifecycle.reshard``), one
+of other data or global batch is refused before DeepSpeed touches it (``recipe.lifecycle.resume_checks``), and so is a
 resume for another run length (with an LR scheduler) unless ``--extend`` re-plans the schedule
 (:meth:`Trainer._replan_schedule`). SIGTERM/SIGINT stop all ranks after the same step, save and return
-``EXIT_INTERRUPTED`` (``recipe.train.signals``); checkpoints by wall time (agreed in the same all-reduce) and the hang
-watchdog (stacks to ``OUTPUT/hang-rank-R.txt``, ``EXIT_HUNG``) are ``recipe.train.watch``. A NaN/inf loss on any rank
+``EXIT_INTERRUPTED`` (``recipe.lifecycle.signals``); checkpoints by wall time (agreed in the same all-reduce) and the hang
+watchdog (stacks to ``OUTPUT/hang-rank-R.txt``, ``EXIT_HUNG``) are ``recipe.lifecycle.watch``. A NaN/inf loss on any rank
 stops with the step and sample indices, or with ``--skip-nonfinite`` skips the step (engine untouched) and is counted
 in metrics.jsonl (``"skipped"``) and at the end. The finite flags of the micro-batches stay on the device and are
 agreed over the world ONCE per optimizer step, after the forward of the last micro-batch and before its backward (so
@@ -33,23 +33,23 @@ import torch.distributed as dist
 from rich.console import Console
 from rich.markup import escape
 
-from recipe.cli import TrainArgs
 from recipe.export import export_tensors, write_export
 from recipe.io_errors import WriteError
+from recipe.lifecycle import checkpoint, reshard, resume_checks
+from recipe.lifecycle.distributed import release_shm_buffer
+from recipe.lifecycle.oom import StepOutOfMemory, out_of_memory_message
+from recipe.lifecycle.signals import EXIT_INTERRUPTED, StopRequest
+from recipe.lifecycle.watch import HangWatchdog, SaveClock
 from recipe.model.ttt import ttt_objective
 from recipe.parallel.parallelize import gather_full_state
 from recipe.plot import plot_note
-from recipe.train import checkpoint, reshard, resume_checks
-from recipe.train.step_batches import StepBatches
+from recipe.train.flags import TrainArgs
 from recipe.train.metrics import MetricsLog, StepSpeed, TrainProgress, ttt_metrics, zero0_grad_norm
 from recipe.train.monitor import StepMonitor
-from recipe.train.oom import StepOutOfMemory, out_of_memory_message
 from recipe.train.sampler import rank_micro_batches
-from recipe.train.setup import RunParts, layout_state
-from recipe.train.distributed import release_shm_buffer
-from recipe.train.signals import EXIT_INTERRUPTED, StopRequest
 from recipe.train.settings import TrainSettings
-from recipe.train.watch import HangWatchdog, SaveClock
+from recipe.train.setup import RunParts, layout_state
+from recipe.train.step_batches import StepBatches
 
 
 class NonFiniteLossError(ValueError):
@@ -298,7 +298,7 @@ class Trainer:
 
     def train(self) -> int:
         """Train to the last step, save and export; return 0. On SIGTERM/SIGINT (any rank) every rank stops after
-        the same step and saves a checkpoint; return :data:`recipe.train.signals.EXIT_INTERRUPTED`. The final save
+        the same step and saves a checkpoint; return :data:`recipe.lifecycle.signals.EXIT_INTERRUPTED`. The final save
         and the export are each retried once; failing again they raise ``recipe.io_errors.WriteError``
         (``run.py``: ``EXIT_WRITE_FAILED``), ``latest`` naming the last complete checkpoint."""
         parts, settings, total = self.parts, self.settings, self.config.total_steps

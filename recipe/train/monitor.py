@@ -32,7 +32,7 @@ TensorBoard's readers drop the older file's events from that step on (steps run 
 
 A monitor that cannot write (disk full, permission) raises nothing: the first failure is kept in
 ``StepMonitor.error`` (the folder and the cause), the monitors write nothing more, and the loop reports it at the
-next checkpoint, which is then not written (``recipe.train.checkpoint.save``'s ``pending_error``).
+next checkpoint, which is then not written (``recipe.lifecycle.checkpoint.save``'s ``pending_error``).
 """
 from __future__ import annotations
 

@@ -1,11 +1,11 @@
 """What the training loop reads of ``run.py``'s flags (:class:`TrainSettings`), apart from the flags themselves
-(``recipe.cli``) and the loop (``recipe.train.loop``)."""
+(``recipe.train.flags``) and the loop (``recipe.train.loop``)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
 
-from recipe.cli import TrainArgs
+from recipe.train.flags import TrainArgs
 
 
 @dataclass(frozen=True)

@@ -16,9 +16,11 @@ import torch.distributed as dist
 from rich.console import Console
 from transformers import AutoConfig
 
-from recipe.cli import TrainArgs
 from recipe.config import RunConfig, RunSections, load_sections
 from recipe.data.vocab import VocabMap, build_vocab_map, vocab_coverage_report
+from recipe.lifecycle import checkpoint, reshard, resume_checks
+from recipe.lifecycle.distributed import rank0_first
+from recipe.lifecycle.output_dir import check_output, clear_previous_run
 from recipe.model.draft import Eagle3Draft
 from recipe.model.draft_config import Eagle3DraftConfig, load_draft_config_overrides
 from recipe.model.ttt import TTTModel
@@ -27,11 +29,10 @@ from recipe.parallel.topology import ParallelState
 from recipe.target.capture import target_fingerprint
 from recipe.target.head import load_embedding_and_head
 from recipe.target.registry import arch_facts, draft_config_for, final_logit_softcap
-from recipe.train import checkpoint, init_draft, positions, reshard, resume_checks
+from recipe.train import init_draft, positions
 from recipe.train.batches import BatchBuilder
-from recipe.train.distributed import rank0_first
+from recipe.train.flags import TrainArgs
 from recipe.train.memory_plan import resolve_run_memory, run_plan_inputs
-from recipe.train.output_dir import check_output, clear_previous_run
 from recipe.train.sampler import StepSampler
 from recipe.train.validation import Validator, held_out_data
 
@@ -55,7 +56,7 @@ class RunParts:
     # what the run is made of beyond its flags, recorded in every checkpoint's run state and compared on resume
     # (resume_checks.COMPAT_KEYS): target fingerprint, draft geometry, --position-offset-max; init_draft: recorded
     run_identity: dict = field(default_factory=dict)
-    # the run-plan line when the checkpoint resumed from is of another layout (recipe.train.reshard), else None
+    # the run-plan line when the checkpoint resumed from is of another layout (recipe.lifecycle.reshard), else None
     resharding: str | None = None
 
 
@@ -281,9 +282,9 @@ def online_target(args: TrainArgs, config: RunConfig, pstate: ParallelState, dra
     dp replica (``recipe.target.split.SplitTarget``) by ``recipe.target.registry.splits_target``'s rule (cp > 1, or
     tp > 1 with an attention the ring runs; otherwise every tp rank runs it whole). Raises ValueError at cp > 1 for
     a target the ring cannot run."""
-    from recipe.target.split import SplitTarget
     from recipe.target.partition import build_target
     from recipe.target.registry import splits_target
+    from recipe.target.split import SplitTarget
 
     dims = config.dims
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -307,7 +308,7 @@ def online_target_record(builder: BatchBuilder) -> dict:
 
 
 def layout_state(config: RunConfig) -> dict:
-    """The run-state keys of ``recipe.train.resume_checks.LAYOUT_KEYS`` for ``config`` (before the engine exists)."""
+    """The run-state keys of ``recipe.lifecycle.resume_checks.LAYOUT_KEYS`` for ``config`` (before the engine exists)."""
     d, ds = config.dims, config.deepspeed
     return {"world_size": d.world_size, "tp": d.tp, "cp": d.cp, "dp": d.dp,
             "zero_stage": int((ds.get("zero_optimization") or {}).get("stage", 0)),

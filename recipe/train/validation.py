@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from recipe.data.store import HiddenStateStore
-from recipe.train.distributed import rank0_first
+from recipe.lifecycle.distributed import rank0_first
 from recipe.train.metrics import ttt_metrics
 
 

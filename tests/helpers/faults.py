@@ -66,7 +66,8 @@ def _metrics(argv: list[str]) -> list[dict]:
 
 @contextlib.contextmanager
 def _faults(job: Job, rank: int):
-    from recipe.train import batches, checkpoint, loop
+    from recipe.lifecycle import checkpoint
+    from recipe.train import batches, loop
 
     saved = {}
 
@@ -98,7 +99,7 @@ def _faults(job: Job, rank: int):
             return step_once(self)
         patch(loop.Trainer, "train_step", step_or_hang)
     if job.save_due is not None:
-        from recipe.train import watch
+        from recipe.lifecycle import watch
 
         steps = job.save_due.get(rank, set())
         trainers = []
@@ -120,10 +121,10 @@ def _faults(job: Job, rank: int):
     if job.enospc and rank == 0:
         def full_disk(tensors, filename, *args, **kwargs):
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), filename)
-        from recipe.train import rng_state
+        from recipe.lifecycle import rng_state
 
         patch(checkpoint, "save_file", full_disk)
-        patch(rng_state, "save_file", full_disk)  # the RNG files are written by recipe.train.rng_state
+        patch(rng_state, "save_file", full_disk)  # the RNG files are written by recipe.lifecycle.rng_state
     for fault in job.write_faults:
         if fault.rank != rank:
             continue
@@ -155,7 +156,7 @@ def _faults(job: Job, rank: int):
             from safetensors import SafetensorError
 
             import recipe.export as export_module
-            from recipe.train import rng_state
+            from recipe.lifecycle import rng_state
             modules = (checkpoint, rng_state) if fault.where == "checkpoint" else (export_module,)
 
             def st_save(tensors, filename, *args, _save=getattr(modules[0], "save_file"), _hit=hit, **kwargs):
@@ -196,7 +197,7 @@ def run_jobs(rank: int, world_size: int, jobs: list[Job]) -> list[Outcome]:
 
     sys.path.insert(0, str(ROOT))
     os.environ["COLUMNS"] = "400"  # rich wraps error lines at 80 columns otherwise
-    from recipe.train.checkpoint import InjectedFault
+    from recipe.lifecycle.checkpoint import InjectedFault
     from run import main
 
     out = []

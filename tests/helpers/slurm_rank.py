@@ -30,7 +30,8 @@ def write_python(path: Path, script: Path = Path(__file__)) -> Path:
 
 def hold_before_step(step: int, limit_s: float) -> None:
     """Patch the training loop: before step ``step`` + 1, wait (polling every 50 ms) until a stop is requested."""
-    from recipe.train import loop, signals
+    from recipe.lifecycle import signals
+    from recipe.train import loop
 
     train_step = loop.Trainer.train_step
 

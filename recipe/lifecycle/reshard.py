@@ -13,7 +13,7 @@ the optimizer holds the module parameter itself) and TP-concatenated along each 
 project's slicing, ``recipe.parallel.tp_layers``). Its metadata (``train_state``, JSON) holds Adam's step, the
 optimizer's learning rates, the LR scheduler's ``state_dict`` and DeepSpeed's step counters.
 
-Resuming on another layout (``recipe.train.resume_checks.describe_change`` says which) runs in two phases:
+Resuming on another layout (``recipe.lifecycle.resume_checks.describe_change`` says which) runs in two phases:
 
 1. before ``parallelize`` and ``deepspeed.initialize``: :func:`load_master_weights` writes the master weights into
    the single-device model, so the layout (TP shards, then ZeRO partitions) is cut from them exactly as a fresh run

@@ -1,7 +1,7 @@
 """τ per data recipe at equal training compute: which answers (ShareGPT's or the target's own) and how many distinct
 samples (few seen over many epochs, or many seen once) give the better draft for the same optimizer steps.
 
-    python -m recipe.bench data [--output runs/bench-data] [--arms sharegpt:740:1,sharegpt:190:4,regenerated:190:7]
+    python -m recipe.experiments data [--output runs/bench-data] [--arms sharegpt:740:1,sharegpt:190:4,regenerated:190:7]
         [--steps 154] [--json FILE] [-- DEMO FLAGS ...]
 
 Each arm ``ANSWERS:CONVERSATIONS:EPOCHS`` is one ``python -m recipe.demo`` run in ``OUTPUT/<arm>`` (so it resumes and
@@ -91,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     demo_flags = argv[argv.index("--") + 1:] if "--" in argv else []
     own = argv[: argv.index("--")] if "--" in argv else argv
-    p = argparse.ArgumentParser(prog="python -m recipe.bench data", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m recipe.experiments data", description=__doc__.split("\n\n")[0])
     p.add_argument("--output", type=Path, default=Path("runs") / "bench-data", help="folder of the arms' runs")
     p.add_argument("--arms", default=DEFAULT_ARMS, help="comma-separated ANSWERS:CONVERSATIONS:EPOCHS")
     p.add_argument("--steps", type=int, default=154, help="optimizer steps of every arm (equal compute)")
@@ -122,7 +122,3 @@ def main(argv: list[str] | None = None) -> int:
     write_json(args.json, {"config": {"steps": args.steps, "batch": batch, "arms": args.arms,
                                       "demo_flags": demo_flags}, "rows": rows})
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

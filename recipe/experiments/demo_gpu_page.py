@@ -1,4 +1,4 @@
-"""docs/results/demo_gpu.md from the JSON of ``python -m recipe.bench demo-gpu`` (``page_markdown``; written by
+"""docs/results/demo_gpu.md from the JSON of ``python -m recipe.experiments demo-gpu`` (``page_markdown``; written by
 ``python scripts/gpu_demo.py --collect``). Every table's introducing paragraph links the JSON beside the page and
 every number in its cells is one of that JSON's values as the docs print them (τ to three decimals; a paired
 difference prints its sign, then its ``*_abs`` magnitude), so tests/test_docs.py checks the page against it."""
@@ -7,10 +7,10 @@ from __future__ import annotations
 import math
 import textwrap
 
-from recipe.bench.demo_gpu_report import signed_cell, tau_cell
+from recipe.experiments.demo_gpu_report import signed_cell, tau_cell
 
-HOW = ("`make demo` on a machine whose torch sees CUDA (or `DEMO_SCALE=gpu make demo`) runs `python -m recipe.bench "
-       "demo-gpu` ([recipe/bench/demo_gpu.py](../../recipe/bench/demo_gpu.py))")
+HOW = ("`make demo` on a machine whose torch sees CUDA (or `DEMO_SCALE=gpu make demo`) runs `python -m "
+       "recipe.experiments demo-gpu` ([recipe/experiments/demo_gpu.py](../../recipe/experiments/demo_gpu.py))")
 
 
 def _table(head: list[str], rows: list[list[str]]) -> list[str]:

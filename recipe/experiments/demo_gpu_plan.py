@@ -1,4 +1,4 @@
-"""The plan of ``python -m recipe.bench demo-gpu``: its sizes (:class:`Scale`: ``GPU``, and ``TINY``, the same stages
+"""The plan of ``python -m recipe.experiments demo-gpu``: its sizes (:class:`Scale`: ``GPU``, and ``TINY``, the same stages
 at toy sizes on the CPU), the estimated seconds of each stage (:data:`ESTIMATES_S`), the training steps that fill
 the time left by the rest, the evaluation jobs, and the stage deadlines ``--dry-run`` prints.
 

@@ -1,4 +1,4 @@
-"""The report of ``python -m recipe.bench long-context``: per arm what its training cost, and τ by context length.
+"""The report of ``python -m recipe.experiments long-context``: per arm what its training cost, and τ by context length.
 
 ``report`` returns the JSON: ``{"settings", "arms": {arm: arm_summary}, "about_context": {"lengths": [...],
 "rows": [...]}, "unrelated": {...} | None, "evals": {"about_context": <recipe.eval JSON>, "unrelated": ...}}``, one

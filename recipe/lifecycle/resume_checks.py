@@ -4,7 +4,7 @@
   draft vocabulary and geometry, aux layers, max length, seed, ``--freeze-lm-head``, ``--position-offset-max``, the
   target's weights (:func:`check_compatible`); the run length only with ``--extend`` (:func:`check_length`).
 - :data:`LAYOUT_KEYS` may change: world size, dp, tp, cp, ZeRO stage and the dtypes that choose DeepSpeed's optimizer
-  wrapper; a change is resharded (``recipe.train.reshard``) and announced (:func:`describe_change`).
+  wrapper; a change is resharded (``recipe.lifecycle.reshard``) and announced (:func:`describe_change`).
 """
 from __future__ import annotations
 
@@ -46,7 +46,7 @@ def _difference(key: str, saved, current) -> str:
 
 def check_compatible(saved: dict, current: dict, path: Path, keys: tuple[str, ...] = COMPAT_KEYS) -> str | None:
     """Refuse to resume when the global batch, data, target weights, draft geometry or key settings differ (the
-    layout may change: ``recipe.train.reshard``).
+    layout may change: ``recipe.lifecycle.reshard``).
 
     A key missing on either side reads as its :data:`COMPAT_DEFAULTS` value (older checkpoints predate it); a key
     of :data:`UNRECORDED_KEYS` the checkpoint lacks is not compared (``draft_config`` is then taken from the

@@ -1,6 +1,6 @@
 """Does training at long context keep τ up where a short-trained draft falls? Five arms, one evaluation.
 
-    python -m recipe.bench long-context [--output runs/long_context] [--target DIR] [--data FILE]
+    python -m recipe.experiments long-context [--output runs/long_context] [--target DIR] [--data FILE]
         [--short-run DIR] [--long-length 4k] [--long-conversations 180] [--cp-size 2] [--warm-fraction 0.33]
         [--position-offset-max N] [--windows 256,1024] [--context-lengths 256,1k,2k,4k,7k] [--prompts 16]
         [--prompts-longest N] [--contrast-prompts N] [--eval-jobs J]
@@ -26,7 +26,7 @@ repeated, so each prompt's prefill and greedy reference are computed once for al
 ``OUTPUT/drafts``, whose links name the arms), one run per length L (``OUTPUT/eval_about_context-L{L}.json``: a rerun
 skips the lengths done), and the same with the short draft alone on ``unrelated`` requests at ``--contrast-lengths``. The table (arm × context length: chain τ at the first k and tree τ, each ±
 its standard error over prompts), the plot of τ against context (``--json`` with ``.png``) and the JSON (arms with
-their steps, supervised tokens and seconds; both evaluations whole) are ``recipe.bench.long_context_report``'s.
+their steps, supervised tokens and seconds; both evaluations whole) are ``recipe.experiments.long_context_report``'s.
 Flags after ``--`` go to every arm's ``recipe.demo`` settings (``--lr``, ``--ttt-steps``, ``--draft-vocab-size``,
 ``--ds-config``, ``--ranks`` of the short arms, ``--seed`` …). On a GPU cluster the same command trains the arms
 with DeepSpeed's launcher on the GPUs (``recipe.demo`` picks ``--num_gpus``); docs/results/long_context_cpu.md has
@@ -47,15 +47,16 @@ from pathlib import Path
 from rich.console import Console
 
 from recipe import demo
+from recipe.arg_types import context_length_list, length, positive_int_list
 from recipe.bench.common import write_json
-from recipe.bench.long_context_report import arm_summary, paired_table, report, report_table
-from recipe.cli import context_length_list, length, positive_int_list, subprocess_env
+from recipe.experiments.long_context_report import arm_summary, paired_table, report, report_table
+from recipe.processes import subprocess_env
 
 ARMS = ("short", "long", "warm", "posrobust")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m recipe.bench long-context", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m recipe.experiments long-context", description=__doc__.split("\n\n")[0])
     p.add_argument("--output", type=Path, default=Path("runs") / "long_context", help="folder of the arms' runs")
     p.add_argument("--target", type=Path, help="target model folder (default: the packaged SmolLM2-135M-Instruct)")
     p.add_argument("--data", type=Path, help="conversations to train on and to draw context from (default: the "
@@ -153,7 +154,7 @@ def eval_one(assets, args, drafts_dir: Path, drafts: list[str], length: int, req
              console: Console, prompts: int, threads: int, extra: list[str] | tuple = (), log: Path | None = None,
              timeout: float | None = None) -> dict:
     """One ``python -m recipe.eval --context-lengths LENGTH --limit PROMPTS`` run in ``drafts_dir`` with every draft
-    of ``drafts``, ``threads`` OpenMP threads and the further ``recipe.eval`` flags ``extra`` (``recipe.bench
+    of ``drafts``, ``threads`` OpenMP threads and the further ``recipe.eval`` flags ``extra`` (``recipe.experiments
     demo-gpu``: ``--seed``, ``--on-mismatch record``), its output to ``log`` (default: this process's), killed
     after ``timeout`` seconds; skipped when ``out`` holds the result of the same command. Returns the JSON. Raises
     RuntimeError when it fails or times out; with ``--on-mismatch record`` its exit code 1 after writing the JSON
@@ -251,12 +252,8 @@ def main(argv: list[str] | None = None) -> int:
         console.print(paired)
     if args.json is not None:
         write_json(args.json, result)
-        from recipe.bench.long_context_report import plot_report
+        from recipe.experiments.long_context_report import plot_report
 
         plot = plot_report(result, args.json.with_suffix(".png"))
         console.print(f"report written to {args.json}" + (f", plot {plot}" if plot else " (no matplotlib: no plot)"))
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

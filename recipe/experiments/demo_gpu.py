@@ -1,12 +1,12 @@
 """The demo at GPU scale: ``make demo`` on a machine whose torch sees CUDA (or with ``DEMO_SCALE=gpu``).
 
-    python -m recipe.bench demo-gpu [--output runs/demo_gpu] [--target DIR] [--data FILE] [--prompts FILE]
+    python -m recipe.experiments demo-gpu [--output runs/demo_gpu] [--target DIR] [--data FILE] [--prompts FILE]
         [--budget S] [--json FILE] [--num-proc N] [--seed S] [--tiny] [--dry-run]
 
 The CPU demo's real target and data (SmolLM2-135M-Instruct, which serves 8192 positions; all 17,671 shipped ShareGPT
 conversations; MT-Bench) with the EAGLE-3 settings (K = 7 TTT steps, a draft vocabulary of 32000 or the target's if
 smaller, bf16 ZeRO-1 with the memory switches of ``ds_configs/zero1_bf16.json``, attention ``auto``: flex on CUDA),
-in stages planned into ``--budget`` seconds (``recipe.bench.demo_gpu_plan``; ``--dry-run`` prints the plan):
+in stages planned into ``--budget`` seconds (``recipe.experiments.demo_gpu_plan``; ``--dry-run`` prints the plan):
 
 1. ``assets``: ``recipe.assets`` (``--target``, ``--data``, ``--prompts`` replace its paths).
 2. ``short``: ``run.py`` online on every conversation cut at 2048 tokens, the planned steps (one process on the
@@ -14,7 +14,7 @@ in stages planned into ``--budget`` seconds (``recipe.bench.demo_gpu_plan``; ``-
 3. ``warm``: ``run.py --init-draft short/export`` on the first conversations chained into samples of up to 8192
    tokens (``--chain-conversations``), a quarter of the short run's peak lr, anchor-offset positions off (the
    continuation docs/recipes.md recommends); its steps fill the time left, at the short run's measured pace.
-4. ``eval``: ``recipe.eval`` processes side by side on the device (``recipe.bench.long_context.eval_one``), both
+4. ``eval``: ``recipe.eval`` processes side by side on the device (``recipe.experiments.long_context.eval_one``), both
    drafts in each, every output checked against greedy decoding (``--on-mismatch record``: a near-tie that rounds
    apart is recorded, not fatal): MT-Bench (the unrelated request at context 0: chain at k = 5 and 3, dynamic
    tree), requests about an inserted earlier ShareGPT conversation at 256, 2k, 4k and 7k tokens and the unrelated
@@ -22,7 +22,7 @@ in stages planned into ``--budget`` seconds (``recipe.bench.demo_gpu_plan``; ``-
    (``recipe.eval.length_report.merge_entries``); short and warm paired on the same prompts.
 5. ``report``: ``OUTPUT/demo_gpu.json`` (also ``--json``; rewritten after every stage), the tables, the plot of τ by
    context length with the paired differences (``.png`` beside the JSON) and the training curves of both arms
-   (``_curves.png``) (``recipe.bench.demo_gpu_report``).
+   (``_curves.png``) (``recipe.experiments.demo_gpu_report``).
 
 Every stage prints its seconds against its estimate and deadline. A rerun skips an arm whose export exists (one
 without is trained afresh) and an eval chunk whose command is unchanged. Without a CUDA device it refuses to start
@@ -49,13 +49,13 @@ import torch
 from rich.console import Console
 
 from recipe import demo
-from recipe.bench import long_context as lc
-from recipe.bench.demo_gpu_plan import GPU, SMOLLM2, TINY, EvalJob, Scale, plan, plan_lines
-from recipe.bench.demo_gpu_report import build_result, print_tables, write_outputs
-from recipe.cli import subprocess_env
 from recipe.eval.length_report import merge_entries
+from recipe.experiments import long_context as lc
+from recipe.experiments.demo_gpu_plan import GPU, SMOLLM2, TINY, EvalJob, Scale, plan, plan_lines
+from recipe.experiments.demo_gpu_report import build_result, print_tables, write_outputs
 from recipe.export import LATEST, export_tensors, read_draft, write_export
 from recipe.plot import METRICS_FILE, read_metrics
+from recipe.processes import subprocess_env
 
 RESULT = "demo_gpu.json"
 LAUNCHER_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
@@ -63,7 +63,7 @@ DRAFTS = ("short", "warm")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m recipe.bench demo-gpu", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m recipe.experiments demo-gpu", description=__doc__.split("\n\n")[0])
     p.add_argument("--output", type=Path, default=demo.REPO / "runs" / "demo_gpu", help="run folder")
     p.add_argument("--target", type=Path, help="target folder (default: recipe.assets' SmolLM2-135M-Instruct)")
     p.add_argument("--data", type=Path, help="conversations (default: recipe.assets' ShareGPT JSONL)")
@@ -346,7 +346,3 @@ def main(argv: list[str] | None = None) -> int:
               "--tiny runs these stages at toy sizes on the CPU)", file=sys.stderr)
         return 2
     return Demo(args, scale, Console()).run()
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,4 +1,4 @@
-"""The integrity manifest of a checkpoint folder (``manifest.json``, written last by ``recipe.train.checkpoint``):
+"""The integrity manifest of a checkpoint folder (``manifest.json``, written last by ``recipe.lifecycle.checkpoint``):
 the size and sha256 of every file in it, DeepSpeed's per-rank files included, so that a resume can name a
 truncated, emptied, missing or swapped file before anything of the checkpoint is loaded (:func:`verify`).
 """

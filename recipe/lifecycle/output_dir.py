@@ -8,16 +8,24 @@ import socket
 import tempfile
 import uuid
 from pathlib import Path
+from typing import Protocol
 
 import torch.distributed as dist
 
-from recipe.cli import TrainArgs
 from recipe.export import LATEST
-from recipe.train import checkpoint
+from recipe.lifecycle import checkpoint
 
 # What a run writes into --output that a new run (without --resume) would overwrite, and --overwrite deletes; the
 # tokenised-data cache (OUTPUT/cache) is content-addressed and kept.
 RUN_ARTEFACTS = ("checkpoints", "metrics.jsonl", "run_config.json", "export", "curves.png")
+
+
+class OutputFlags(Protocol):
+    """What this module reads of ``run.py``'s flags (``recipe.train.flags.TrainArgs`` has them)."""
+
+    output: Path
+    resume: str | None
+    overwrite: bool
 
 
 def existing_run(output: Path) -> list[str]:
@@ -42,7 +50,7 @@ def existing_run(output: Path) -> list[str]:
     return found
 
 
-def resume_mode(args: TrainArgs) -> tuple[str | None, str | None]:
+def resume_mode(args: OutputFlags) -> tuple[str | None, str | None]:
     """Rank 0's decision for ``--output`` and ``--resume``: ``(what to resume, refusal)``. ``what to resume`` is the
     ``--resume`` value to resolve (``"latest"``, a folder) or None for a fresh run; ``refusal`` None when the run may
     go on, else the message naming the folder, what it holds and the choices. ``--resume auto`` resumes
@@ -81,7 +89,7 @@ def _probe_writable(output: Path) -> str | None:
     return None
 
 
-def check_output(args: TrainArgs, comm) -> str | None:
+def check_output(args: OutputFlags, comm) -> str | None:
     """Collective over the world (through ``comm``), before the run writes anything into ``--output`` or reads any
     data: refuse a run without ``--resume`` into a folder that holds a previous run (:func:`existing_run`; rank 0
     decides by :func:`resume_mode`, every rank raises its message) unless ``--overwrite`` is given, a ``--resume``

@@ -8,7 +8,7 @@ Layout under ``OUTPUT/checkpoints/``::
         vocab_map.safetensors    d2t / t2d, reused on resume (never regenerated)
         run_state.json           step (= data position, see recipe.train.sampler), seed, layout, data fingerprint
         train_state.safetensors  fp32 masters, Adam moments and step, LR schedule in one process's layout: what a
-                                 resume on another layout reads (recipe.train.reshard)
+                                 resume on another layout reads (recipe.lifecycle.reshard)
         run_config.json          the resolved run configuration (flags, DeepSpeed JSON, layout)
         rng-rank00000.safetensors  every rank's RNG states, no pickle (:func:`save_rng_file`)
         manifest.json            size and sha256 of every other file of the folder, written last (:func:`verify`)
@@ -34,7 +34,7 @@ read (DeepSpeed unpickles its ``*.pt`` files with ``weights_only=False``, so the
 swapped file and ``torch.load``); a damaged checkpoint (a file missing, of another size or hash) is named and the
 newest intact older one is used instead; so is a folder without a manifest (written by an older version of this
 recipe, or not completely), named as such. RNG files are safetensors (byte tensors, numpy's key array) with the rest
-as JSON in its metadata, never a pickle (``recipe.train.rng_state``).
+as JSON in its metadata, never a pickle (``recipe.lifecycle.rng_state``).
 """
 from __future__ import annotations
 
@@ -51,9 +51,9 @@ from safetensors.torch import save_file
 
 from recipe.export import DRAFT_CONFIG_FILE, DRAFT_FILE, LATEST
 from recipe.io_errors import WriteError, writing
-from recipe.train import reshard
-from recipe.train.manifest import MANIFEST, file_sha256, manifest_dict, manifest_listing, verify
-from recipe.train.rng_state import load_rng_file, rng_file, rng_state, save_rng_file, set_rng_state
+from recipe.lifecycle import reshard
+from recipe.lifecycle.manifest import MANIFEST, file_sha256, manifest_dict, manifest_listing, verify
+from recipe.lifecycle.rng_state import load_rng_file, rng_file, rng_state, save_rng_file, set_rng_state
 
 PARTIAL = ".partial"
 RUN_STATE = "run_state.json"
@@ -253,7 +253,7 @@ def save(engine, comm, root: Path, step: int, run_state: dict, draft_state: dict
     """Write checkpoint ``step-{step:08d}`` atomically; collective over the world (through ``comm``, the run's
     ``recipe.parallel.collectives.Collectives``), every rank calls it.
 
-    ``draft_state`` (full tensors) and ``train_state`` (``recipe.train.reshard.gather``: the layout-free training
+    ``draft_state`` (full tensors) and ``train_state`` (``recipe.lifecycle.reshard.gather``: the layout-free training
     state, written when given) are only needed on global rank 0; ``extra_files`` (name -> existing file, e.g. the
     resolved run config) are copied in by rank 0. Order: write into ``.partial/<tag>`` (DeepSpeed's files from every
     rank, our files from rank 0), agree, hash and write ``manifest.json`` (last), rename to ``<tag>``, agree,
@@ -367,11 +367,11 @@ def read_run_state(path: Path) -> dict:
 def load(engine, path: Path, tp_group=None, resharding: bool = False) -> dict:
     """Load engine state (model, optimizer, scheduler, loss scaler) and this rank's RNG; return the saved run state.
 
-    Call ``recipe.train.resume_checks.check_compatible`` first; ``path`` comes from :func:`resolve`, which verified
+    Call ``recipe.lifecycle.resume_checks.check_compatible`` first; ``path`` comes from :func:`resolve`, which verified
     it (DeepSpeed unpickles its files). The RNG file is read without pickle (:func:`load_rng_file`). ``resharding``
-    (the checkpoint is of another layout, ``recipe.train.resume_checks.describe_change``): DeepSpeed's files are not
+    (the checkpoint is of another layout, ``recipe.lifecycle.resume_checks.describe_change``): DeepSpeed's files are not
     read; the optimizer, scheduler and counters come from the layout-free training state
-    (``recipe.train.reshard.restore``, the master weights were loaded into the model before it was built) and every
+    (``recipe.lifecycle.reshard.restore``, the master weights were loaded into the model before it was built) and every
     rank takes rank 0's CPU RNG states.
     Raises FileNotFoundError naming the folder when DeepSpeed finds nothing or this rank's RNG file is missing,
     ValueError naming an RNG or training-state file that is not one.

@@ -1,4 +1,4 @@
-"""The result of ``python -m recipe.bench demo-gpu``: its JSON, tables, plots and the results page.
+"""The result of ``python -m recipe.experiments demo-gpu``: its JSON, tables, plots and the results page.
 
 ``build_result`` adds to the run's report (plan, stages, arms): each arm's training summary and curve
 (``long_context_report.arm_summary`` and ``metrics.jsonl``), ``mtbench`` (per draft chain τ at each k and tree τ on
@@ -18,8 +18,8 @@ from pathlib import Path
 from rich.table import Table
 
 from recipe.bench.common import write_json
-from recipe.bench.long_context_report import arm_summary, length_rows, paired_rows, paired_table, report_table
 from recipe.eval.report import paired_tau_difference
+from recipe.experiments.long_context_report import arm_summary, length_rows, paired_rows, paired_table, report_table
 from recipe.plot import METRICS_FILE, read_metrics, save_figure
 
 CURVE_KEYS = ("step", "loss", "lr", "time_s", "tokens", "samples")
