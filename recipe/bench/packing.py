@@ -10,7 +10,8 @@ benchmark passes (the last of ``--backends``, default the one "auto" picks on th
 (``recipe.bench.measure.time_step``: the mean after the first of ``--steps``), interleaved ``--rounds`` times; the
 samples' tokens, supervision (``recipe.plan.spec.MASKS``' ``sharegpt`` turns, per sample) and hidden states are the same
 in both layouts. Printed per mix: the lengths, both shapes, the padding shares, the seconds and ``packed / padded``; the
-summary's ratio is the total packed time over the total padded time. ``--sparse`` measures the dense path, the sparse
+summary's ratio is the total packed time over the total padded time. The JSON records the machine's load average
+(1, 5, 15 minutes) at the start and the end: the arms share whatever else runs on it. ``--sparse`` measures the dense path, the sparse
 anchors' (``memory.sparse_anchors``) or both.
 """
 from __future__ import annotations
@@ -159,7 +160,7 @@ def run_packing(args, device: str, backend: str, console) -> dict:
             "ttt_steps": args.ttt_steps, "attention_tile": args.attention_tile or None, "backend": backend,
             "steps": args.steps, "packing_tokens": args.packing_tokens}
     paths = {"off": [False], "on": [True], "both": [False, True]}[args.sparse]
-    rows = []
+    rows, load_start = [], list(os.getloadavg())
     for round_ in range(args.rounds):
         for m, mix in enumerate(mixes):
             for sparse in paths:
@@ -172,7 +173,8 @@ def run_packing(args, device: str, backend: str, console) -> dict:
                                  "wall_s": time.perf_counter() - start, **result})
     return {"config": {**spec, "micro_batch": args.micro_batch, "max_length": args.max_length, "seed": args.seed,
                        "rounds": args.rounds, "threads": int(os.environ.get("OMP_NUM_THREADS", "1")),
-                       "torch": torch.__version__, "lengths_from": source},
+                       "torch": torch.__version__, "lengths_from": source, "cpus": os.cpu_count(),
+                       "loadavg_start": load_start, "loadavg_end": list(os.getloadavg())},
             "mixes": mixes, "summary": summarise(rows, mixes), "rounds": rows}
 
 
