@@ -11,8 +11,8 @@ benchmark passes (the last of ``--backends``, default the one "auto" picks on th
 samples' tokens, supervision (``recipe.plan.spec.MASKS``' ``sharegpt`` turns, per sample) and hidden states are the same
 in both layouts. Printed per mix: the lengths, both shapes, the padding shares, the seconds and ``packed / padded``; the
 summary's ratio is the total packed time over the total padded time. The JSON records the machine's load average
-(1, 5, 15 minutes) at the start and the end: the arms share whatever else runs on it. ``--sparse`` measures the dense path, the sparse
-anchors' (``memory.sparse_anchors``) or both.
+(1, 5, 15 minutes) at the start and the end: the arms share whatever else runs on it. ``--sparse`` measures the
+dense path, the sparse anchors' (``memory.sparse_anchors``) or both.
 """
 from __future__ import annotations
 
