@@ -79,6 +79,28 @@ def has_readable_key(q_pos_BS: torch.Tensor, k_pos_BS: torch.Tensor, k_valid_BS:
     return at_or_before > before_document
 
 
+def document_tiles(positions_BS: torch.Tensor, tile_size: int | None) -> tuple[int, ...] | None:
+    """Tile lengths (summing to S) that cut the columns of host positions [B, S] at every document boundary of any
+    row, each run between two boundaries cut into ``ceil(len / tile_size)`` near-equal tiles (``torch.tensor_split``'s
+    lengths; None: the run is one tile); None when no row changes document (an unpacked block: the tile loops keep
+    their fixed tiles, bit for bit). With the tiles aligned to the documents, a pair of tiles lies in one document
+    (and is computed as a causal or full block) or in none the queries read (and is skipped), instead of a fixed tile
+    straddling a boundary and paying a dense mask over both documents (docs/algorithm.md, "Packing")."""
+    if positions_BS.dim() != 2 or positions_BS.shape[1] < 2:
+        return None
+    docs = positions_BS.long() >> DOCUMENT_SHIFT
+    change = (docs[:, 1:] != docs[:, :-1]).any(dim=0)
+    if not bool(change.any()):
+        return None
+    bounds = [0, *(torch.nonzero(change).flatten() + 1).tolist(), positions_BS.shape[1]]
+    lengths: list[int] = []
+    for start, end in zip(bounds, bounds[1:]):
+        n = end - start
+        parts = 1 if tile_size is None else -(-n // tile_size)
+        lengths += [n // parts + (1 if i < n % parts else 0) for i in range(parts)]
+    return tuple(lengths)
+
+
 def packed_positions(document_ids_BS: torch.Tensor) -> torch.Tensor:
     """[B, S] int64 attention positions of a packed batch from its document ids [B, S] (non-negative; a document is
     a run of equal ids along a row): :func:`document_positions` of each position's document and its offset from the

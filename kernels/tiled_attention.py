@@ -9,7 +9,9 @@ Pairs in which no query can read any key (every key later than every query, or i
 padding) are skipped, so a causal block costs about half the pairs. Which pairs those are is decided on the host
 once per forward (``block_pairs``), from CPU copies of the positions/validity when the batch builder attached them
 (``kernels.host_positions``; no device sync), else from the tensors (one sync); the backward reuses the forward's
-decision.
+decision. On one device a block of packed documents is cut at the documents' boundaries first
+(``document_cuts``), so every computed pair is one document's causal or full block: the work is the documents' own
+causal triangles, as unpacked, with no tile straddling two documents under a dense mask.
 
 The same tile loops serve the ring attention (``kernels.ring_attention``), which runs them on every K/V block that
 arrives around the context-parallel ring. What one (query tile, key tile) pair computes is a ``BlockKernel``
@@ -25,7 +27,7 @@ from typing import Callable
 import torch
 
 from kernels.block_attention import accum_dtype, block_attention, expand_kv, merge_lse
-from kernels.documents import document_start, readable
+from kernels.documents import document_start, document_tiles, readable
 from kernels.host_positions import host_block_meta
 from kernels.registry import AttentionBackend, BlockKernel, register_attention_backend
 from kernels.tracing import unreadable
@@ -58,13 +60,20 @@ def check_block_shapes(q_BHSD, k_BHkvSD, v_BHkvSD, q_pos_BS, k_pos_BS, k_valid_B
         raise ValueError(f"{where}: num_heads={h} is not a multiple of num_key_value_heads={hkv}")
 
 
-def split_tiles(x: torch.Tensor, dim: int, tile_size: int | None = None, groups: int = 1) -> list[torch.Tensor]:
+def split_tiles(x: torch.Tensor, dim: int, tile_size: int | tuple[int, ...] | None = None,
+                groups: int = 1) -> list[torch.Tensor]:
     """Views of ``x`` along ``dim``: ``groups`` equal parts (``torch.tensor_split``), each cut into
-    ``ceil(len / tile_size)`` near-equal tiles (one tile per part when ``tile_size`` is None).
+    ``ceil(len / tile_size)`` near-equal tiles (one tile per part when ``tile_size`` is None); a tuple ``tile_size``
+    gives the tile lengths themselves (``kernels.documents.document_tiles``; one group).
 
     ``groups=2`` keeps the two zigzag chunks of a context-parallel shard in separate tiles, so causal skipping works
-    per chunk. Raises ValueError when ``tile_size`` is not a positive integer or None, or ``groups`` < 1.
+    per chunk. Raises ValueError when ``tile_size`` is not a positive integer or None, or ``groups`` < 1, or a tuple
+    that does not sum to the length of ``dim`` (or comes with ``groups`` > 1).
     """
+    if isinstance(tile_size, tuple):
+        if groups != 1 or sum(tile_size) != x.shape[dim] or not all(n > 0 for n in tile_size):
+            raise ValueError(f"tile lengths {tile_size} do not cut a dimension of {x.shape[dim]} (groups={groups})")
+        return list(torch.split(x, list(tile_size), dim=dim))
     check_tile_size(tile_size)
     if not isinstance(groups, int) or groups < 1:
         raise ValueError(f"the number of chunks must be a positive integer, got {groups!r}")
@@ -108,12 +117,13 @@ def readable_pairs(q_pos_tiles, k_pos_tiles, k_valid_tiles) -> list[list[bool]]:
             & (latest_KB[None, :, :] >= start_QB[:, None, :])).any(dim=-1).tolist()
 
 
-def block_pairs(q_pos_BS, k_pos_BS, k_valid_BS, tile_size: int | None, groups: int = 1,
-                key_rank: int | None = None) -> list[list[bool]]:
+def block_pairs(q_pos_BS, k_pos_BS, k_valid_BS, tile_size: int | tuple[int, ...] | None, groups: int = 1,
+                key_rank: int | None = None, key_tile_size: int | tuple[int, ...] | None = None) -> list[list[bool]]:
     """``readable_pairs`` of the tiles ``split_tiles`` cuts from a block's q_pos [B, Sq], k_pos [B, Sk] and k_valid
     [B, Sk] (None: all valid), decided on their host copies (``kernels.host_positions``; the keys of cp rank
     ``key_rank`` when given) when every one has one, without a sync; otherwise on the tensors themselves (one device
-    sync for device tensors, none on the CPU). Callers pass ``key_rank`` only with the LOCAL key tensors."""
+    sync for device tensors, none on the CPU). Callers pass ``key_rank`` only with the LOCAL key tensors.
+    ``key_tile_size``: the keys' tile lengths when they differ from the queries' (a tuple, ``document_cuts``)."""
     meta = host_block_meta(q_pos_BS, k_pos_BS, k_valid_BS, key_rank)
     if meta is None:
         if key_rank is not None:
@@ -121,9 +131,23 @@ def block_pairs(q_pos_BS, k_pos_BS, k_valid_BS, tile_size: int | None, groups: i
         meta = (q_pos_BS, k_pos_BS, k_valid_BS)
     q_pos, k_pos, k_valid = meta
 
-    def cut(x):
-        return split_tiles(x, 1, tile_size, groups)
-    return readable_pairs(cut(q_pos.long()), cut(k_pos.long()), cut(keys_valid(k_pos, k_valid)))
+    def cut(x, size=tile_size):
+        return split_tiles(x, 1, size, groups)
+    k_size = tile_size if key_tile_size is None else key_tile_size
+    return readable_pairs(cut(q_pos.long()), cut(k_pos.long(), k_size), cut(keys_valid(k_pos, k_valid), k_size))
+
+
+def document_cuts(q_pos_BS, k_pos_BS, k_valid_BS, tile_size: int | None):
+    """(query tiling, key tiling) of a one-device block: ``tile_size`` for both, except where the host-known positions
+    (``kernels.host_positions``; a CPU tensor is its own copy) hold packed documents: there the tile lengths of
+    ``kernels.documents.document_tiles``, cut at the documents' boundaries, so no tile pair straddles one (each
+    pair is one document's causal or full block, or skipped). No host copy (one sync would be needed) or fake
+    tensors: ``tile_size``."""
+    meta = None if unreadable(q_pos_BS, k_pos_BS) else host_block_meta(q_pos_BS, k_pos_BS, k_valid_BS)
+    if meta is None:
+        return tile_size, tile_size
+    q_cut, k_cut = document_tiles(meta[0], tile_size), document_tiles(meta[1], tile_size)
+    return tile_size if q_cut is None else q_cut, tile_size if k_cut is None else k_cut
 
 
 def attention_block_backward(dout_BHSD, dlse_BHS, delta_BHS, lse_BHS, q_BHSD, k_BHkvSD, v_BHkvSD,
@@ -313,22 +337,23 @@ class TiledAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, q_pos, k_pos, k_valid, scale, tile_size, kernel):
-        needed = block_pairs(q_pos, k_pos, k_valid, tile_size)
+        q_cut, k_cut = document_cuts(q_pos, k_pos, k_valid, tile_size)
+        needed = block_pairs(q_pos, k_pos, k_valid, q_cut, key_tile_size=k_cut)
         q_pos, k_pos, k_valid = q_pos.long(), k_pos.long(), keys_valid(k_pos, k_valid)
-        queries, outs, lses = forward_accumulators(q, q_pos, tile_size, kernel=kernel)
+        queries, outs, lses = forward_accumulators(q, q_pos, q_cut, kernel=kernel)
         compute = kernel.compute_dtype(k.dtype)
-        forward_tiles(queries, key_tiles(k.to(compute), v.to(compute), k_pos, k_valid, tile_size), outs, lses, scale,
+        forward_tiles(queries, key_tiles(k.to(compute), v.to(compute), k_pos, k_valid, k_cut), outs, lses, scale,
                       kernel, needed)
         out, lse = torch.cat(outs, dim=2).to(q.dtype), torch.cat(lses, dim=2)
         ctx.save_for_backward(q, k, v, out, lse, q_pos, k_pos, k_valid)
-        ctx.scale, ctx.tile_size, ctx.kernel, ctx.needed = scale, tile_size, kernel, needed
+        ctx.scale, ctx.cuts, ctx.kernel, ctx.needed = scale, (q_cut, k_cut), kernel, needed
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, dlse):
         q, k, v, out, lse, q_pos, k_pos, k_valid = ctx.saved_tensors
-        queries, dq, dq_tiles = backward_queries(dout, dlse, q, q_pos, out, lse, ctx.tile_size, kernel=ctx.kernel)
-        dkv, _ = key_block_gradients(queries, dq_tiles, k, v, k_pos, k_valid, ctx.scale, ctx.tile_size,
+        queries, dq, dq_tiles = backward_queries(dout, dlse, q, q_pos, out, lse, ctx.cuts[0], kernel=ctx.kernel)
+        dkv, _ = key_block_gradients(queries, dq_tiles, k, v, k_pos, k_valid, ctx.scale, ctx.cuts[1],
                                      kernel=ctx.kernel, needed=ctx.needed)
         return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None, None, None
 

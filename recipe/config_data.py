@@ -58,10 +58,11 @@ class DataOptions:
         return self if packing is None else DataOptions(packing=bool(packing), packing_tokens=self.packing_tokens)
 
     def for_device(self, device_type: str) -> "DataOptions":
-        """These options on a device of ``device_type`` (``"cuda"``, ``"cpu"``): ``"auto"`` becomes false on the CPU,
-        where the packed step was not faster than the padded one (ShareGPT-length micro-batches of 8 at 2k, the
-        fused CPU kernel: 1.02x the padded time over four mixes, 1.44x at 3 % padding; docs/benchmarks.md,
-        "Packing"); otherwise unchanged."""
+        """These options on a device of ``device_type`` (``"cuda"``, ``"cpu"``): ``"auto"`` becomes false on the CPU;
+        otherwise unchanged. The rule was set when the packed step was not faster there (ShareGPT-length
+        micro-batches of 8 at 2k, the fused CPU kernel: 1.02x the padded time over four mixes, 1.44x at 3 %
+        padding); since the tile loops cut packed rows at their documents it measures 0.72x over those mixes,
+        0.99x at 3 % padding (docs/benchmarks.md, "Packing"): packing on the CPU is a candidate default."""
         if device_type == "cpu" and self.packing == "auto":
             return DataOptions(packing=False, packing_tokens=self.packing_tokens)
         return self

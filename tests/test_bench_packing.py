@@ -35,8 +35,10 @@ def test_summary_ratios_and_table():
     summary = summarise(rows, [[8, 4]])
     assert summary[0]["padded"]["seconds"] == 11.0 and summary[0]["packed"]["seconds"] == 6.5
     assert summary[0]["packed_vs_padded"] == pytest.approx(6.5 / 11.0)
+    assert summary[0]["positions_packed_vs_padded"] == 12 / 16
     assert summary[1] == {"mix": "all", "sparse": False, "padded_seconds": 11.0, "packed_seconds": 6.5,
-                          "packed_vs_padded": pytest.approx(6.5 / 11.0)}
+                          "packed_vs_padded": pytest.approx(6.5 / 11.0), "positions_packed_vs_padded": 12 / 16,
+                          "padding_share": 0.25}
     config = {"micro_batch": 2, "max_length": 8, "hidden": 4, "draft_vocab": 8, "ttt_steps": 2, "dtype": "fp32",
               "backend": "sdpa", "device": "cpu"}
     assert packing_table({"config": config, "summary": summary}).row_count == 2

@@ -15,9 +15,11 @@ import torch.nn.attention.flex_attention as torch_flex
 from torch._dynamo.utils import counters
 
 from kernels.block_attention import block_attention, expand_kv
-from kernels.documents import document_positions, document_start, has_readable_key, readable, token_positions
+from kernels.documents import (document_positions, document_start, document_tiles, has_readable_key, readable,
+                                token_positions)
 from kernels.flex_attention import CompiledFlex, FlexCausalAttention, flex_block_attention, make_flex_kernel
 from kernels.sdpa_attention import SDPA_KERNEL, pair_mask
+from kernels.registry import BlockKernel
 from kernels.tiled_attention import DENSE_KERNEL, TiledCausalAttention, block_pairs
 from helpers.attention import run_attention
 from helpers.tolerance import FP32_REORDERED, FP64_REORDERED, assert_close_rel
@@ -140,6 +142,42 @@ def test_pairs_of_other_documents_are_skipped_on_the_host():
                       [False, False, True, False], [False, False, True, True]]
     plain = torch.arange(16)[None]
     assert sum(map(sum, block_pairs(plain, plain, valid, 4))) == 10
+
+
+def test_document_tiles_cut_at_every_boundary():
+    """Tiles aligned to the documents of any row, each document run cut into near-equal tiles of at most the tile
+    size; an unpacked block keeps the fixed tiles (None)."""
+    docs, tok, _ = packed_layout()  # row 0 boundaries after 5, 6, 13, 16; row 1 after 2, 11
+    pos = document_positions(docs, tok)
+    assert document_tiles(pos, 3) == (2, 3, 1, 3, 2, 2, 3)  # runs 2, 3, 1, 5, 2, 3
+    assert document_tiles(pos, None) == (2, 3, 1, 5, 2, 3)
+    assert document_tiles(pos[:1], 4) == (3, 2, 1, 4, 3, 3)  # runs 5, 1, 7, 3
+    assert document_tiles(torch.arange(16)[None], 4) is None
+
+
+def test_packed_pairs_take_the_cheap_sdpa_layouts():
+    """One row of documents 6, 5 and 5 at tiles of 4: every pair the fused kernel computes lies in one document
+    (causal on the diagonal, full below it: no dense mask), 3 pairs a document, and the result is the
+    reference's."""
+    seen = []
+
+    def forward(q, k, v, q_pos, k_pos, k_valid, scale):
+        seen.append(pair_mask(q_pos, k_pos, k_valid, q.dtype)[2])
+        return SDPA_KERNEL.forward(q, k, v, q_pos, k_pos, k_valid, scale)
+    docs = torch.tensor([[0] * 6 + [1] * 5 + [2] * 5])
+    tok = torch.cat([torch.arange(6), torch.arange(5), torch.arange(5)])[None]
+    pos, valid = document_positions(docs, tok), torch.ones(1, 16, dtype=torch.bool)
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(1, H, 16, D, generator=g, dtype=torch.float64)
+    k, v, w = (torch.randn(1, HKV if i < 2 else H, 16, D, generator=g, dtype=torch.float64) for i in range(3))
+    u = torch.randn(1, H, 16, generator=g, dtype=torch.float64)
+    kernel = BlockKernel("recording", forward, SDPA_KERNEL.backward)
+    got = run_attention(TiledCausalAttention(4, kernel), q, k, v, pos, pos, valid, w, u)
+    assert sorted(seen) == ["causal"] * 6 + ["full"] * 3  # documents of 6 (tiles 3, 3), 5 and 5 (3, 2 each)
+    ref_args = (docs, tok, docs, tok, valid)
+    ref = run_attention(lambda q_, k_, v_, *_: reference(q_, k_, v_, *ref_args), q, k, v, None, None, None, w, u)
+    for a_, b_, name in zip((got[0], got[1], *got[2]), (ref[0], ref[1], *ref[2]), ("out", "lse", "dq", "dk", "dv")):
+        assert_close_rel(a_, b_, FP64_REORDERED, name)
 
 
 def test_sdpa_layouts_see_documents():

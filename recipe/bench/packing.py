@@ -9,9 +9,11 @@ micro-batch), forward + backward of ``TTTModel`` at the step benchmark's geometr
 benchmark passes (the last of ``--backends``, default the one "auto" picks on the device), in fresh processes
 (``recipe.bench.measure.time_step``: the mean after the first of ``--steps``), interleaved ``--rounds`` times; the
 samples' tokens, supervision (``recipe.plan.spec.MASKS``' ``sharegpt`` turns, per sample) and hidden states are the same
-in both layouts. Printed per mix: the lengths, both shapes, the padding shares, the seconds and ``packed / padded``; the
-summary's ratio is the total packed time over the total padded time. ``--sparse`` measures the dense path, the sparse
-anchors' (``memory.sparse_anchors``) or both.
+in both layouts. Printed per mix: the lengths, both shapes, the padding shares, the positions' ratio (packed B·S
+over padded), the seconds and ``packed / padded``; the summary's ratio is the total packed time over the total padded
+time. The JSON records the machine's load average (1, 5, 15 minutes) at the start and the end: the arms share
+whatever else runs on it. ``--sparse`` measures the dense path, the sparse anchors' (``memory.sparse_anchors``) or
+both.
 """
 from __future__ import annotations
 
@@ -159,7 +161,7 @@ def run_packing(args, device: str, backend: str, console) -> dict:
             "ttt_steps": args.ttt_steps, "attention_tile": args.attention_tile or None, "backend": backend,
             "steps": args.steps, "packing_tokens": args.packing_tokens}
     paths = {"off": [False], "on": [True], "both": [False, True]}[args.sparse]
-    rows = []
+    rows, load_start = [], list(os.getloadavg())
     for round_ in range(args.rounds):
         for m, mix in enumerate(mixes):
             for sparse in paths:
@@ -172,16 +174,18 @@ def run_packing(args, device: str, backend: str, console) -> dict:
                                  "wall_s": time.perf_counter() - start, **result})
     return {"config": {**spec, "micro_batch": args.micro_batch, "max_length": args.max_length, "seed": args.seed,
                        "rounds": args.rounds, "threads": int(os.environ.get("OMP_NUM_THREADS", "1")),
-                       "torch": torch.__version__, "lengths_from": source},
+                       "torch": torch.__version__, "lengths_from": source, "cpus": os.cpu_count(),
+                       "loadavg_start": load_start, "loadavg_end": list(os.getloadavg())},
             "mixes": mixes, "summary": summarise(rows, mixes), "rounds": rows}
 
 
 def summarise(rows: list[dict], mixes: list[list[int]]) -> list[dict]:
-    """Per (mix, path): median seconds padded and packed, the shapes and padding shares, ``packed_vs_padded``; and
-    per path a total row (mix "all": summed medians)."""
+    """Per (mix, path): median seconds padded and packed, the shapes and padding shares, ``packed_vs_padded`` and
+    ``positions_packed_vs_padded`` (the rows' positions, B·S); and per path a total row (mix "all": summed medians,
+    the positions' ratio of the sums and the padded rows' padding share over all their positions)."""
     out = []
     for sparse in dict.fromkeys(r["sparse"] for r in rows):
-        totals = {False: 0.0, True: 0.0}
+        totals, positions, padding = {False: 0.0, True: 0.0}, {False: 0, True: 0}, 0.0
         for m, mix in enumerate(mixes):
             entry = {"mix": m, "sparse": sparse, "lengths": mix}
             for packed, name in ((False, "padded"), (True, "packed")):
@@ -194,11 +198,21 @@ def summarise(rows: list[dict], mixes: list[list[int]]) -> list[dict]:
                     totals[packed] += entry[name]["seconds"]
             if "padded" in entry and "packed" in entry:
                 entry["packed_vs_padded"] = entry["packed"]["seconds"] / entry["padded"]["seconds"]
+                entry["positions_packed_vs_padded"] = _positions(entry["packed"]) / _positions(entry["padded"])
+                positions[False] += _positions(entry["padded"])
+                positions[True] += _positions(entry["packed"])
+                padding += entry["padded"]["padding_share"] * _positions(entry["padded"])
             out.append(entry)
         if totals[False]:
             out.append({"mix": "all", "sparse": sparse, "padded_seconds": totals[False],
-                        "packed_seconds": totals[True], "packed_vs_padded": totals[True] / totals[False]})
+                        "packed_seconds": totals[True], "packed_vs_padded": totals[True] / totals[False],
+                        "positions_packed_vs_padded": positions[True] / max(positions[False], 1),
+                        "padding_share": padding / max(positions[False], 1)})
     return out
+
+
+def _positions(arm: dict) -> int:
+    return arm["shape"][0] * arm["shape"][1]
 
 
 def packing_table(report: dict) -> Table:
@@ -207,14 +221,15 @@ def packing_table(report: dict) -> Table:
     table = Table(title=f"TTT step (fwd+bwd), micro-batch of {cfg['micro_batch']} ShareGPT-length samples cut at "
                         f"{cfg['max_length']}, padded vs packed; H={cfg['hidden']}, Vd={cfg['draft_vocab']}, "
                         f"K={cfg['ttt_steps']}, {cfg['dtype']}, {cfg['backend']}, {cfg['device']}")
-    for col in ("mix", "path", "lengths", "padded B x S", "padding", "packed B x S", "padding ", "padded s",
-                "packed s", "packed / padded", "peak GiB (padded, packed)"):
+    for col in ("mix", "path", "lengths", "padded B x S", "padding", "packed B x S", "padding ", "positions ratio",
+                "padded s", "packed s", "packed / padded", "peak GiB (padded, packed)"):
         table.add_column(col, justify="left" if col in ("mix", "path", "lengths") else "right")
     for e in report["summary"]:
         path = "sparse" if e["sparse"] else "dense"
         if e["mix"] == "all":
-            table.add_row("all", path, "", "", "", "", "", f"{e['padded_seconds']:.2f}", f"{e['packed_seconds']:.2f}",
-                          f"{e['packed_vs_padded']:.2f}", "")
+            table.add_row("all", path, "", "", f"{e['padding_share']:.0%}", "", "",
+                          f"{e['positions_packed_vs_padded']:.2f}", f"{e['padded_seconds']:.2f}",
+                          f"{e['packed_seconds']:.2f}", f"{e['packed_vs_padded']:.2f}", "")
             continue
         pad, pk = e.get("padded"), e.get("packed")
 
@@ -222,7 +237,9 @@ def packing_table(report: dict) -> Table:
             return "x".join(map(str, x["shape"])) if x else "failed"
         table.add_row(str(e["mix"]), path, ",".join(map(str, e["lengths"])), shape(pad),
                       f"{pad['padding_share']:.0%}" if pad else "-", shape(pk),
-                      f"{pk['padding_share']:.0%}" if pk else "-", f"{pad['seconds']:.2f}" if pad else "-",
+                      f"{pk['padding_share']:.0%}" if pk else "-",
+                      f"{e['positions_packed_vs_padded']:.2f}" if "positions_packed_vs_padded" in e else "-",
+                      f"{pad['seconds']:.2f}" if pad else "-",
                       f"{pk['seconds']:.2f}" if pk else "-",
                       f"{e['packed_vs_padded']:.2f}" if "packed_vs_padded" in e else "-",
                       f"{pad['peak_bytes'] / GIB:.2f}, {pk['peak_bytes'] / GIB:.2f}" if pad and pk else "-")
