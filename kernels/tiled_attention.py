@@ -5,19 +5,17 @@ backward, which is what runs a single device out of memory at long context. Here
 of at most ``tile_size`` positions; the forward visits (query tile, key tile) pairs, merging each pair's
 ``(out, lse)`` with ``merge_lse``, and keeps only q, k, v, the output and the final LSE. The backward recomputes each
 pair's probabilities from the final LSE (the flash-attention backward: Dao et al. 2022, "FlashAttention", Alg. 4).
-Pairs in which no query can read any key (every key later than every query, or in an earlier packed document, or
-padding) are skipped, so a causal block costs about half the pairs. Which pairs those are is decided on the host
-once per forward (``block_pairs``), from CPU copies of the positions/validity when the batch builder attached them
-(``kernels.host_positions``; no device sync), else from the tensors (one sync); the backward reuses the forward's
-decision. On one device a block of packed documents is cut at the documents' boundaries first
-(``document_cuts``), so every computed pair is one document's causal or full block: the work is the documents' own
-causal triangles, as unpacked, with no tile straddling two documents under a dense mask.
+Pairs in which no query can read any key (every key later than every query, in an earlier packed document, or
+padding) are skipped, so a causal block costs about half the pairs; they are decided on the host once per forward
+(``block_pairs``) from CPU copies of the positions/validity when the batch builder attached them
+(``kernels.host_positions``; no device sync), else from the tensors (one sync), and the backward reuses them. On one
+device a block of packed documents is cut at the documents' boundaries first (``document_cuts``): every computed pair
+is one document's causal or full block, as unpacked, with no tile straddling two documents under a dense mask.
 
-The same tile loops serve the ring attention (``kernels.ring_attention``), which runs them on every K/V block that
-arrives around the context-parallel ring. What one (query tile, key tile) pair computes is a ``BlockKernel``
-(``kernels.registry``): the pure-PyTorch ``DENSE_KERNEL`` here (the reference, registered as the ``tiled``
-backend), the fused CPU kernel of ``kernels.sdpa_attention``, or flex attention (``kernels.flex_attention``); the
-loops, the pair skipping and the fp32 merges are the same for all.
+The same tile loops serve the ring attention (``kernels.ring_attention``) on every K/V block that arrives around the
+context-parallel ring. What one (query tile, key tile) pair computes is a ``BlockKernel`` (``kernels.registry``): the
+pure-PyTorch ``DENSE_KERNEL`` here (the reference, the ``tiled`` backend), the fused CPU kernel of
+``kernels.sdpa_attention``, or flex attention (``kernels.flex_attention``); loops, skipping and fp32 merges are shared.
 """
 from __future__ import annotations
 
@@ -140,9 +138,8 @@ def block_pairs(q_pos_BS, k_pos_BS, k_valid_BS, tile_size: int | tuple[int, ...]
 def document_cuts(q_pos_BS, k_pos_BS, k_valid_BS, tile_size: int | None):
     """(query tiling, key tiling) of a one-device block: ``tile_size`` for both, except where the host-known positions
     (``kernels.host_positions``; a CPU tensor is its own copy) hold packed documents: there the tile lengths of
-    ``kernels.documents.document_tiles``, cut at the documents' boundaries, so no tile pair straddles one (each
-    pair is one document's causal or full block, or skipped). No host copy (one sync would be needed) or fake
-    tensors: ``tile_size``."""
+    ``kernels.documents.document_tiles``, cut at the documents' boundaries (each pair one document's causal or full
+    block, or skipped). No host copy (a sync would be needed) or fake tensors: ``tile_size``."""
     meta = None if unreadable(q_pos_BS, k_pos_BS) else host_block_meta(q_pos_BS, k_pos_BS, k_valid_BS)
     if meta is None:
         return tile_size, tile_size
