@@ -128,7 +128,7 @@ def cases(tiny_target_and_store, other_tiny_target, assets, tmp_path_factory):
         "store_version_1": (Job(offline("o15", store=_store_variant(store, tmp / "s_v1", _version_1))),
                             ["s_v1/index.json", "written by an older version of this recipe (store version 1, no "
                              "'target_argmax'", "python -m recipe.dump"]),
-        "cuda_out_of_memory": (Job(offline("m1", "--max-steps", "3"), oom_at_step=2),
+        "cuda_out_of_memory": (Job(offline("m1", "--max-steps", "3", "--no-packing"), oom_at_step=2),
                                ["out of memory at step 2 on a micro-batch of 2 sample(s) padded to 20 tokens on rank 0",
                                 "cpu: no allocator statistics", '"loss_chunk_size": 4096', "checkpoint_ttt_steps",
                                 'a smaller "memory.attention_tile_size" (now 1024)', "a larger cp_size (now 1",

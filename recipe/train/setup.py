@@ -260,15 +260,15 @@ def run_config(args: TrainArgs, sections: RunSections | None, world_size: int, d
     ``--packing`` applied (:func:`run_data_options`). Raises ConfigError naming the file and field."""
     sections = load_sections(args.ds_config) if sections is None else sections
     config = sections.resolve(world_size, {"tp_size": args.tp_size, "cp_size": args.cp_size}).for_device(device)
-    return dataclasses.replace(config, data=run_data_options(args, config, device))
+    return dataclasses.replace(config, data=run_data_options(args, config))
 
 
-def run_data_options(args: TrainArgs, config: RunConfig, device: torch.device):
+def run_data_options(args: TrainArgs, config: RunConfig):
     """The run's ``data`` section (``recipe.config_data.DataOptions``) with ``--packing``/``--no-packing`` applied;
-    ``"auto"`` pads on the CPU (``DataOptions.for_device``) and, online, packs only where the target's forward
-    isolates packed documents (``recipe.target.registry.TargetArch.packs_documents``; ``DataOptions.for_target``).
-    Raises ConfigError for packing true on another target."""
-    data = config.data.with_flag(args.packing).for_device(torch.device(device).type)
+    online, ``"auto"`` packs only where the target's forward isolates packed documents
+    (``recipe.target.registry.TargetArch.packs_documents``; ``DataOptions.for_target``). Raises ConfigError for
+    packing true on another target."""
+    data = config.data.with_flag(args.packing)
     if args.data is None or data.packing is False:  # offline: no target forward; the store's states are per sample
         return data
     hf_config = AutoConfig.from_pretrained(args.target)
