@@ -27,6 +27,7 @@ from recipe.model.ttt import TTTModel
 from recipe.parallel.parallelize import build_training_model
 from recipe.parallel.topology import ParallelState
 from recipe.target.capture import target_fingerprint
+from recipe.target.files import split_gguf
 from recipe.target.head import load_embedding_and_head
 from recipe.target.registry import arch_facts, draft_config_for, final_logit_softcap
 from recipe.train import init_draft, positions
@@ -267,11 +268,12 @@ def run_data_options(args: TrainArgs, config: RunConfig, device: torch.device):
     """The run's ``data`` section (``recipe.config_data.DataOptions``) with ``--packing``/``--no-packing`` applied;
     ``"auto"`` pads on the CPU (``DataOptions.for_device``) and, online, packs only where the target's forward
     isolates packed documents (``recipe.target.registry.TargetArch.packs_documents``; ``DataOptions.for_target``).
-    Raises ConfigError for packing true on another target."""
+    Raises ConfigError for packing true on another target, FileNotFoundError naming a missing target."""
     data = config.data.with_flag(args.packing).for_device(torch.device(device).type)
     if args.data is None or data.packing is False:  # offline: no target forward; the store's states are per sample
         return data
-    hf_config = AutoConfig.from_pretrained(args.target)
+    folder, gguf = split_gguf(args.target)  # a missing target named clearly, a *.gguf file read as one
+    hf_config = AutoConfig.from_pretrained(folder, **gguf)
     return data.for_target(getattr(hf_config, "model_type", None), arch_facts(hf_config).packs_documents, config.path)
 
 
