@@ -275,3 +275,17 @@ def test_run_json_and_flags_set_packing(tmp_path):
         load_run_config(path, 1)
     common = ["--ds_config", str(path), "--target", "t", "--hidden-states", "s", "--output", "o"]
     assert [parse_args(common + flag).packing for flag in ([], ["--packing"], ["--no-packing"])] == [None, True, False]
+
+
+def test_a_packed_online_run_names_a_missing_target(tmp_path):
+    """An online run that packs ("auto" or --packing) reads the target's config first (``run_data_options``): a missing target is named as
+    everywhere else, not reported by transformers' hub lookup."""
+    from types import SimpleNamespace
+
+    from recipe.config_data import DataOptions
+    from recipe.train.setup import run_data_options
+
+    args = SimpleNamespace(packing=None, data=["x.jsonl"], target=tmp_path / "no_target")
+    config = SimpleNamespace(data=DataOptions(), path=tmp_path / "run.json")
+    with pytest.raises(FileNotFoundError, match="target folder not found: .*no_target"):
+        run_data_options(args, config)

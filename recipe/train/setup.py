@@ -268,7 +268,7 @@ def run_data_options(args: TrainArgs, config: RunConfig):
     """The run's ``data`` section (``recipe.config_data.DataOptions``) with ``--packing``/``--no-packing`` applied;
     online, ``"auto"`` packs only where the target's forward isolates packed documents
     (``recipe.target.registry.TargetArch.packs_documents``; ``DataOptions.for_target``). Raises ConfigError for
-    packing true on another target."""
+    packing true on another target, FileNotFoundError naming a missing target."""
     data = config.data.with_flag(args.packing)
     if args.data is None or data.packing is False:  # offline: no target forward; the store's states are per sample
         return data
