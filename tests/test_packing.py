@@ -278,8 +278,8 @@ def test_run_json_and_flags_set_packing(tmp_path):
 
 
 def test_a_packed_online_run_names_a_missing_target(tmp_path):
-    """An online run that packs ("auto" or --packing) reads the target's config first (``run_data_options``): a missing target is named as
-    everywhere else, not reported by transformers' hub lookup."""
+    """An online run that packs (``"auto"`` or ``--packing``) reads the target's config first
+    (``run_data_options``): a missing target is named as everywhere else, not reported by transformers' hub lookup."""
     from types import SimpleNamespace
 
     from recipe.config_data import DataOptions
