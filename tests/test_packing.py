@@ -289,3 +289,31 @@ def test_a_packed_online_run_names_a_missing_target(tmp_path):
     config = SimpleNamespace(data=DataOptions(), path=tmp_path / "run.json")
     with pytest.raises(FileNotFoundError, match="target folder not found: .*no_target"):
         run_data_options(args, config)
+
+
+def test_an_offline_run_prints_its_padding_line(tiny_target_and_store, tmp_path, monkeypatch):
+    """An offline run states the padding share of its micro-batches from the store's sample lengths, as the online
+    data report does: the samples in the sampler's seeded order, 4 to a micro-batch, padded to each one's longest."""
+    import random
+    from types import SimpleNamespace
+
+    from rich.console import Console
+
+    from recipe.config_data import DataOptions
+    from recipe.data.store import HiddenStateStore
+    from recipe.train import setup
+
+    _, store_dir = tiny_target_and_store
+    monkeypatch.setattr(setup.dist, "get_rank", lambda: 0)
+    args = SimpleNamespace(cache_dir=None, output=tmp_path, hidden_states=store_dir, limit=None, max_length=64)
+    config = SimpleNamespace(plan=SimpleNamespace(micro_batch=4), data=DataOptions(),
+                             dims=SimpleNamespace(seq_divisor=1))
+    console = Console(record=True, width=400)
+    _, store, _ = setup._data(args, console, None, config)
+    lengths = HiddenStateStore(store_dir).lengths
+    random.Random(0).shuffle(lengths)
+    padded = sum(4 * max(lengths[i:i + 4]) for i in range(0, len(lengths), 4))
+    assert len(store) == 24 and len(set(lengths)) > 1  # samples of several lengths: there is padding to report
+    assert console.export_text().strip() == (
+        f"padding: {1 - sum(lengths) / padded:.1%} of the positions of micro-batches of 4 samples padded, 0.0% packed "
+        '(one row a micro-batch); this run: data.packing "auto"')

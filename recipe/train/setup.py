@@ -17,6 +17,7 @@ from rich.console import Console
 from transformers import AutoConfig
 
 from recipe.config import RunConfig, RunSections, load_sections
+from recipe.data.lengths import LengthReport
 from recipe.data.vocab import VocabMap, build_vocab_map, vocab_coverage_report
 from recipe.lifecycle import checkpoint, reshard, resume_checks
 from recipe.lifecycle.distributed import rank0_first
@@ -62,8 +63,9 @@ class RunParts:
 
 
 def _data(args: TrainArgs, console: Console, comm, config: RunConfig):
-    """Online: (examples Dataset, None, fingerprint); offline: (None, HiddenStateStore, fingerprint). The online data
-    report states the padding share of ``config``'s micro-batches, padded and packed (``recipe.data.lengths``)."""
+    """Online: (examples Dataset, None, fingerprint); offline: (None, HiddenStateStore, fingerprint). Either way rank 0
+    prints the padding share of ``config``'s micro-batches, padded and packed (``recipe.data.lengths``): online in
+    the data report, offline as one line from the store's sample lengths."""
     cache = args.cache_dir or args.output / "cache"
     if args.hidden_states is not None:
         from recipe.data.store import HiddenStateStore
@@ -72,6 +74,9 @@ def _data(args: TrainArgs, console: Console, comm, config: RunConfig):
         store.validate()
         if args.limit:
             store = store.subset(range(min(args.limit, len(store))))
+        if dist.get_rank() == 0 and (line := _for_batches(LengthReport(args.max_length, store.lengths),
+                                                          config).padding_line()) is not None:
+            console.print(line)
         return None, store, f"store:{store.fingerprint()}:{len(store)}"
     from recipe.data.examples import build_examples, examples_fingerprint
     from recipe.target.capture import load_tokenizer
@@ -86,10 +91,15 @@ def _data(args: TrainArgs, console: Console, comm, config: RunConfig):
     examples, report = rank0_first(build, comm)
     if dist.get_rank() == 0:
         if report.lengths is not None:  # the padding share with and without packing
-            report.lengths.for_batches(config.plan.micro_batch, config.data.packing, config.data.packing_tokens,
-                                       config.dims.seq_divisor)
+            _for_batches(report.lengths, config)
         console.print(report.table())
     return examples, None, f"examples:{examples_fingerprint(examples)}:{len(examples)}"
+
+
+def _for_batches(lengths: LengthReport, config: RunConfig) -> LengthReport:
+    """``lengths`` set to ``config``'s micro-batch size and ``data`` section, for its padding line."""
+    return lengths.for_batches(config.plan.micro_batch, config.data.packing, config.data.packing_tokens,
+                               config.dims.seq_divisor)
 
 
 def _token_rows(examples, store):
