@@ -4,9 +4,9 @@ samples are laid out (docs/algorithm.md, "Packing"; ``recipe.data.packing``).
 ``packing``: ``"auto"`` (default), true or false; ``run.py --packing`` / ``--no-packing`` override it
 (:meth:`DataOptions.with_flag`). ``packing_tokens``: the row budget in tokens (a positive integer; None, the default:
 one row per micro-batch, at most micro-batch · ``--max-length`` tokens, never more positions than its padded rows).
-The run narrows ``"auto"`` to false where packing would not be exact or is not measured faster:
-:meth:`DataOptions.for_device` (the CPU: docs/benchmarks.md, "Packing"), :meth:`DataOptions.for_target` (an online
-target whose packed forward is untested) and :meth:`DataOptions.for_attention` (the untiled dense attention block). No
+The run narrows ``"auto"`` to false where packing would not be exact or is not faster: :meth:`DataOptions.for_target`
+(an online target whose packed forward is untested) and :meth:`DataOptions.for_attention` (the untiled dense attention
+block); the same rule on every device (the CPU measured 0.72x the padded step: docs/benchmarks.md, "Packing"). No
 torch import: reading a config stays cheap.
 """
 from __future__ import annotations
@@ -56,16 +56,6 @@ class DataOptions:
     def with_flag(self, packing: bool | None) -> "DataOptions":
         """A copy with ``run.py``'s ``--packing`` (True) / ``--no-packing`` (False) applied; None keeps the JSON's."""
         return self if packing is None else DataOptions(packing=bool(packing), packing_tokens=self.packing_tokens)
-
-    def for_device(self, device_type: str) -> "DataOptions":
-        """These options on a device of ``device_type`` (``"cuda"``, ``"cpu"``): ``"auto"`` becomes false on the CPU;
-        otherwise unchanged. The rule was set when the packed step was not faster there (ShareGPT-length
-        micro-batches of 8 at 2k, the fused CPU kernel: 1.02x the padded time over four mixes, 1.44x at 3 %
-        padding); since the tile loops cut packed rows at their documents it measures 0.72x over those mixes,
-        0.99x at 3 % padding (docs/benchmarks.md, "Packing"): packing on the CPU is a candidate default."""
-        if device_type == "cpu" and self.packing == "auto":
-            return DataOptions(packing=False, packing_tokens=self.packing_tokens)
-        return self
 
     def for_target(self, model_type: str | None, packs_documents: bool, path: Path | str) -> "DataOptions":
         """These options for an online run whose target is of ``model_type``: unchanged where its forward isolates

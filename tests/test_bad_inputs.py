@@ -128,7 +128,7 @@ def cases(tiny_target_and_store, other_tiny_target, assets, tmp_path_factory):
         "store_version_1": (Job(offline("o15", store=_store_variant(store, tmp / "s_v1", _version_1))),
                             ["s_v1/index.json", "written by an older version of this recipe (store version 1, no "
                              "'target_argmax'", "python -m recipe.dump"]),
-        "cuda_out_of_memory": (Job(offline("m1", "--max-steps", "3"), oom_at_step=2),
+        "cuda_out_of_memory": (Job(offline("m1", "--max-steps", "3", "--no-packing"), oom_at_step=2),
                                ["out of memory at step 2 on a micro-batch of 2 sample(s) padded to 20 tokens on rank 0",
                                 "cpu: no allocator statistics", '"loss_chunk_size": 4096', "checkpoint_ttt_steps",
                                 'a smaller "memory.attention_tile_size" (now 1024)', "a larger cp_size (now 1",
@@ -147,7 +147,7 @@ def cases(tiny_target_and_store, other_tiny_target, assets, tmp_path_factory):
         "data_extension": (Job(online_argv("d7", data["extension"])), ["data.txt", "unknown conversation file"]),
         "target_no_chat_template": (Job(online_argv("d8", data["no_assistant"], target=no_template)),
                                     ["no_template", "has no chat template"]),
-        "nonfinite_loss": (Job(offline("n1", "--max-steps", str(nan_step + 1)), nan_sample=5),
+        "nonfinite_loss": (Job(offline("n1", "--max-steps", str(nan_step + 1), "--no-packing"), nan_sample=5),
                            [f"non-finite loss at step {nan_step}", "rank(s) [0]", "samples [", "--skip-nonfinite"]),
         "skip_nonfinite_needs_accum_1": (Job(offline("n2", "--skip-nonfinite", cfg=accum)),
                                          ["--skip-nonfinite needs gradient_accumulation_steps = 1", "got 2"]),
@@ -156,7 +156,7 @@ def cases(tiny_target_and_store, other_tiny_target, assets, tmp_path_factory):
                       ["saving checkpoint", "step-00000004", "(rank 0: ", "rng-rank00000.safetensors: No space left "
                        "on device", "the previous checkpoint step-00000002 is intact"]),
     }
-    skip = Job(offline("n3", "--max-steps", str(nan_step + 1), "--skip-nonfinite"), nan_sample=5)
+    skip = Job(offline("n3", "--max-steps", str(nan_step + 1), "--skip-nonfinite", "--no-packing"), nan_sample=5)
     # about 30 runs of run.py in one process: minutes on a loaded 2-core machine (a cold DeepSpeed JIT build of its
     # CPU all-reduce op may fall in here too), so more than run_ranks' default allowance
     outcomes = run_ranks(1, run_jobs, [job for job, _ in table.values()] + [skip], timeout=1800)[0]

@@ -211,7 +211,7 @@ def test_prefetch_gives_the_same_batches_in_the_same_order(tiny_target_and_store
     assert torch.equal(step.local_valid_K, torch.stack([b.ttt.valid_KBS.sum(dim=(1, 2)) for b in expected]).sum(0))
     assert torch.equal(step.supervised_K, torch.stack([b.supervised_K for b in expected]).sum(0))
     assert step.supervised_tokens == sum(b.supervised_tokens for b in expected)
-    assert step.shape == (2, max(b.ttt.input_ids_KBS.shape[-1] for b in expected) * cp)
+    assert step.shape == (2, 2, max(b.ttt.input_ids_KBS.shape[-1] for b in expected) * cp)  # samples, rows, tokens
     got = list(step)
     assert len(got) == len(expected)
     for m, (a, b) in enumerate(zip(got, expected)):

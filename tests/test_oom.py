@@ -11,7 +11,7 @@ from recipe.lifecycle.oom import out_of_memory_message
 def test_message_names_the_length_per_cp_rank_and_the_next_switches():
     error = torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 8.00 GiB. GPU 0 has a total capacity ...")
     on = MemoryOptions(loss_chunk_size=4096, checkpoint_ttt_steps=True, attention_tile_size=1024)
-    msg = out_of_memory_message(error, step=7, rank=3, device=torch.device("cpu"), shape=(1, 65536), memory=on,
+    msg = out_of_memory_message(error, step=7, rank=3, device=torch.device("cpu"), shape=(1, 1, 65536), memory=on,
                                 cp_size=2, max_length=65536)
     first, *switches = msg.splitlines()
     assert first == ("out of memory at step 7 on a micro-batch of 1 sample(s) padded to 65536 tokens (32768 per cp "
@@ -20,13 +20,17 @@ def test_message_names_the_length_per_cp_rank_and_the_next_switches():
     assert len(switches) == 5 and all(line.startswith("  - ") for line in switches)
     assert 'a smaller "memory.loss_chunk_size" (now 4096)' in msg
     assert '"memory": {"teacher_logits_once": false}' in msg  # the table of teacher logits beside the chunks
-    streamed = out_of_memory_message(error, step=7, rank=3, device=torch.device("cpu"), shape=(1, 65536),
+    streamed = out_of_memory_message(error, step=7, rank=3, device=torch.device("cpu"), shape=(1, 1, 65536),
                                      memory=MemoryOptions(loss_chunk_size=4096, checkpoint_ttt_steps=True,
                                                           teacher_logits_once=False), cp_size=2, max_length=65536)
     assert "teacher_logits_once" not in streamed and len(streamed.splitlines()) == 5
     assert 'a smaller "memory.attention_tile_size" (now 1024)' in msg
     assert "checkpoint_ttt_steps" not in msg  # already on: not suggested
     assert "a larger cp_size (now 2" in msg and "--max-length (now 65536)" in msg
+    packed = out_of_memory_message(error, step=2, rank=0, device=torch.device("cpu"), shape=(8, 2, 4096), memory=on,
+                                   cp_size=1, max_length=2048)
+    assert packed.startswith("out of memory at step 2 on a micro-batch of 8 sample(s) packed into 2 row(s) of 4096 "
+                             "tokens on rank 0; ")
 
 
 def test_message_when_the_target_forward_ran_out():

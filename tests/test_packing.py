@@ -236,8 +236,6 @@ def test_data_section_and_the_padding_report():
     assert DataOptions().for_target("llama", True, "run.json") == DataOptions()
     assert DataOptions().for_attention(None).packing is False and DataOptions(True).for_attention(None).packing is True
     assert DataOptions().for_attention(1024) == DataOptions()
-    assert DataOptions().for_device("cpu").packing is False and DataOptions(True).for_device("cpu").packing is True
-    assert DataOptions().for_device("cuda") == DataOptions()
     from recipe.target.registry import ARCHITECTURES as FACTS  # packing online only where the test above covers it
 
     assert {name for name, arch in FACTS.items() if arch.packs_documents} == set(ARCHITECTURES)
@@ -280,14 +278,42 @@ def test_run_json_and_flags_set_packing(tmp_path):
 
 
 def test_a_packed_online_run_names_a_missing_target(tmp_path):
-    """Packing an online run reads the target's config first (``run_data_options``): a missing target is named as
-    everywhere else, not reported by transformers' hub lookup."""
+    """An online run that packs (``"auto"`` or ``--packing``) reads the target's config first
+    (``run_data_options``): a missing target is named as everywhere else, not reported by transformers' hub lookup."""
     from types import SimpleNamespace
 
     from recipe.config_data import DataOptions
     from recipe.train.setup import run_data_options
 
-    args = SimpleNamespace(packing=True, data=["x.jsonl"], target=tmp_path / "no_target")
+    args = SimpleNamespace(packing=None, data=["x.jsonl"], target=tmp_path / "no_target")
     config = SimpleNamespace(data=DataOptions(), path=tmp_path / "run.json")
     with pytest.raises(FileNotFoundError, match="target folder not found: .*no_target"):
-        run_data_options(args, config, "cpu")
+        run_data_options(args, config)
+
+
+def test_an_offline_run_prints_its_padding_line(tiny_target_and_store, tmp_path, monkeypatch):
+    """An offline run states the padding share of its micro-batches from the store's sample lengths, as the online
+    data report does: the samples in the sampler's seeded order, 4 to a micro-batch, padded to each one's longest."""
+    import random
+    from types import SimpleNamespace
+
+    from rich.console import Console
+
+    from recipe.config_data import DataOptions
+    from recipe.data.store import HiddenStateStore
+    from recipe.train import setup
+
+    _, store_dir = tiny_target_and_store
+    monkeypatch.setattr(setup.dist, "get_rank", lambda: 0)
+    args = SimpleNamespace(cache_dir=None, output=tmp_path, hidden_states=store_dir, limit=None, max_length=64)
+    config = SimpleNamespace(plan=SimpleNamespace(micro_batch=4), data=DataOptions(),
+                             dims=SimpleNamespace(seq_divisor=1))
+    console = Console(record=True, width=400)
+    _, store, _ = setup._data(args, console, None, config)
+    lengths = HiddenStateStore(store_dir).lengths
+    random.Random(0).shuffle(lengths)
+    padded = sum(4 * max(lengths[i:i + 4]) for i in range(0, len(lengths), 4))
+    assert len(store) == 24 and len(set(lengths)) > 1  # samples of several lengths: there is padding to report
+    assert console.export_text().strip() == (
+        f"padding: {1 - sum(lengths) / padded:.1%} of the positions of micro-batches of 4 samples padded, 0.0% packed "
+        '(one row a micro-batch); this run: data.packing "auto"')

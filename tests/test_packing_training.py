@@ -5,8 +5,8 @@
 - offline, ZeRO-1, one process, 8 steps of micro-batches of 4 real ShareGPT conversations (the SmolLM2 store);
 - offline, ZeRO-3 over two data-parallel ranks with the sparse anchors (their packed micro-batches of different
   shapes: the call extents from the packed layouts), against the single-process padded run (the tiny target);
-- online, cp 2 (the split target forward and the draft's ring over packed rows) against the online cp 1 run with the
-  default ``"auto"``, which pads on the CPU (the tiny target with a character tokenizer).
+- online, cp 2 (the split target forward and the draft's ring over packed rows) against the online cp 1 run with
+  ``--no-packing`` (the tiny target with a character tokenizer).
 
 ``run_config.json`` records the ``data`` section, the flag applied."""
 from __future__ import annotations
@@ -72,7 +72,7 @@ def test_zero3_dp2_and_online_cp2_packed_equal_padded(tiny_target_and_store, cha
                 str(tmp_path / "cache"), *extra]
     ref_offline, ref_online = run_ranks(1, run_training, [
         train_argv(ref_cfg, target, store, tmp_path / "ref", "--max-steps", "3", "--no-packing"),
-        online_argv("online_ref")])[0]  # the default, "auto", pads on the CPU
+        online_argv("online_ref", "--no-packing")])[0]
     zero3, online_cp2 = run_ranks(2, run_training, [
         train_argv(z3, target, store, tmp_path / "z3", "--max-steps", "3", "--packing"),
         online_argv("online_cp2", "--packing", "--cp-size", "2")])[0]
@@ -80,4 +80,4 @@ def test_zero3_dp2_and_online_cp2_packed_equal_padded(tiny_target_and_store, cha
     assert_curves_close(ref_online, online_cp2, FP32_CURVE, "online cp2 packed vs cp1 padded")
     assert min(ref_online[0]["valid"]) > 0
     assert _recorded(tmp_path / "z3") == _recorded(tmp_path / "online_cp2") == {"packing": True, "packing_tokens": None}
-    assert _recorded(tmp_path / "online_ref") == {"packing": False, "packing_tokens": None}  # "auto" on the CPU
+    assert _recorded(tmp_path / "online_ref") == {"packing": False, "packing_tokens": None}

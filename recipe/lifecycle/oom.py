@@ -28,18 +28,22 @@ def device_memory(device: torch.device) -> str:
 
 
 def out_of_memory_message(error: BaseException, *, step: int, rank: int, device: torch.device,
-                          shape: tuple[int, int] | None, memory: MemoryOptions, cp_size: int, max_length: int) -> str:
+                          shape: tuple[int, int, int] | None, memory: MemoryOptions, cp_size: int,
+                          max_length: int) -> str:
     """The message of :class:`StepOutOfMemory`: one line naming what ran out, then one line per switch to try.
 
-    ``step``: the 1-based optimizer step that failed; ``shape``: (samples, padded tokens) of this rank's micro-batch
+    ``step``: the 1-based optimizer step that failed; ``shape``: (samples, rows, tokens a row) of this rank's
+    micro-batch (fewer rows than samples: packed, ``data.packing``)
     (None: the step failed while building it, i.e. in the online target's forward); ``memory``: the run's ``memory``
     section; ``cp_size``: the context-parallel degree (each cp rank holds tokens / cp positions).
     """
     if shape is None:
         where = "while building its micro-batches (target forward)"
     else:
-        per_rank = f" ({shape[1] // cp_size} per cp rank)" if cp_size > 1 else ""
-        where = f"on a micro-batch of {shape[0]} sample(s) padded to {shape[1]} tokens{per_rank}"
+        samples, rows, tokens = shape
+        per_rank = f" ({tokens // cp_size} per cp rank)" if cp_size > 1 else ""
+        laid = f"padded to {tokens} tokens" if rows == samples else f"packed into {rows} row(s) of {tokens} tokens"
+        where = f"on a micro-batch of {samples} sample(s) {laid}{per_rank}"
     switches = []
     if memory.loss_chunk_size is None:
         switches.append('"memory": {"loss_chunk_size": 4096} (now null: the whole [K·S, V_d] logits are kept)')

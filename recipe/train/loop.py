@@ -70,7 +70,7 @@ class Trainer:
         self.step = 0
         self.skipped_steps: list[int] = []
         self._noted_no_train_state = False  # said once that checkpoints hold no layout-free state
-        self.batch_shape: tuple[int, int] | None = None
+        self.batch_shape: tuple[int, int, int] | None = None
         self._check_settings()
         if parts.resume_from is not None:
             # compare first: nothing of the checkpoint is loaded into a run that differs in data or settings
@@ -180,7 +180,7 @@ class Trainer:
         indices = parts.sampler.step_indices(self.step)
         shares = [rank_micro_batches(indices, p.micro_batch, p.grad_accum, d.dp, r) for r in range(d.dp)]
         micro = shares[self.pstate.dp_rank]
-        self.batch_shape = None  # (samples, padded tokens) of this rank's micro-batch, for an out-of-memory report
+        self.batch_shape = None  # (samples, rows, tokens a row) of this rank's micro-batch, for an out-of-memory report
         extents = [parts.builder.call_extent([sh[m] for sh in shares]) for m in range(p.grad_accum)]  # ZeRO-3 calls
         batches = StepBatches(parts.builder, micro, extents)  # the counts now; the device batches one at a time below
         self.batch_shape = batches.shape  # each cp rank holds 1/cp of the padded sequence

@@ -17,6 +17,7 @@ from rich.console import Console
 from transformers import AutoConfig
 
 from recipe.config import RunConfig, RunSections, load_sections
+from recipe.data.lengths import LengthReport
 from recipe.data.vocab import VocabMap, build_vocab_map, vocab_coverage_report
 from recipe.lifecycle import checkpoint, reshard, resume_checks
 from recipe.lifecycle.distributed import rank0_first
@@ -62,8 +63,9 @@ class RunParts:
 
 
 def _data(args: TrainArgs, console: Console, comm, config: RunConfig):
-    """Online: (examples Dataset, None, fingerprint); offline: (None, HiddenStateStore, fingerprint). The online data
-    report states the padding share of ``config``'s micro-batches, padded and packed (``recipe.data.lengths``)."""
+    """Online: (examples Dataset, None, fingerprint); offline: (None, HiddenStateStore, fingerprint). Either way rank 0
+    prints the padding share of ``config``'s micro-batches, padded and packed (``recipe.data.lengths``): online in
+    the data report, offline as one line from the store's sample lengths."""
     cache = args.cache_dir or args.output / "cache"
     if args.hidden_states is not None:
         from recipe.data.store import HiddenStateStore
@@ -72,6 +74,9 @@ def _data(args: TrainArgs, console: Console, comm, config: RunConfig):
         store.validate()
         if args.limit:
             store = store.subset(range(min(args.limit, len(store))))
+        if dist.get_rank() == 0 and (line := _for_batches(LengthReport(args.max_length, store.lengths),
+                                                          config).padding_line()) is not None:
+            console.print(line)
         return None, store, f"store:{store.fingerprint()}:{len(store)}"
     from recipe.data.examples import build_examples, examples_fingerprint
     from recipe.target.capture import load_tokenizer
@@ -86,10 +91,15 @@ def _data(args: TrainArgs, console: Console, comm, config: RunConfig):
     examples, report = rank0_first(build, comm)
     if dist.get_rank() == 0:
         if report.lengths is not None:  # the padding share with and without packing
-            report.lengths.for_batches(config.plan.micro_batch, config.data.packing, config.data.packing_tokens,
-                                       config.dims.seq_divisor)
+            _for_batches(report.lengths, config)
         console.print(report.table())
     return examples, None, f"examples:{examples_fingerprint(examples)}:{len(examples)}"
+
+
+def _for_batches(lengths: LengthReport, config: RunConfig) -> LengthReport:
+    """``lengths`` set to ``config``'s micro-batch size and ``data`` section, for its padding line."""
+    return lengths.for_batches(config.plan.micro_batch, config.data.packing, config.data.packing_tokens,
+                               config.dims.seq_divisor)
 
 
 def _token_rows(examples, store):
@@ -261,15 +271,15 @@ def run_config(args: TrainArgs, sections: RunSections | None, world_size: int, d
     ``--packing`` applied (:func:`run_data_options`). Raises ConfigError naming the file and field."""
     sections = load_sections(args.ds_config) if sections is None else sections
     config = sections.resolve(world_size, {"tp_size": args.tp_size, "cp_size": args.cp_size}).for_device(device)
-    return dataclasses.replace(config, data=run_data_options(args, config, device))
+    return dataclasses.replace(config, data=run_data_options(args, config))
 
 
-def run_data_options(args: TrainArgs, config: RunConfig, device: torch.device):
+def run_data_options(args: TrainArgs, config: RunConfig):
     """The run's ``data`` section (``recipe.config_data.DataOptions``) with ``--packing``/``--no-packing`` applied;
-    ``"auto"`` pads on the CPU (``DataOptions.for_device``) and, online, packs only where the target's forward
-    isolates packed documents (``recipe.target.registry.TargetArch.packs_documents``; ``DataOptions.for_target``).
-    Raises ConfigError for packing true on another target, FileNotFoundError naming a missing target."""
-    data = config.data.with_flag(args.packing).for_device(torch.device(device).type)
+    online, ``"auto"`` packs only where the target's forward isolates packed documents
+    (``recipe.target.registry.TargetArch.packs_documents``; ``DataOptions.for_target``). Raises ConfigError for
+    packing true on another target, FileNotFoundError naming a missing target."""
+    data = config.data.with_flag(args.packing)
     if args.data is None or data.packing is False:  # offline: no target forward; the store's states are per sample
         return data
     folder, gguf = split_gguf(args.target)  # a missing target named clearly, a *.gguf file read as one

@@ -16,8 +16,8 @@ class StepBatches:
 
     ``local_valid_K`` [K] int64: this rank's valid positions per TTT step over all micro-batches (this cp rank's
     shard; summed over dp×cp by the loop). ``supervised_K`` [K] int64 and ``supervised_tokens``: the whole
-    micro-batches' (CPU). ``shape``: (samples, padded tokens) of the largest micro-batch, for an out-of-memory
-    report.
+    micro-batches' (CPU). ``shape``: (samples, rows, tokens a row) of the largest micro-batch (rows < samples:
+    packed), for an out-of-memory report.
 
     Offline the counts come from the host tokens and the store's ``target_argmax`` alone (``BatchBuilder.tokens``,
     ``local_valid``; on the CPU), before any hidden state is read; iterating then yields one device micro-batch at
@@ -37,13 +37,12 @@ class StepBatches:
             self._hosts = [builder.tokens(ix) for ix in micro]
             self._first = builder.prefetch(self._hosts[0]) if micro else None  # overlaps the counts below
             self.local_valid_K = torch.stack([builder.local_valid(h) for h in self._hosts]).sum(0)
-            self.shape = (max(h.samples for h in self._hosts), max(h.seq for h in self._hosts))
+            self.shape = _largest([(h.samples, h.attention_BS.shape[0], h.seq) for h in self._hosts])
             loss_masks = [h.loss_mask_BS for h in self._hosts]
         else:
             self._built = [builder.build(ix, extent=e) for ix, e in zip(micro, self.extents)]
             self.local_valid_K = torch.stack([b.ttt.valid_KBS.sum(dim=(1, 2)) for b in self._built]).sum(0)
-            self.shape = (max(b.samples for b in self._built),
-                          max(b.ttt.input_ids_KBS.shape[-1] for b in self._built) * builder.cp_size)
+            self.shape = _largest([(b.samples, *b.ttt.input_ids_KBS.shape[-2:]) for b in self._built], builder.cp_size)
             loss_masks = None
         if loss_masks is not None:
             self.supervised_K = torch.stack([supervised_per_step(h.loss_mask_BS, builder.ttt_steps, h.documents_BS)
@@ -65,3 +64,12 @@ class StepBatches:
             staged = pending.result()
             pending = self.builder.prefetch(self._hosts[m + 1]) if m + 1 < len(self.micro) else None
             yield self.builder.build(ix, staged, self.extents[m])
+
+
+def _largest(shapes: list[tuple[int, int, int]], cp_size: int = 1) -> tuple[int, int, int] | None:
+    """The (samples, rows, tokens a row) of the micro-batch with the most positions, tokens whole (``cp_size`` times a
+    cp rank's shard); None for no micro-batch."""
+    if not shapes:
+        return None
+    samples, rows, seq = max(shapes, key=lambda s: s[1] * s[2])
+    return samples, rows, seq * cp_size
