@@ -64,7 +64,7 @@ def _online_cp2(rank, world, folder):
     draft.load_target_embeddings(target.embed_tokens_weight)
     draft.set_vocab_map(vocab.d2t, vocab.t2d)
     draft.init_lm_head_from_target(target.lm_head_weight, vocab.draft_ids)
-    model = TTTModel(draft, target.lm_head_weight)
+    model = TTTModel(draft, target.lm_head_weight, sparse_anchors=False)
     n_valid = full.valid_KBS.sum(dim=(1, 2))
     ref_model = copy.deepcopy(model)
     ref = forward_backward(ref_model, full, n_valid)
