@@ -32,10 +32,11 @@ def _vocab():
 
 
 def _builder(store_dir, cp=1, rank=0, **kwargs):
+    from recipe.parallel.dims import ParallelDims
     from recipe.train.batches import BatchBuilder
 
     return BatchBuilder(store=HiddenStateStore(store_dir), t2d=_vocab().t2d, ttt_steps=K, seq_divisor=2 * cp,
-                        cp_size=cp, cp_rank=rank, **kwargs)
+                        dims=ParallelDims(cp, cp=cp), cp_rank=rank, **kwargs)
 
 
 def _model(store_dir, attention):
