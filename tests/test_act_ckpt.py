@@ -33,9 +33,9 @@ def _assert_identical(got, ref):
 @pytest.mark.parametrize("K_steps", [1, K])
 def test_checkpointed_steps_give_identical_gradients(K_steps):
     draft, ref_draft, head_VH, batch = model_pair(seed=K_steps, K=K_steps)
-    model = TTTModel(draft, head_VH, checkpoint_steps=True)
+    model = TTTModel(draft, head_VH, checkpoint_steps=True, sparse_anchors=False)
     got = run_model(model, batch)
-    ref = run_model(TTTModel(ref_draft, head_VH), batch)
+    ref = run_model(TTTModel(ref_draft, head_VH, sparse_anchors=False), batch)
     _assert_identical(got, ref)
 
 
@@ -54,23 +54,23 @@ def test_checkpointing_actually_drops_the_layer_activations():
             model(batch)
         return sum(total)
 
-    plain = saved_bytes(TTTModel(draft, head_VH))
-    ckpt = saved_bytes(TTTModel(draft, head_VH, checkpoint_steps=True))
+    plain = saved_bytes(TTTModel(draft, head_VH, sparse_anchors=False))
+    ckpt = saved_bytes(TTTModel(draft, head_VH, checkpoint_steps=True, sparse_anchors=False))
     assert ckpt < plain / 2, (ckpt, plain)
 
 
 def test_checkpointed_steps_compose_with_chunked_loss():
     draft, ref_draft, head_VH, batch = model_pair(seed=9, K=K)
-    got = run_model(TTTModel(draft, head_VH, loss_chunk_size=4, checkpoint_steps=True), batch)
-    ref = run_model(TTTModel(ref_draft, head_VH), batch)
+    got = run_model(TTTModel(draft, head_VH, loss_chunk_size=4, checkpoint_steps=True, sparse_anchors=False), batch)
+    ref = run_model(TTTModel(ref_draft, head_VH, sparse_anchors=False), batch)
     assert_same_run(got, ref)
 
 
 def test_no_grad_forward_skips_checkpointing_and_matches():
     draft, head_VH, batch = build_case(seed=3, K=K)
     with torch.no_grad():
-        a = TTTModel(draft, head_VH, checkpoint_steps=True)(batch)
-        b = TTTModel(draft, head_VH)(batch)
+        a = TTTModel(draft, head_VH, checkpoint_steps=True, sparse_anchors=False)(batch)
+        b = TTTModel(draft, head_VH, sparse_anchors=False)(batch)
     assert torch.equal(a.loss_sum_K, b.loss_sum_K) and torch.equal(a.correct_K, b.correct_K)
 
 
@@ -96,7 +96,7 @@ def _cp_worker(rank, world_size):
     for checkpoint_steps, chunk in ((False, None), (True, None), (True, 6)):
         draft, head_VH, batch = build_case(seed=21, K=K, seq_len=CP_SEQ, lengths=(CP_SEQ, 11))
         draft.midlayer.self_attn.causal_attention = make_ring_causal_attention(group)
-        model = TTTModel(draft, head_VH, loss_chunk_size=chunk, checkpoint_steps=checkpoint_steps)
+        model = TTTModel(draft, head_VH, loss_chunk_size=chunk, checkpoint_steps=checkpoint_steps, sparse_anchors=False)
         out, grads, aux_grad = run_model(model, shard_ttt_batch(batch, world_size, rank))
         hops = draft.midlayer.self_attn.causal_attention.exchange.counts.kv_hops
         for tensor in [out.loss_sum_K, out.correct_K, out.valid_K, *grads.values()]:
@@ -118,7 +118,7 @@ def two_rank_results():
 @pytest.mark.slow
 def test_checkpointing_under_context_parallel_ring_attention(two_rank_results):
     draft, head_VH, batch = build_case(seed=21, K=K, seq_len=CP_SEQ, lengths=(CP_SEQ, 11))
-    ref = run_model(TTTModel(draft, head_VH), batch)
+    ref = run_model(TTTModel(draft, head_VH, sparse_anchors=False), batch)
     ranks = [cp for cp, _ in two_rank_results]
     for mode in ((False, None), (True, None), (True, 6)):
         aux_grad = zigzag_unsplit([r[mode][2] for r in ranks], 2, dim=1)
@@ -138,7 +138,7 @@ def _zero3_worker(rank, world_size):
     results = {}
     for chunk, ckpt in ((None, False), (4, True)):
         draft, head_VH, batch = build_case(seed=3, K=3)
-        model = TTTModel(draft, head_VH, loss_chunk_size=chunk, checkpoint_steps=ckpt)
+        model = TTTModel(draft, head_VH, loss_chunk_size=chunk, checkpoint_steps=ckpt, sparse_anchors=False)
         results[(chunk, ckpt)] = zero3_two_steps(model, batch, 3, world_size)
     return results
 

@@ -9,6 +9,7 @@ import torch
 from recipe.data.store import FIELDS, HiddenStateStore
 from recipe.data.vocab import VocabMap
 from recipe.parallel.cp_shard import shard_ttt_batch
+from recipe.parallel.dims import ParallelDims
 from recipe.train.batches import BatchBuilder
 
 
@@ -33,7 +34,7 @@ def test_cp_rank_reads_only_its_rows_and_equals_the_shard(tiny_target_and_store,
 
     def builder(store, cp_size, cp_rank):
         return BatchBuilder(store=store, t2d=vocab.t2d, ttt_steps=K, seq_divisor=divisor,
-                            cp_size=cp_size, cp_rank=cp_rank)
+                            dims=ParallelDims(cp_size, cp=cp_size), cp_rank=cp_rank)
 
     full = builder(HiddenStateStore(store_dir), 1, 0).build([0, 3, 5]).ttt
     seq = full.input_ids_KBS.shape[-1]
@@ -50,3 +51,11 @@ def test_cp_rank_reads_only_its_rows_and_equals_the_shard(tiny_target_and_store,
         rows_read += aux_rows
     lengths = HiddenStateStore(store_dir).lengths
     assert rows_read == sum(lengths[i] for i in (0, 3, 5))  # every real aux row read exactly once over the cp ranks
+
+
+def test_a_seq_divisor_that_the_zigzag_chunks_do_not_divide_is_refused():
+    with pytest.raises(ValueError, match=r"seq_divisor=6 is not a multiple of 2·cp = 4"):
+        BatchBuilder(store=object(), t2d=torch.ones(4, dtype=torch.bool), ttt_steps=1, seq_divisor=6,
+                     dims=ParallelDims(2, cp=2))
+    with pytest.raises(ValueError, match=r"seq_divisor=3 is not a multiple of 2·cp = 2"):
+        BatchBuilder(store=object(), t2d=torch.ones(4, dtype=torch.bool), ttt_steps=1, seq_divisor=3)

@@ -89,7 +89,8 @@ def test_bf16_step_multiplies_in_bf16_outside_attention(chunked, monkeypatch):
     from recipe.model.ttt import TTTModel
 
     draft, head_VH, batch = build_case(0, 3, seq_len=16)
-    model = TTTModel(draft, head_VH, loss_chunk_size=5 if chunked else None, checkpoint_steps=chunked)
+    model = TTTModel(draft, head_VH, loss_chunk_size=5 if chunked else None, checkpoint_steps=chunked,
+                     sparse_anchors=False)
     for p in model.parameters():  # DeepSpeed's bf16 cast (engine._cast_module_mixed_precision): parameters only
         p.data = p.data.to(torch.bfloat16)
     assert model.target_head_d.dtype == torch.float32

@@ -21,8 +21,8 @@ K = 3
 @pytest.mark.parametrize("chunk", [1, 5, 26, 1000])  # B·S = 26: single positions, uneven last chunk, exact, oversize
 def test_chunked_loss_matches_full_logits(chunk):
     draft, ref_draft, head_VH, batch = model_pair(seed=chunk, K=K)
-    got = run_model(TTTModel(draft, head_VH, loss_chunk_size=chunk), batch)
-    ref = run_model(TTTModel(ref_draft, head_VH), batch)
+    got = run_model(TTTModel(draft, head_VH, loss_chunk_size=chunk, sparse_anchors=False), batch)
+    ref = run_model(TTTModel(ref_draft, head_VH, sparse_anchors=False), batch)
     assert_same_run(got, ref)
 
 
@@ -49,7 +49,7 @@ def test_bad_chunk_sizes_raise():
     draft, head_VH, batch = build_case(seed=0, K=1)
     for bad in (0, -3, 2.5, True):
         with pytest.raises(ValueError, match="loss_chunk_size"):
-            TTTModel(draft, head_VH, loss_chunk_size=bad)
+            TTTModel(draft, head_VH, loss_chunk_size=bad, sparse_anchors=False)
     with pytest.raises(ValueError, match="loss chunk size 0"):
         chunked_soft_ce(draft.logits, soft_ce, torch.zeros(1, 2, 32), torch.zeros(1, 2, 24),
                         torch.zeros(2, dtype=torch.int64), torch.zeros(8, 24), torch.ones(1, 2, dtype=torch.bool), 0)
@@ -68,7 +68,7 @@ def _tp_worker(rank, world_size):
     for chunk, checkpoint_steps in TP_CASES:
         draft, head_VH, batch = build_case(seed=5, K=K)
         model = apply_tensor_parallel(TTTModel(draft, head_VH, loss_chunk_size=chunk,
-                                               checkpoint_steps=checkpoint_steps), group)
+                                               checkpoint_steps=checkpoint_steps, sparse_anchors=False), group)
         assert model.draft.lm_head.weight.shape[0] == 8 // world_size  # really vocab-parallel
         out, grads, aux_grad = run_model(model, batch)
         params = dict(model.named_parameters())
@@ -83,7 +83,7 @@ def test_chunked_loss_under_tensor_parallelism_matches_single_process():
     """tp=2 with the vocab-parallel lm_head and loss, chunked (with and without step checkpointing) vs one process
     with full logits."""
     draft, head_VH, batch = build_case(seed=5, K=K)
-    ref = run_model(TTTModel(draft, head_VH), batch)
+    ref = run_model(TTTModel(draft, head_VH, sparse_anchors=False), batch)
     for rank_results in run_ranks(2, _tp_worker):
         assert len(rank_results) == len(TP_CASES)
         for got in rank_results:

@@ -98,8 +98,9 @@ def test_ttt_step_with_compiled_small_ops_equals_eager(aot_ops, switches):
     only (the norm at most 4: a frozen input (the embedding) and a trainable one, a loss chunk of one batch row and
     the last chunk of one position, both specialised by Dynamo)."""
     draft, ref_draft, head_VH, batch = model_pair(seed=5, K=3)
-    model = install_small_ops(TTTModel(draft, head_VH, **switches), aot_ops)
-    assert_same_run(run_model(model, batch), run_model(TTTModel(ref_draft, head_VH, **switches), batch), tol=TOL)
+    model = install_small_ops(TTTModel(draft, head_VH, **switches, sparse_anchors=False), aot_ops)
+    ref = TTTModel(ref_draft, head_VH, **switches, sparse_anchors=False)
+    assert_same_run(run_model(model, batch), run_model(ref, batch), tol=TOL)
     stats = aot_ops.stats()
     assert set(stats) == {"rms_norm", "rope", "act_mul", "ttt_merge", "soft_ce"}
     assert all(st["calls"] > 0 and 1 <= st["compiles"] <= 4 for st in stats.values()), stats
@@ -151,7 +152,7 @@ def test_the_kernels_switch_is_parsed_resolved_and_applied():
     with pytest.raises(ConfigError, match=r"x\.json: 'kernels\.compile_small_ops' must be true, false or \"auto\""):
         KernelOptions.pop_from({"kernels": {"compile_small_ops": "yes"}}, "x.json")
     draft, head_VH, _ = build_case(0, 2)
-    model = TTTModel(draft, head_VH)
+    model = TTTModel(draft, head_VH, sparse_anchors=False)
     for value, device, compiled in (("auto", "cpu", False), (True, "cpu", True), (False, "cpu", False)):
         parallelize(model, None, MemoryOptions(), device, KernelOptions("tiled", compile_small_ops=value))
         want = process_small_ops() if compiled else EAGER_SMALL_OPS
@@ -177,7 +178,8 @@ def _compiled_ranks(rank, world):
     zero3 = {}
     for name, small_ops in (("eager", EAGER_SMALL_OPS), ("compiled", ops)):
         draft, head_VH, batch = build_case(seed=3, K=3)
-        zero3[name] = zero3_two_steps(install_small_ops(TTTModel(draft, head_VH), small_ops), batch, 3, world)
+        model = install_small_ops(TTTModel(draft, head_VH, sparse_anchors=False), small_ops)
+        zero3[name] = zero3_two_steps(model, batch, 3, world)
     return {"tp2": tp2, "tp2_stats": stats, "zero3": zero3, "zero3_stats": ops.stats()}
 
 

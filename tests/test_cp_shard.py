@@ -47,6 +47,22 @@ def test_split_unsplit_exact():
     assert torch.equal(zigzag_split(y, 2, 1, dim=-1), torch.tensor([2, 3, 4, 5]))
 
 
+def test_one_rank_split_is_the_identity_but_the_batch_shard_compacts_target_rows():
+    """What lets ``BatchBuilder`` split its [B, S] and [K, B, S] tensors without asking whether cp > 1 (one rank's
+    ``zigzag_split`` of an even length returns every value in place), and why it still asks before
+    ``shard_ttt_batch`` (which keeps only the label rows of the target's hidden states, even of one rank)."""
+    x = torch.randn(3, 16, 5)
+    for dim in range(3):
+        if x.shape[dim] % 2 == 0:
+            assert torch.equal(zigzag_split(x, 1, 0, dim), x)
+    valid = torch.rand(3, 2, 16) > 0.5
+    assert torch.equal(zigzag_split(valid, 1, 0, 2), valid)
+    batch = _batch()
+    one = shard_ttt_batch(batch, 1, 0)
+    assert torch.equal(one.aux_hidden_BSA, batch.aux_hidden_BSA)
+    assert one.target_hidden_BLH.shape[1] == 15 < batch.target_hidden_BLH.shape[1]  # row 0 is no step's label
+
+
 def test_pad_to_multiple():
     x = torch.arange(6).view(2, 3)
     p = pad_to_multiple(x, 4, dim=1, value=-1)

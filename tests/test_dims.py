@@ -5,7 +5,8 @@ import pytest
 from deepspeed.runtime.pipe.topology import ProcessTopology
 
 from helpers.tp_reference import group_rank_lists
-from recipe.parallel.dims import ParallelDims, RankCoord, check_tp_divides, rank_coords, seq_divisor
+from recipe.parallel.dims import (ParallelDims, ParallelismOptions, RankCoord, check_tp_divides, rank_coords,
+                                  seq_divisor)
 
 GRIDS = [(1, 1, 1), (2, 1, 1), (1, 2, 1), (1, 1, 2), (2, 2, 2), (3, 2, 2), (2, 3, 4), (1, 4, 2), (4, 1, 3)]
 
@@ -62,24 +63,30 @@ def test_dims_errors_list_every_degree(kwargs, needle):
         assert re.search(rf"\b{name}=-?\d+", msg), (name, msg)
 
 
-def test_from_config():
-    d = ParallelDims.from_config({"tp_size": 2, "cp_size": 1}, world_size=4)
-    assert (d.dp, d.cp, d.tp) == (2, 1, 2)
-    d = ParallelDims.from_config({"tp_size": 2}, world_size=8, overrides={"cp_size": 2, "tp_size": None})
-    assert (d.dp, d.cp, d.tp) == (2, 2, 2)
-    d = ParallelDims.from_config(None, world_size=2, overrides={"tp_size": 2})
+def _run_dims(section, world_size, overrides=None) -> ParallelDims:
+    """The layout as the run makes it: the section parsed once (``recipe.config.load_sections``), the command line's
+    degrees over it and the world size applied (``RunSections.resolve``)."""
+    return ParallelismOptions.from_section(section).with_overrides(overrides).dims(world_size)
+
+
+def test_parallelism_section_to_dims():
+    d = _run_dims({"tp_size": 2, "cp_size": 1}, world_size=4)
+    assert (d.dp, d.cp, d.tp, d.cp_enabled) == (2, 1, 2, False)
+    d = _run_dims({"tp_size": 2}, world_size=8, overrides={"cp_size": 2, "tp_size": None})
+    assert (d.dp, d.cp, d.tp, d.cp_enabled) == (2, 2, 2, True)
+    d = _run_dims(None, world_size=2, overrides={"tp_size": 2})
     assert (d.dp, d.cp, d.tp) == (1, 1, 2)
     with pytest.raises(ValueError, match=r"unknown key\(s\) \['pp_size', 'tp'\].*known keys: "
                                          r"\['tp_size', 'cp_size', 'dp_size'\]"):
-        ParallelDims.from_config({"tp": 2, "pp_size": 1}, world_size=2)
+        _run_dims({"tp": 2, "pp_size": 1}, world_size=2)
     with pytest.raises(ValueError, match=r"'parallelism.cp_size' must be an integer >= 1, got 0"):
-        ParallelDims.from_config({"cp_size": 0}, world_size=2)
+        _run_dims({"cp_size": 0}, world_size=2)
     with pytest.raises(ValueError, match=r"'parallelism.tp_size' must be an integer >= 1, got -2"):
-        ParallelDims.from_config({}, world_size=2, overrides={"tp_size": -2})
+        _run_dims({}, world_size=2, overrides={"tp_size": -2})
     with pytest.raises(ValueError, match=r"got '2'"):
-        ParallelDims.from_config({"tp_size": "2"}, world_size=2)
+        _run_dims({"tp_size": "2"}, world_size=2)
     with pytest.raises(ValueError, match="must equal world_size"):
-        ParallelDims.from_config({"tp_size": 2, "dp_size": 2}, world_size=2)
+        _run_dims({"tp_size": 2, "dp_size": 2}, world_size=2)
 
 
 def test_check_tp_divides_names_every_bad_dimension():

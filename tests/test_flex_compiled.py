@@ -83,8 +83,8 @@ def test_ttt_model_with_step_checkpointing_through_compiled_flex(aot_flex, how):
     draft, ref_draft, head_VH, batch = model_pair(seed=5, K=K)
     attention = _flex(how, aot_flex, tile=4)
     draft.midlayer.self_attn.causal_attention = attention
-    got = run_model(TTTModel(draft, head_VH, loss_chunk_size=5, checkpoint_steps=True), batch)
-    ref = run_model(TTTModel(ref_draft, head_VH), batch)
+    got = run_model(TTTModel(draft, head_VH, loss_chunk_size=5, checkpoint_steps=True, sparse_anchors=False), batch)
+    ref = run_model(TTTModel(ref_draft, head_VH, sparse_anchors=False), batch)
     assert_same_run(got, ref, tol=TOL)
     if how == "direct":
         assert (attention.masks.misses, aot_flex.compiles) == (1, 1)
@@ -104,8 +104,8 @@ def test_online_shape_sequence_compiles_at_most_twice(aot_flex, caplog):
             ref_draft = type(draft)(draft.config)
             ref_draft.load_state_dict(draft.state_dict())
             draft.midlayer.self_attn.causal_attention = FlexCausalAttention(compiled=aot_flex)
-            got = run_model(TTTModel(draft, head_VH, checkpoint_steps=True), batch)
-            assert_same_run(got, run_model(TTTModel(ref_draft, head_VH), batch), tol=TOL)
+            got = run_model(TTTModel(draft, head_VH, checkpoint_steps=True, sparse_anchors=False), batch)
+            assert_same_run(got, run_model(TTTModel(ref_draft, head_VH, sparse_anchors=False), batch), tol=TOL)
     logged = [r for r in caplog.records if "flex attention compile" in r.getMessage()]
     assert aot_flex.compiles == 2 and len(logged) == 2 and aot_flex.calls == 6 * 2 * 2
 

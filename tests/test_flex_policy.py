@@ -97,7 +97,7 @@ def test_one_block_mask_per_micro_batch_across_ttt_steps():
     dense block (flex forward, eager on CPU; no gradients, which flex computes on CUDA only)."""
     K = 3
     draft, head_VH, batch = build_case(0, K, seq_len=16)
-    model = TTTModel(draft, head_VH)
+    model = TTTModel(draft, head_VH, sparse_anchors=False)
     with torch.no_grad():
         want = model(batch)
         attention = FlexCausalAttention()

@@ -61,7 +61,7 @@ SWITCHES = {  # name: (TTTModel keywords, MLP tile, attention: "dense" block or 
 def test_hardware_flops_equal_the_counter_for_every_switch(name):
     kw, mlp_tile, attention = SWITCHES[name]
     draft, head_VH, batch = build_case(seed=0, K=K, lengths=(S, S))
-    model = TTTModel(draft, head_VH, **kw)
+    model = TTTModel(draft, head_VH, **kw, sparse_anchors=False)
     if mlp_tile is not None:
         model.draft.midlayer.mlp_tiling = MLPTiling(mlp_tile)
     if attention == "tiled":  # one-position tiles: exactly the causal pairs, flash-style backward
@@ -147,11 +147,11 @@ def _layout_counts(rank, world_size, layout):
     from recipe.parallel.topology import ParallelState
 
     draft, head_VH, batch = build_case(seed=2, K=K, lengths=(L, L), geometry=PARITY)
-    single = _count(TTTModel(draft, head_VH), batch) if rank == 0 else None
+    single = _count(TTTModel(draft, head_VH, sparse_anchors=False), batch) if rank == 0 else None
     tp, cp = (2, 1) if layout == "tp2" else (1, 2)
     pstate = ParallelState(ParallelDims(world_size=world_size, tp=tp, cp=cp))
     draft, head_VH, batch = build_case(seed=2, K=K, lengths=(L, L), geometry=PARITY)
-    model = parallelize(TTTModel(draft, head_VH), pstate, MemoryOptions(attention_tile_size=None),
+    model = parallelize(TTTModel(draft, head_VH, sparse_anchors=False), pstate, MemoryOptions(attention_tile_size=None),
                         kernel_options=KernelOptions("tiled"))
     if cp > 1:
         batch = shard_ttt_batch(batch, cp, pstate.cp_rank)

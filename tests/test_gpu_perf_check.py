@@ -167,7 +167,7 @@ def _tiny_pair(sf, backend: str):
     raw = dict(input_ids=torch.randint(0, v, (b, s), generator=g), loss_mask=torch.rand(b, s, generator=g) > 0.3,
                aux=torch.randn(b, s, 3 * ht, generator=g), last_hidden=torch.randn(b, s, ht, generator=g))
     in_vocab = t2d[(raw["last_hidden"] @ full.T).argmax(-1)]
-    ours = TTTModel(draft, full[ids].clone())
+    ours = TTTModel(draft, full[ids].clone(), sparse_anchors=False)
     batch = make_ttt_batch(raw["input_ids"], raw["loss_mask"], torch.ones(b, s, dtype=torch.bool), raw["aux"],
                            raw["last_hidden"], in_vocab, k)
     step = sfa.SpecForgeStep(sf, theirs, sfa.full_target_head(full[ids], ids, v, full), k, backend, eager=True)

@@ -32,10 +32,11 @@ def _vocab():
 
 
 def _builder(store_dir, cp=1, rank=0, **kwargs):
+    from recipe.parallel.dims import ParallelDims
     from recipe.train.batches import BatchBuilder
 
     return BatchBuilder(store=HiddenStateStore(store_dir), t2d=_vocab().t2d, ttt_steps=K, seq_divisor=2 * cp,
-                        cp_size=cp, cp_rank=rank, **kwargs)
+                        dims=ParallelDims(cp, cp=cp), cp_rank=rank, **kwargs)
 
 
 def _model(store_dir, attention):
@@ -52,7 +53,7 @@ def _model(store_dir, attention):
     draft.set_vocab_map(vocab.d2t, vocab.t2d)
     head = torch.randn(96, meta.hidden_size, generator=torch.Generator().manual_seed(0))
     draft.midlayer.self_attn.causal_attention = attention
-    return TTTModel(draft, head)
+    return TTTModel(draft, head, sparse_anchors=False)
 
 
 class PairLog:
@@ -315,4 +316,4 @@ def _model_for_target(target, vocab):
                                aux_layer_ids=list(target.aux_layer_ids), rope_theta=500.0)
     draft = Eagle3Draft(config, seed=0)
     draft.set_vocab_map(vocab.d2t, vocab.t2d)
-    return TTTModel(draft, copy.deepcopy(target.lm_head_weight.detach()))
+    return TTTModel(draft, copy.deepcopy(target.lm_head_weight.detach()), sparse_anchors=False)

@@ -25,7 +25,8 @@ def _load(target, path, requested_vocab=None, overrides=None):
     config = draft_config_for(hf, init.draft_vocab_size, init.overrides)
     init_draft.check_geometry(init, config, hf.num_hidden_layers)
     draft = Eagle3Draft(config, seed=0)
-    model = TTTModel(draft, torch.zeros(config.vocab_size, config.target_hidden_size)[:config.draft_vocab_size])
+    model = TTTModel(draft, torch.zeros(config.vocab_size, config.target_hidden_size)[:config.draft_vocab_size],
+                     sparse_anchors=False)
     init_draft.load_into(model, init)
     return model, init, init.notes + init_draft.setting_notes(init, config)
 

@@ -48,7 +48,7 @@ def _first_step_reference(target, store, export, load: bool = True) -> dict:
     else:
         draft.load_target_embeddings(embed_VH)
         draft.set_vocab_map(vocab.d2t, vocab.t2d)
-    model = TTTModel(draft, head_VH[vocab.draft_ids].clone())
+    model = TTTModel(draft, head_VH[vocab.draft_ids].clone(), sparse_anchors=False)
     builder = BatchBuilder(store=HiddenStateStore(store), t2d=vocab.t2d, ttt_steps=K, seq_divisor=2)
     batch = builder.build(StepSampler(len(builder), BATCH, 0).step_indices(0))
     with torch.no_grad():

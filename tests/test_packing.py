@@ -119,7 +119,7 @@ def _draft_for(target_dir):
 
 def _run(builder, draft, head, indices):
     batch = builder.build(indices)
-    out, grads, _ = run_model(TTTModel(copy.deepcopy(draft), head), batch.ttt)
+    out, grads, _ = run_model(TTTModel(copy.deepcopy(draft), head, sparse_anchors=False), batch.ttt)
     return batch, out, grads
 
 

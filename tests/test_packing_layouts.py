@@ -57,14 +57,14 @@ def _online_cp2(rank, world, folder):
     vocab = VocabMap.from_draft_ids(torch.arange(0, 96, 2), 96)
     common = dict(examples=_chats(), t2d=vocab.t2d, ttt_steps=4, seq_divisor=4)
     split = SplitTarget.from_state(target, pstate, "tiled", 4)
-    local = BatchBuilder(target=split, cp_size=2, cp_rank=pstate.cp_rank, packing=True, packing_tokens=80,
+    local = BatchBuilder(target=split, dims=pstate.dims, cp_rank=pstate.cp_rank, packing=True, packing_tokens=80,
                          **common).build(list(range(5))).ttt
     full = BatchBuilder(target=target, **common).build(list(range(5))).ttt
     draft = Eagle3Draft(draft_config_for(target.config, 48), seed=2)  # a seed with some argmaxes agreeing
     draft.load_target_embeddings(target.embed_tokens_weight)
     draft.set_vocab_map(vocab.d2t, vocab.t2d)
     draft.init_lm_head_from_target(target.lm_head_weight, vocab.draft_ids)
-    model = TTTModel(draft, target.lm_head_weight)
+    model = TTTModel(draft, target.lm_head_weight, sparse_anchors=False)
     n_valid = full.valid_KBS.sum(dim=(1, 2))
     ref_model = copy.deepcopy(model)
     ref = forward_backward(ref_model, full, n_valid)

@@ -17,6 +17,7 @@ from recipe.plan import PlanInputs, longest_fit, plan_length, predict_step, stat
 from recipe.plan.states import GIB
 from recipe.plan import __main__ as cli
 from recipe.plan.trace import trace_step
+from recipe.parallel.dims import ParallelDims
 
 ROOT = Path(__file__).resolve().parent.parent
 LLAMA_8B = ROOT / "tests" / "data" / "llama-3.1-8b-instruct"
@@ -45,12 +46,16 @@ def test_zero_states_per_stage_exact_bytes():
         states.zero_states(p, 4, 1, True)
 
 
+def _dims(tp, cp, dp):
+    return ParallelDims(world_size=tp * cp * dp, tp=tp, cp=cp, dp=dp)
+
+
 def test_nccl_communicators_count_the_split_targets_ring_only_where_it_is_a_new_group():
     # (tp, cp, dp, split) -> world, tp, cp, dp, dp·cp groups of > 1 rank, plus cp·tp when the split target adds it
-    assert states.communicators(1, 2, 1, True) == states.communicators(1, 2, 1) == 3  # ring = the cp group
-    assert (states.communicators(2, 1, 1), states.communicators(2, 1, 1, True)) == (2, 3)
-    assert (states.communicators(2, 2, 2), states.communicators(2, 2, 2, True)) == (5, 6)
-    assert states.communicators(1, 1, 1, True) == 0
+    assert states.communicators(_dims(1, 2, 1), True) == states.communicators(_dims(1, 2, 1)) == 3  # ring = cp group
+    assert (states.communicators(_dims(2, 1, 1)), states.communicators(_dims(2, 1, 1), True)) == (2, 3)
+    assert (states.communicators(_dims(2, 2, 2)), states.communicators(_dims(2, 2, 2), True)) == (5, 6)
+    assert states.communicators(_dims(1, 1, 1), True) == 0
 
 
 def test_nccl_overheads_count_point_to_point_communicators_at_their_own_size():
@@ -58,13 +63,13 @@ def test_nccl_overheads_count_point_to_point_communicators_at_their_own_size():
     communicator 0.75 GiB (recipe.plan.states' cited measurements)."""
     gib = states.GIB
     assert (states.NCCL_BYTES_PER_COMMUNICATOR, states.NCCL_P2P_BYTES_PER_COMMUNICATOR) == (0.75 * gib, 1.5 * gib)
-    assert states.p2p_communicators(1, 1) == 0 and states.p2p_communicators(1, 2) == 1
-    assert (states.p2p_communicators(2, 2), states.p2p_communicators(2, 2, True)) == (1, 2)
-    assert states.overheads(1, 1, 1, 0)["nccl"] == 0
-    assert states.overheads(1, 1, 4, 0)["nccl"] == 3 * 0.75 * gib  # world, dp, dp·cp (each its own communicator)
-    assert states.overheads(1, 2, 1, 0)["nccl"] == 2 * 0.75 * gib + 1.5 * gib  # world, dp·cp; the cp ring
-    assert states.overheads(2, 2, 2, 0, True)["nccl"] == 4 * 0.75 * gib + 2 * 1.5 * gib
-    assert states.overheads(1, 1, 1, 1000)["allocator_slack"] == 50
+    assert states.p2p_communicators(_dims(1, 1, 1)) == 0 and states.p2p_communicators(_dims(1, 2, 1)) == 1
+    assert (states.p2p_communicators(_dims(2, 2, 1)), states.p2p_communicators(_dims(2, 2, 1), True)) == (1, 2)
+    assert states.overheads(_dims(1, 1, 1), 0)["nccl"] == 0
+    assert states.overheads(_dims(1, 1, 4), 0)["nccl"] == 3 * 0.75 * gib  # world, dp, dp·cp (each its own)
+    assert states.overheads(_dims(1, 2, 1), 0)["nccl"] == 2 * 0.75 * gib + 1.5 * gib  # world, dp·cp; the cp ring
+    assert states.overheads(_dims(2, 2, 2), 0, True)["nccl"] == 4 * 0.75 * gib + 2 * 1.5 * gib
+    assert states.overheads(_dims(1, 1, 1), 1000)["allocator_slack"] == 50
 
 
 def test_draft_parameters_are_the_real_drafts_and_respect_tp_and_frozen_lm_head():
@@ -137,6 +142,26 @@ def _small_inputs(gpu_gib: float, **spec_changes) -> PlanInputs:
     return PlanInputs(spec=spec, dp=1, zero_stage=3, reduce_bucket=states.DEFAULT_REDUCE_BUCKET,
                       params=states.count_draft_params(config, spec.tp), target=target, offline=False,
                       partitioned_target=False, gpu="test", gpu_bytes=int(gpu_gib * GIB))
+
+
+def test_plan_length_splits_the_online_target_by_the_runs_rule(monkeypatch):
+    """recipe.target.registry.splits_target decides the planned target forward as it decides the run's: at tp = 2 a
+    routable target (llama) runs on 1/tp of the positions and adds the cp·tp ring's communicator, a non-routable one
+    (gemma2) runs whole; at cp = 2 gemma2 is refused online and planned offline (no target at all)."""
+    import recipe.plan as plan
+
+    monkeypatch.setattr(plan, "predict_step", lambda spec, fit=None: {"step_bytes": 0, "method": "stub"})
+    tp2 = dataclasses.replace(_small_inputs(1, tp=2), dp=1)
+    llama, gemma = (plan_length(dataclasses.replace(tp2, target_arch=a), 1024) for a in ("llama", "gemma2"))
+    whole = states.target_bytes(tp2.target, 1024, 2, False, False, argmax_chunk=tp2.argmax_chunk)["target_forward"]
+    halved = states.target_bytes(tp2.target, 512, 2, False, False, argmax_chunk=tp2.argmax_chunk)["target_forward"]
+    assert (gemma["target_forward"], llama["target_forward"]) == (whole, halved) and halved < whole
+    assert llama["nccl"] - gemma["nccl"] == states.NCCL_P2P_BYTES_PER_COMMUNICATOR
+    cp2 = dataclasses.replace(_small_inputs(1, cp=2), target_arch="gemma2")
+    with pytest.raises(ValueError, match="does not support model_type 'gemma2'"):
+        plan_length(cp2, 1024)
+    offline = plan_length(dataclasses.replace(cp2, offline=True), 1024)
+    assert offline["target_weights"] == offline["target_forward"] == 0
 
 
 @pytest.mark.slow

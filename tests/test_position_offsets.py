@@ -14,6 +14,7 @@ from helpers.tolerance import FP32_CURVE
 from kernels.host_positions import host_copies
 from recipe.data.store import HiddenStateStore
 from recipe.parallel.cp_shard import zigzag_split
+from recipe.parallel.dims import ParallelDims
 from recipe.train.batches import BatchBuilder
 from recipe.train.positions import SINK_POSITIONS, anchor_offset_positions
 
@@ -39,8 +40,8 @@ def test_positions_as_specified():
 
 def _builder(store, t2d, cp=1, rank=0, offset_max=None):
     kw = {} if offset_max is None else {"position_offset_max": offset_max, "seed": 0}
-    return BatchBuilder(store=HiddenStateStore(store), t2d=t2d, ttt_steps=3, seq_divisor=2 * cp, cp_size=cp,
-                        cp_rank=rank, **kw)
+    return BatchBuilder(store=HiddenStateStore(store), t2d=t2d, ttt_steps=3, seq_divisor=2 * cp,
+                        dims=ParallelDims(cp, cp=cp), cp_rank=rank, **kw)
 
 
 @pytest.mark.parametrize("cp", [1, 2])

@@ -366,4 +366,4 @@ def test_auto_takes_the_sparse_path_only_where_it_pays(monkeypatch):
                             lambda m, b: calls.append(1) or ttt_steps.sparse_steps(m, b))
         got = run_model(model, case)
         assert calls == ([1] if sparse else [])
-        assert_same_run(got, run_model(TTTModel(copy.deepcopy(draft), head_VH), case))
+        assert_same_run(got, run_model(TTTModel(copy.deepcopy(draft), head_VH, sparse_anchors=False), case))

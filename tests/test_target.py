@@ -185,8 +185,8 @@ def test_teacher_logits_are_the_soft_capped_target_output_on_the_draft_vocab(tmp
 
     for chunk in (None, 5):
         seen.clear()
-        TTTModel(draft, lm_head_VH, loss_fn=spy, loss_chunk_size=chunk, target_softcap=final_logit_softcap(hf_config))(
-            batch)
+        TTTModel(draft, lm_head_VH, loss_fn=spy, loss_chunk_size=chunk, target_softcap=final_logit_softcap(hf_config),
+                 sparse_anchors=False)(batch)
         per_step = torch.cat(seen).view(K, -1, draft_vocab)
         for k in range(K):
             expected = out_BSV[:, batch.target_row_KS[k]][..., draft_ids].reshape(-1, draft_vocab)

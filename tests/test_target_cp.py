@@ -86,6 +86,7 @@ def _builder_worker(rank, world_size, folder):
     from datasets import Dataset
 
     from recipe.parallel.collectives import Collectives
+    from recipe.parallel.dims import ParallelDims
     from recipe.target.capture import TargetModel
     from recipe.target.split import SplitTarget
     from recipe.train.batches import BatchBuilder
@@ -97,7 +98,8 @@ def _builder_worker(rank, world_size, folder):
     t2d = torch.arange(96) % 3 != 0
     kwargs = dict(examples=Dataset.from_dict(rows), t2d=t2d, ttt_steps=K, seq_divisor=2 * world_size)
     cp_target = SplitTarget(target, Collectives("cpu"), dist.group.WORLD, world_size, rank, "tiled", tile_size=None)
-    got = BatchBuilder(target=cp_target, cp_size=world_size, cp_rank=rank, **kwargs).build([0, 1]).ttt
+    got = BatchBuilder(target=cp_target, dims=ParallelDims(world_size, cp=world_size), cp_rank=rank,
+                       **kwargs).build([0, 1]).ttt
     full = BatchBuilder(target=target, **kwargs).build([0, 1]).ttt
     return got, full
 
@@ -172,7 +174,9 @@ def test_single_rank_cp_target_equals_capture(arch_targets):
 
     ids, mask, _ = _batch()
     target = TargetModel(arch_targets["qwen2"], dtype=torch.float32, device="cpu")
-    cap = SplitTarget(target, Collectives("cpu"), None, 1, 0, "tiled", None).capture(ids, mask, K)
+    split = SplitTarget(target, Collectives("cpu"), None, 1, 0, "tiled", None)
+    cap = split.capture(ids, mask, K)
+    assert split.counts.halo_bytes == 0  # one cp rank holds every label row: no halo, no collective
     full = target.capture(ids, mask)
     assert target.config._attn_implementation == "sdpa"  # restored after the capture
     real = mask.bool()  # padded rows are unspecified: the full capture runs without the (right-padding) mask

@@ -32,8 +32,8 @@ def test_teacher_logits_once_matches_per_step(K, checkpoint_steps):
     """The same teacher rows from one matmul over the U distinct rows or from K matmuls over S rows each: a BLAS may
     block a matmul by its row count (so not bitwise by construction), the same function to ``FP32_REORDERED``."""
     draft, ref_draft, head_VH, batch = model_pair(seed=21 + K, K=K)
-    once = TTTModel(draft, head_VH, checkpoint_steps=checkpoint_steps)
-    per_step = TTTModel(ref_draft, head_VH, checkpoint_steps=checkpoint_steps)
+    once = TTTModel(draft, head_VH, checkpoint_steps=checkpoint_steps, sparse_anchors=False)
+    per_step = TTTModel(ref_draft, head_VH, checkpoint_steps=checkpoint_steps, sparse_anchors=False)
     per_step.teacher_logits_once = False
     assert once.teacher_logits_once  # the default
     assert_same_run(run_model(once, batch), run_model(per_step, batch))
@@ -53,7 +53,7 @@ def test_head_matmul_calls_per_micro_batch_forward_and_backward(once, chunk, mon
 
     K = 3
     draft, _, head_VH, batch = model_pair(seed=3, K=K)
-    model = TTTModel(draft, head_VH, loss_chunk_size=chunk, teacher_logits_once=once)
+    model = TTTModel(draft, head_VH, loss_chunk_size=chunk, teacher_logits_once=once, sparse_anchors=False)
     calls = []
     real = chunked_loss.target_logits
     monkeypatch.setattr(chunked_loss, "target_logits", lambda *a, **kw: calls.append(a[0].shape[0]) or real(*a, **kw))

@@ -124,8 +124,8 @@ def test_ttt_draft_with_tiled_attention_matches_dense(K, memory_switches):
     draft, ref_draft, head_VH, batch = model_pair(seed=11 + K, K=K)
     draft.midlayer.self_attn.causal_attention = TiledCausalAttention(4)
     switches = dict(loss_chunk_size=5, checkpoint_steps=True) if memory_switches else {}
-    got = run_model(TTTModel(draft, head_VH, **switches), batch)
-    ref = run_model(TTTModel(ref_draft, head_VH), batch)
+    got = run_model(TTTModel(draft, head_VH, **switches, sparse_anchors=False), batch)
+    ref = run_model(TTTModel(ref_draft, head_VH, sparse_anchors=False), batch)
     assert_same_run(got, ref)
 
 
@@ -137,7 +137,7 @@ def test_parallelize_installs_the_configured_attention_or_refuses():
 
     tiled = KernelOptions(attention="tiled")
     draft, _, head_VH, _ = model_pair(seed=1, K=1)
-    model = TTTModel(draft, head_VH)
+    model = TTTModel(draft, head_VH, sparse_anchors=False)
     parallelize(model, None, MemoryOptions(attention_tile_size=256), kernel_options=tiled)
     attention = draft.midlayer.self_attn.causal_attention
     assert isinstance(attention, TiledCausalAttention) and attention.tile_size == 256

@@ -28,7 +28,8 @@ TILES = [4, 5, 7, 16]  # 4 divides S, 5 and 7 leave a ragged last tile, 16 = S (
 
 
 def _tiled(draft, tile):
-    parallelize(TTTModel(draft, torch.zeros(draft.config.draft_vocab_size, draft.config.target_hidden_size)), None,
+    head_VH = torch.zeros(draft.config.draft_vocab_size, draft.config.target_hidden_size)
+    parallelize(TTTModel(draft, head_VH, sparse_anchors=False), None,
                 MemoryOptions(attention_tile_size=None, mlp_tile_size=tile), kernel_options=KernelOptions("tiled"))
     return draft
 
@@ -40,8 +41,8 @@ def test_ttt_step_matches_untiled(tile, checkpoint_steps):
     ref_draft = copy.deepcopy(draft)
     _tiled(draft, tile)
     assert draft.midlayer.mlp_tiling == MLPTiling(tile)
-    got = run_model(TTTModel(draft, head_VH, checkpoint_steps=checkpoint_steps), batch)
-    ref = run_model(TTTModel(ref_draft, head_VH), batch)
+    got = run_model(TTTModel(draft, head_VH, checkpoint_steps=checkpoint_steps, sparse_anchors=False), batch)
+    ref = run_model(TTTModel(ref_draft, head_VH, sparse_anchors=False), batch)
     assert_same_run(got, ref)
     within(max_rel(got[0].loss_sum_K, ref[0].loss_sum_K), FP32_REORDERED, "loss_sum_K")
     for name, grad in got[1].items():
@@ -101,7 +102,7 @@ def test_mlp_intermediates_exist_one_tile_at_a_time(checkpoint_steps):
     width = draft.config.intermediate_size
     for tile, longest in ((None, SEQ), (5, 5), (4, 4)):
         model = TTTModel(copy.deepcopy(draft) if tile is None else _tiled(copy.deepcopy(draft), tile), head_VH,
-                         checkpoint_steps=checkpoint_steps)
+                         checkpoint_steps=checkpoint_steps, sparse_anchors=False)
         with _WidestIntermediate(width) as mode:
             run_model(model, batch)
         assert mode.longest == longest, (tile, mode.longest)
@@ -109,7 +110,7 @@ def test_mlp_intermediates_exist_one_tile_at_a_time(checkpoint_steps):
 
 def test_parallelize_sets_and_clears_the_tiling_and_rejects_bad_sizes():
     draft, head_VH, _ = build_case(seed=4, K=1)
-    model = TTTModel(draft, head_VH)
+    model = TTTModel(draft, head_VH, sparse_anchors=False)
     tiled = KernelOptions("tiled")
     parallelize(model, None, MemoryOptions(mlp_tile_size=8), kernel_options=tiled)
     assert draft.midlayer.mlp_tiling == MLPTiling(8) and draft.midlayer.mlp_tiling.applies_to(9)
@@ -156,8 +157,8 @@ def _tp_worker(rank, world):
     out = {}
     for tile, ckpt in TP_CASES:
         draft, head_VH, batch = build_case(seed=2, K=K, seq_len=TP_SEQ, geometry=PARITY)
-        ref = run_model(TTTModel(copy.deepcopy(draft), head_VH), batch)
-        model = parallelize(TTTModel(draft, head_VH, checkpoint_steps=ckpt), pstate,
+        ref = run_model(TTTModel(copy.deepcopy(draft), head_VH, sparse_anchors=False), batch)
+        model = parallelize(TTTModel(draft, head_VH, checkpoint_steps=ckpt, sparse_anchors=False), pstate,
                             MemoryOptions(attention_tile_size=None, mlp_tile_size=tile),
                             kernel_options=KernelOptions("tiled"))
         got = run_model(model, batch)
@@ -167,7 +168,7 @@ def _tp_worker(rank, world):
 
     # all-reduces of the layer's norm + MLP alone, untiled vs tiled (tile 8 on S = 20: three tiles)
     draft, head_VH, _ = build_case(seed=2, K=1, seq_len=TP_SEQ, geometry=PARITY)
-    parallelize(TTTModel(draft, head_VH), pstate, MemoryOptions(attention_tile_size=None),
+    parallelize(TTTModel(draft, head_VH, sparse_anchors=False), pstate, MemoryOptions(attention_tile_size=None),
                 kernel_options=KernelOptions("tiled"))
     layer = draft.midlayer
     h = torch.randn(2, TP_SEQ, 32, generator=torch.Generator().manual_seed(1))
@@ -194,7 +195,7 @@ def _zero3_worker(rank, world):
     results = {}
     for tile in (None, 5):
         draft, head_VH, batch = build_case(seed=3, K=K)
-        model = TTTModel(draft, head_VH, checkpoint_steps=tile is not None)
+        model = TTTModel(draft, head_VH, checkpoint_steps=tile is not None, sparse_anchors=False)
         parallelize(model, None, MemoryOptions(attention_tile_size=None, mlp_tile_size=tile),
                     kernel_options=KernelOptions("tiled"))
         results[tile] = zero3_two_steps(model, batch, K, world)

@@ -30,7 +30,7 @@ def _export(rank, world):
     from recipe.parallel.topology import ParallelState
 
     draft, head_VH, _ = build_case(seed=5, K=1, seq_len=SEQ, geometry=PARITY, dtype=torch.float32)
-    model = TTTModel(draft, head_VH)
+    model = TTTModel(draft, head_VH, sparse_anchors=False)
     full = {k: v.clone() for k, v in model.state_dict().items()}
     single = ParallelState(ParallelDims(world_size=world, tp=1))  # dp=2: a tp group of size 1
     tp_state = ParallelState(ParallelDims(world_size=world, tp=2))

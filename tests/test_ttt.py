@@ -84,7 +84,7 @@ def dense_reference(draft: Eagle3Draft, head_VH, batch: TTTBatch, aux_BSA):
 def test_ttt_forward_and_every_gradient_match_dense_reference(K):
     draft, head_VH, batch = build_case(seed=K, K=K)
     ref_draft = copy.deepcopy(draft)
-    model = TTTModel(draft, head_VH)
+    model = TTTModel(draft, head_VH, sparse_anchors=False)
     aux = batch.aux_hidden_BSA.clone().requires_grad_(True)
     aux_ref = batch.aux_hidden_BSA.clone().requires_grad_(True)
     out = model(TTTBatch(**{**batch.__dict__, "aux_hidden_BSA": aux}))
@@ -115,7 +115,7 @@ def test_ttt_forward_and_every_gradient_match_dense_reference(K):
 def test_fully_masked_row_is_finite_and_does_not_touch_other_rows():
     draft, head_VH, batch = build_case(seed=11, K=3, lengths=(S, 0))
     assert not batch.key_valid_BS[1].any() and not batch.valid_KBS[:, 1].any()
-    model = TTTModel(draft, head_VH)
+    model = TTTModel(draft, head_VH, sparse_anchors=False)
     out = model(batch)
     assert torch.isfinite(out.loss_sum_K).all()
     ttt_objective(out, out.valid_K).backward()
@@ -125,7 +125,7 @@ def test_fully_masked_row_is_finite_and_does_not_touch_other_rows():
                      position_ids_BS=batch.position_ids_BS[:1], key_valid_BS=batch.key_valid_BS[:1],
                      aux_hidden_BSA=batch.aux_hidden_BSA[:1], target_hidden_BLH=batch.target_hidden_BLH[:1],
                      target_row_KS=batch.target_row_KS)
-    out_alone = TTTModel(copy.deepcopy(draft), head_VH)(alone)
+    out_alone = TTTModel(copy.deepcopy(draft), head_VH, sparse_anchors=False)(alone)
     assert_close_rel(out_alone.loss_sum_K, out.loss_sum_K, FP32_REORDERED, "row alone")
     assert torch.equal(out_alone.correct_K, out.correct_K)
 
@@ -133,12 +133,12 @@ def test_fully_masked_row_is_finite_and_does_not_touch_other_rows():
 def test_target_head_accepts_full_or_draft_rows():
     draft, head_VH, _ = build_case(seed=1, K=1)
     ids = draft.draft_token_ids()
-    full, rows = TTTModel(draft, head_VH), TTTModel(draft, head_VH[ids])
+    full, rows = TTTModel(draft, head_VH, sparse_anchors=False), TTTModel(draft, head_VH[ids], sparse_anchors=False)
     assert torch.equal(full.target_head_d, head_VH[ids]) and torch.equal(rows.target_head_d, head_VH[ids])
     assert "target_head_d" not in full.state_dict()
     assert "target_head_d" not in dict(full.named_parameters())
     with pytest.raises(ValueError, match="draft_vocab_size=8"):
-        TTTModel(draft, head_VH[:50])
+        TTTModel(draft, head_VH[:50], sparse_anchors=False)
 
 
 def test_causal_attention_is_swappable_and_called_with_anchor_positions():
@@ -149,9 +149,9 @@ def test_causal_attention_is_swappable_and_called_with_anchor_positions():
         calls.append((k.shape, q_pos.clone(), k_pos.clone(), k_valid.clone()))
         return block_attention(q, k, v, q_pos, k_pos, k_valid)
 
-    baseline = TTTModel(draft, head_VH)(batch).loss_sum_K.detach()
+    baseline = TTTModel(draft, head_VH, sparse_anchors=False)(batch).loss_sum_K.detach()
     draft.midlayer.self_attn.causal_attention = recording
-    swapped = TTTModel(draft, head_VH)(batch).loss_sum_K.detach()
+    swapped = TTTModel(draft, head_VH, sparse_anchors=False)(batch).loss_sum_K.detach()
     assert torch.equal(baseline, swapped)
     assert len(calls) == 3
     for k_shape, q_pos, k_pos, k_valid in calls:  # every step reads step 0's block at the anchor positions
@@ -159,7 +159,7 @@ def test_causal_attention_is_swappable_and_called_with_anchor_positions():
         assert torch.equal(q_pos, batch.position_ids_BS) and torch.equal(k_pos, batch.position_ids_BS)
         assert torch.equal(k_valid, batch.key_valid_BS)
     draft.midlayer.self_attn.causal_attention = lambda q, k, v, *a: (torch.zeros_like(q), q.new_zeros(q.shape[:3]))
-    assert not torch.allclose(TTTModel(draft, head_VH)(batch).loss_sum_K, baseline)
+    assert not torch.allclose(TTTModel(draft, head_VH, sparse_anchors=False)(batch).loss_sum_K, baseline)
 
 
 def test_make_ttt_batch_shifts_exactly():

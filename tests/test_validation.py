@@ -51,7 +51,7 @@ def _independent_eval(target, store_dir, export, held: list[int], K: int) -> dic
 
     embed, head, hf_config = load_embedding_and_head(target)
     draft = build_draft(*read_draft(export, hf_config), embed, dtype=torch.float32).train()
-    model = TTTModel(draft, head, target_softcap=final_logit_softcap(hf_config))
+    model = TTTModel(draft, head, target_softcap=final_logit_softcap(hf_config), sparse_anchors=False)
     store = HiddenStateStore(store_dir)
     loss, correct, valid, supervised = (torch.zeros(K, dtype=torch.float64) for _ in range(4))
     for i in held:

@@ -85,6 +85,7 @@ def test_builder_extent_is_the_largest_padded_micro_batch(tiny_target_and_store)
     """``BatchBuilder.call_extent`` from the sample lengths alone equals the largest shape the builder pads to."""
     from recipe.data.store import HiddenStateStore
     from recipe.data.vocab import VocabMap
+    from recipe.parallel.dims import ParallelDims
     from recipe.train.batches import BatchBuilder
 
     _, store_dir = tiny_target_and_store
@@ -92,7 +93,7 @@ def test_builder_extent_is_the_largest_padded_micro_batch(tiny_target_and_store)
     groups = [[0, 3], [5], [7, 2]]
     for cp in (1, 2):
         builder = BatchBuilder(store=HiddenStateStore(store_dir), t2d=t2d, ttt_steps=K, seq_divisor=2 * cp,
-                               cp_size=cp, cp_rank=cp - 1)
+                               dims=ParallelDims(cp, cp=cp), cp_rank=cp - 1)
         shapes = [builder.build(ix).ttt.input_ids_KBS.shape[1:] for ix in groups]
         extent = builder.call_extent(groups)
         assert len({s for _, s in shapes}) > 1  # the ranks pad differently

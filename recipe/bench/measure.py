@@ -95,7 +95,7 @@ def random_batch(spec: BenchSpec, device: torch.device, cp_rank: int = 0):
     from recipe.model.ttt import make_ttt_batch
     from recipe.parallel.cp_shard import shard_ttt_batch
 
-    where = torch.device(device) if spec.cp == 1 else torch.device("cpu")
+    where = torch.device("cpu") if spec.dims.cp_enabled else torch.device(device)
     g = torch.Generator(device=where).manual_seed(spec.seed + 2)
     b, s, dt = spec.batch, spec.seq_len, DTYPES[spec.dtype]
     ones = torch.ones(b, s, dtype=torch.bool, device=where)
@@ -104,7 +104,7 @@ def random_batch(spec: BenchSpec, device: torch.device, cp_rank: int = 0):
                            torch.randn(b, s, 3 * spec.target_hidden, generator=g, device=where).to(dt),
                            torch.randn(b, s, spec.target_hidden, generator=g, device=where).to(dt), ones,
                            spec.ttt_steps)
-    if spec.cp > 1:
+    if spec.dims.cp_enabled:
         batch = shard_ttt_batch(batch, spec.cp, cp_rank)
     return batch.to(device)
 
@@ -154,7 +154,6 @@ def _rank_main(rank: int, spec_fields: dict, port: int, queue) -> None:
         if spec.world_size > 1:
             import torch.distributed as dist
 
-            from recipe.parallel.dims import ParallelDims
             from recipe.parallel.topology import ParallelState
 
             os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
@@ -164,7 +163,7 @@ def _rank_main(rank: int, spec_fields: dict, port: int, queue) -> None:
                 spec = dataclasses.replace(spec, device=f"cuda:{rank}")
             dist.init_process_group("nccl" if spec.device.startswith("cuda") else "gloo", rank=rank,
                                     world_size=spec.world_size)
-            pstate = ParallelState(ParallelDims(world_size=spec.world_size, tp=spec.tp, cp=spec.cp))
+            pstate = ParallelState(spec.dims)
         queue.put((rank, "ok", measure_step(spec, pstate)))
     except torch.OutOfMemoryError as exc:
         queue.put((rank, "oom", str(exc).splitlines()[0]))

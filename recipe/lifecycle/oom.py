@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from recipe.config_memory import MemoryOptions
+from recipe.parallel.dims import ParallelDims
 
 GIB = 1024 ** 3
 
@@ -28,20 +29,20 @@ def device_memory(device: torch.device) -> str:
 
 
 def out_of_memory_message(error: BaseException, *, step: int, rank: int, device: torch.device,
-                          shape: tuple[int, int, int] | None, memory: MemoryOptions, cp_size: int,
+                          shape: tuple[int, int, int] | None, memory: MemoryOptions, dims: ParallelDims,
                           max_length: int) -> str:
     """The message of :class:`StepOutOfMemory`: one line naming what ran out, then one line per switch to try.
 
     ``step``: the 1-based optimizer step that failed; ``shape``: (samples, rows, tokens a row) of this rank's
     micro-batch (fewer rows than samples: packed, ``data.packing``)
     (None: the step failed while building it, i.e. in the online target's forward); ``memory``: the run's ``memory``
-    section; ``cp_size``: the context-parallel degree (each cp rank holds tokens / cp positions).
+    section; ``dims``: the run's layout (with ``dims.cp_enabled`` each cp rank holds tokens / cp positions).
     """
     if shape is None:
         where = "while building its micro-batches (target forward)"
     else:
         samples, rows, tokens = shape
-        per_rank = f" ({tokens // cp_size} per cp rank)" if cp_size > 1 else ""
+        per_rank = f" ({tokens // dims.cp} per cp rank)" if dims.cp_enabled else ""
         laid = f"padded to {tokens} tokens" if rows == samples else f"packed into {rows} row(s) of {tokens} tokens"
         where = f"on a micro-batch of {samples} sample(s) {laid}{per_rank}"
     switches = []
@@ -58,7 +59,7 @@ def out_of_memory_message(error: BaseException, *, step: int, rank: int, device:
         switches.append('"memory": {"attention_tile_size": 1024} (now null: dense [S, S] attention scores)')
     else:
         switches.append(f'a smaller "memory.attention_tile_size" (now {memory.attention_tile_size})')
-    switches.append(f'a larger cp_size (now {cp_size}; "parallelism" section or --cp-size), each rank then holds '
+    switches.append(f'a larger cp_size (now {dims.cp}; "parallelism" section or --cp-size), each rank then holds '
                     "1/cp of the sequence")
     switches.append(f"a shorter --max-length (now {max_length}) or a smaller train_micro_batch_size_per_gpu")
     first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__

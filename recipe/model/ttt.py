@@ -207,7 +207,9 @@ class TTTModel(nn.Module):
             them per chunk and step and again in the backward recompute (one chunk's logits alive at a time).
             Both give the same numbers up to float summation order (a BLAS may block a matmul by its row count,
             so the rows of one big matmul and of K smaller ones can differ in the last bits).
-        sparse_anchors: True computes each step only at its needed anchors (``recipe.model.sparse_anchors``;
+        sparse_anchors (keyword, required: its one default is the memory section's "auto",
+            ``recipe.config_memory.MemoryOptions``, which ``build_training_model`` hands over; a test names the path
+            it measures): True computes each step only at its needed anchors (``recipe.model.sparse_anchors``;
             docs/algorithm.md, "Sparse anchors"): step 0's keys/values at every position, everything else (queries,
             attention output, o_proj, MLP, norms, lm_head, teacher logits) only where some step's loss reads it.
             Same loss sums, counts and gradients as False (the dense path, the reference) up to float rounding.
@@ -220,8 +222,7 @@ class TTTModel(nn.Module):
 
     def __init__(self, draft: Eagle3Draft, target_lm_head_weight: torch.Tensor, loss_fn: Callable = soft_ce,
                  loss_chunk_size: int | None = None, checkpoint_steps: bool = False,
-                 target_softcap: float | None = None, sparse_anchors: bool | str = False,
-                 teacher_logits_once: bool = True):
+                 target_softcap: float | None = None, *, sparse_anchors: bool | str, teacher_logits_once: bool = True):
         super().__init__()
         self.draft = draft
         self.loss_fn = loss_fn

@@ -99,14 +99,6 @@ class ParallelDims:
         for a run's layout (ring attention, zigzag shards, the split target forward)."""
         return self.cp > 1
 
-    # ---- config --------------------------------------------------------------------------------------------------
-    @classmethod
-    def from_config(cls, section: Mapping | None, world_size: int,
-                    overrides: Mapping | None = None) -> "ParallelDims":
-        """``ParallelismOptions.from_section(section).with_overrides(overrides).dims(world_size)``. Raises ValueError
-        as those do."""
-        return ParallelismOptions.from_section(section).with_overrides(overrides).dims(world_size)
-
 
 @dataclass(frozen=True)
 class ParallelismOptions:

@@ -33,7 +33,7 @@ from recipe.config import KernelOptions, RunConfig, RunSections, load_sections
 from recipe.config_keys import ConfigError
 from recipe.config_memory import CPU_AUTO, MemoryOptions, MemoryReport
 from recipe.model.flops import DraftShape, Recompute, step_flops
-from recipe.parallel.dims import seq_divisor
+from recipe.parallel.dims import ParallelDims, seq_divisor
 from recipe.plan import states
 from recipe.plan.spec import DTYPES, BenchSpec, planned_sparse, spec_for_memory
 from recipe.plan.states import gpu_bytes
@@ -129,9 +129,10 @@ class PlanInputs:
     per length), ``dp``, ``zero_stage``, ``reduce_bucket`` (elements), ``params`` (``states.DraftParams``),
     ``target`` (``states.TargetShape``), ``offline``, ``partitioned_target``, ``gpu`` (name), ``gpu_bytes``,
     whether the bf16 run accumulates gradients (``fp32_grad_accum``) and reduces them (``fp32_comm``) in fp32,
-    whether the online target's attention can be routed (``routable_attention``: its forward is then split over
-    the cp·tp ranks, ``recipe.target.split``), the argmax chunk (``argmax_chunk``, positions), the ``memory``
-    section as configured (``"auto"`` values until :func:`resolve_inputs`: ``spec`` then holds the CPU's values,
+    the target's architecture (``target_arch``: the ``model_type`` of its ``recipe.target.registry`` entry,
+    "generic" for one it does not know; whether an online forward is split over the cp·tp ranks,
+    ``recipe.target.split``, is ``recipe.target.registry.splits_target``'s rule), the argmax chunk
+    (``argmax_chunk``, positions), the ``memory`` section as configured (``"auto"`` values until :func:`resolve_inputs`: ``spec`` then holds the CPU's values,
     ``recipe.config_memory.CPU_AUTO``, and :func:`plan_length` refuses to plan; ``sparse_anchors`` "auto" stays
     "auto" in ``spec`` too, decided per traced batch by the run's rule, ``recipe.plan.spec.planned_sparse``), the
     ``memory_report`` of its resolution and the run's ``kernels`` section (``recipe.config.KernelOptions``, resolved
@@ -149,7 +150,7 @@ class PlanInputs:
     gpu_bytes: int
     fp32_grad_accum: bool = False
     fp32_comm: bool = False
-    routable_attention: bool = True
+    target_arch: str = "llama"
     argmax_chunk: int = 1024
     memory: MemoryOptions = MemoryOptions()
     memory_report: MemoryReport | None = None
@@ -158,6 +159,11 @@ class PlanInputs:
     @property
     def world(self) -> int:
         return self.spec.tp * self.spec.cp * self.dp
+
+    @property
+    def dims(self) -> ParallelDims:
+        """The planned run's layout: the spec's tp and cp, ``dp`` replicas."""
+        return ParallelDims(world_size=self.world, tp=self.spec.tp, cp=self.spec.cp, dp=self.dp)
 
 
 def _read_target_config(target: Path):
@@ -260,7 +266,7 @@ def run_inputs(config: RunConfig, hf, draft, *, ttt_steps: int, offline: bool, f
                       partitioned_target=config.target.partitioned, gpu=gpu, gpu_bytes=gpu_size,
                       fp32_grad_accum=(config.deepspeed.get("data_types") or {}).get("grad_accum_dtype") == "fp32",
                       fp32_comm=config.deepspeed.get("communication_data_type") == "fp32",
-                      routable_attention=arch_facts(hf).routable_attention,
+                      target_arch=arch_facts(hf).model_type,
                       argmax_chunk=mem.argmax_positions(int(hf.vocab_size), torch.bfloat16), memory=mem,
                       kernels=config.kernels)
 
@@ -312,7 +318,10 @@ def plan_length(inputs: PlanInputs, seq_len: int, fit: ActivationFit | None = No
     """The plan at ``seq_len`` tokens: every ``COMPONENTS`` entry (bytes), ``total``, ``fits`` (total ≤ the GPU),
     ``method`` of the activation figure. ``fit`` (default: a direct trace when cheap, else ``layout_fit``) as in
     :func:`predict_step`. Raises PlanError for a length the layout cannot split or a memory section still holding
-    "auto" (:func:`resolve_inputs`)."""
+    "auto" (:func:`resolve_inputs`), ValueError for an online target the ring cannot run at cp > 1
+    (``recipe.target.registry.splits_target``; :func:`load_inputs` refuses it first)."""
+    from recipe.target.registry import splits_target  # import cost: pulls in transformers
+
     _check_length(inputs, seq_len)
     if inputs.memory.auto_switches:
         raise PlanError(f"memory switches {list(inputs.memory.auto_switches)} are \"auto\": resolve them for a GPU and "
@@ -325,12 +334,13 @@ def plan_length(inputs: PlanInputs, seq_len: int, fit: ActivationFit | None = No
     out.update(states.zero_states(inputs.params, inputs.zero_stage, spec.cp * inputs.dp, spec.dtype == "bf16",
                                   inputs.reduce_bucket, inputs.fp32_grad_accum, inputs.fp32_comm))
     out["batch"] = states.batch_bytes(inputs.target, tokens, w, spec.ttt_steps)
-    split = inputs.routable_attention and spec.cp * spec.tp > 1  # recipe.target.registry.splits_target's rule
+    dims = inputs.dims
+    split = not inputs.offline and splits_target({"model_type": inputs.target_arch}, dims)  # run.py's rule
     out.update(states.target_bytes(inputs.target, tokens // spec.tp if split else tokens, inputs.world,
                                    inputs.partitioned_target, inputs.offline, argmax_chunk=inputs.argmax_chunk))
     tensors = (sum(out[k] for k in ("weights", "grads", "optimizer", "zero_buffers", "batch", "target_weights"))
                + max(out["draft_activations"], out["target_forward"]))
-    out.update(states.overheads(spec.tp, spec.cp, inputs.dp, tensors, split and not inputs.offline))
+    out.update(states.overheads(dims, tensors, split))
     total = tensors + out["cuda_context"] + out["nccl"] + out["allocator_slack"]
     return {"length": seq_len, **{k: int(out[k]) for k in COMPONENTS}, "total": int(total),
             "fits": total <= inputs.gpu_bytes, "method": step["method"]}

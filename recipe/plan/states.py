@@ -35,6 +35,7 @@ from dataclasses import dataclass
 import torch
 
 from recipe.parallel.apply_tp import COLUMN, LM_HEAD, ROW
+from recipe.parallel.dims import ParallelDims
 
 GIB = 1024 ** 3
 MIB = 1024 ** 2
@@ -214,26 +215,26 @@ def target_bytes(t: TargetShape, tokens: int, world: int, partitioned: bool, off
     return {"target_weights": weights, "target_forward": layer_live + argmax}
 
 
-def communicators(tp: int, cp: int, dp: int, split_target: bool = False) -> int:
-    """NCCL communicators one rank joins: the world and each of its tp, cp, dp and dp×cp groups, and the cp·tp group
-    of a split online target (``split_target``; at tp = 1 its ring is the cp group, no new communicator), those of
-    > 1 rank."""
-    ring = tp * cp if split_target and tp > 1 else 1
-    return sum(1 for size in (tp * cp * dp, tp, cp, dp, dp * cp, ring) if size > 1)
+def communicators(dims: ParallelDims, split_target: bool = False) -> int:
+    """NCCL communicators one rank of the layout ``dims`` joins: the world and each of its tp, cp, dp and dp×cp
+    groups, and the cp·tp group of a split online target (``split_target``; at tp = 1 its ring is the cp group, no
+    new communicator), those of > 1 rank."""
+    ring = dims.tp * dims.cp if split_target and dims.tp > 1 else 1
+    return sum(1 for size in (dims.world_size, dims.tp, dims.cp, dims.dp, dims.dp_cp, ring) if size > 1)
 
 
-def p2p_communicators(tp: int, cp: int, split_target: bool = False) -> int:
-    """Those of ``communicators`` that carry point-to-point traffic: the cp group (the ring attention, and a split
-    target's ring at tp = 1) and a split target's cp·tp group at tp > 1."""
-    return int(cp > 1) + int(split_target and tp > 1)
+def p2p_communicators(dims: ParallelDims, split_target: bool = False) -> int:
+    """Those of ``communicators`` that carry point-to-point traffic: the cp group when ``dims.cp_enabled`` (the
+    ring attention, and a split target's ring at tp = 1) and a split target's cp·tp group at tp > 1."""
+    return int(dims.cp_enabled) + int(split_target and dims.tp > 1)
 
 
-def overheads(tp: int, cp: int, dp: int, tensor_bytes: int, split_target: bool = False) -> dict[str, int]:
-    """The fixed overheads (constants from public measurements): ``cuda_context``, ``nccl`` (per communicator, those
-    with point-to-point traffic at ``NCCL_P2P_BYTES_PER_COMMUNICATOR``) and ``allocator_slack`` (``ALLOCATOR_SLACK``
-    of ``tensor_bytes``)."""
-    p2p = p2p_communicators(tp, cp, split_target)
-    collective = communicators(tp, cp, dp, split_target) - p2p
+def overheads(dims: ParallelDims, tensor_bytes: int, split_target: bool = False) -> dict[str, int]:
+    """The fixed overheads of one rank of the layout ``dims`` (constants from public measurements):
+    ``cuda_context``, ``nccl`` (per communicator, those with point-to-point traffic at
+    ``NCCL_P2P_BYTES_PER_COMMUNICATOR``) and ``allocator_slack`` (``ALLOCATOR_SLACK`` of ``tensor_bytes``)."""
+    p2p = p2p_communicators(dims, split_target)
+    collective = communicators(dims, split_target) - p2p
     return {"cuda_context": CUDA_CONTEXT_BYTES,
             "nccl": collective * NCCL_BYTES_PER_COMMUNICATOR + p2p * NCCL_P2P_BYTES_PER_COMMUNICATOR,
             "allocator_slack": int(ALLOCATOR_SLACK * tensor_bytes)}

@@ -263,7 +263,7 @@ class SplitTarget:
         out = last_BSH.new_empty(last_BSH.shape[0], rows.numel(), last_BSH.shape[2])
         mine = owner[rows] == r
         out[:, mine.to(dev)] = last_BSH[:, local[rows[mine]].to(dev)]
-        if halo.numel() and cp > 1:
+        if halo.numel():  # empty at cp = 1 (every row its own), so no collective there
             sent = last_BSH.new_zeros(last_BSH.shape[0], halo.numel(), last_BSH.shape[2])
             held = owner[halo] == r
             sent[:, held.to(dev)] = last_BSH[:, local[halo[held]].to(dev)]

@@ -3,7 +3,7 @@
 Every TTT shift is computed on the full, padded token sequence (``recipe.model.ttt.make_ttt_batch``; every rank
 has the tokens) and only then is the batch zigzag-split across context-parallel ranks (``recipe.parallel.cp_shard``),
 so no rank needs its neighbour's tokens. The hidden states are local: offline a cp rank reads only its rows of the
-store (``rows_needed``); online with cp > 1, or tp > 1 for a target whose attention the ring runs
+store (``rows_needed``); online with ``dims.cp_enabled``, or tp > 1 for a target whose attention the ring runs
 (``recipe.target.registry.splits_target``), the target itself runs split over the cp·tp ranks
 (``recipe.target.split.SplitTarget``): each rank runs it on 1/(cp·tp) of the sequence, then each cp rank has the aux
 states of its zigzag positions and the last hidden states of its label rows, never the full sequence's.
@@ -25,6 +25,7 @@ from recipe.data.store import DTYPES
 from recipe.model.call_extent import CallExtent
 from recipe.model.ttt import TTTBatch, make_ttt_batch, target_in_draft_vocab
 from recipe.parallel.cp_shard import label_rows, shard_ttt_batch, zigzag_indices, zigzag_split
+from recipe.parallel.dims import ParallelDims
 from recipe.target.head import validity_rows
 from recipe.target.split import SplitTarget
 from recipe.train.positions import anchor_offset_positions
@@ -94,14 +95,18 @@ class BatchBuilder:
         examples: ``datasets.Dataset`` with ``input_ids``/``loss_mask`` columns (online) or None.
         store: ``recipe.data.store.HiddenStateStore`` (offline) or None.
         target: online, a ``recipe.target.capture.TargetModel`` (run whole on this rank; cp = 1) or a
-            ``recipe.target.split.SplitTarget`` (split over this rank's cp·tp group; required at cp > 1); None offline.
+            ``recipe.target.split.SplitTarget`` (split over this rank's cp·tp group; required when
+            ``dims.cp_enabled``); None offline.
         t2d: [V] bool draft-vocabulary mask; copied once to the target's device online (where the target's argmax
             is computed), kept on the CPU offline (where the store's ``target_argmax`` is read).
     The in-draft-vocabulary flag of a position is the lookup ``t2d[target argmax]``: the argmax comes from the store
     (computed at dump time) or from ``TargetModel.capture`` (on the target's device, in its dtype); no
     full-vocabulary matmul runs here.
-        ttt_steps: K.  seq_divisor: pad the sequence to a multiple of this (2·cp·tp).
-        cp_size, cp_rank: context-parallel layout (1, 0 for none).
+        ttt_steps: K.  seq_divisor: pad the sequence to a multiple of this (the run's ``dims.seq_divisor``, 2·cp·tp;
+            a multiple of 2·cp, so that every padded length splits into the 2·cp zigzag chunks).
+        dims, cp_rank: the run's layout (``recipe.parallel.dims.ParallelDims``; default one process) and this rank's
+            index in its cp group. ``dims.cp_enabled`` alone decides whether the batch is zigzag-split (where the
+            split at cp = 1 is the identity, ``zigzag_split``, it runs unconditionally).
         device, dtype: where and in which float dtype the draft consumes the batch.
         argmax_chunk_size: positions per argmax matmul of a whole-sequence ``TargetModel`` (a ``SplitTarget`` has its
             own).
@@ -124,16 +129,20 @@ class BatchBuilder:
     """
 
     def __init__(self, *, examples=None, store=None, target=None, t2d, ttt_steps, seq_divisor,
-                 cp_size=1, cp_rank=0, device=torch.device("cpu"), dtype=torch.float32, argmax_chunk_size=1024,
-                 position_offset_max=0, seed=0, packing: bool | str = False, packing_tokens: int | None = None):
+                 dims: ParallelDims = ParallelDims(world_size=1), cp_rank=0, device=torch.device("cpu"),
+                 dtype=torch.float32, argmax_chunk_size=1024, position_offset_max=0, seed=0,
+                 packing: bool | str = False, packing_tokens: int | None = None):
         if (examples is None) == (store is None):
             raise ValueError("BatchBuilder needs exactly one of examples (online) or store (offline)")
         if examples is not None and target is None:
             raise ValueError("online mode needs the target model")
 
+        if seq_divisor % (2 * dims.cp):
+            raise ValueError(f"seq_divisor={seq_divisor} is not a multiple of 2·cp = {2 * dims.cp} (the zigzag "
+                             f"chunks; the run passes dims.seq_divisor = 2·cp·tp)")
         self.split_target = isinstance(target, SplitTarget)
-        if examples is not None and cp_size > 1 and not self.split_target:
-            raise ValueError(f"online training with cp_size={cp_size} needs a recipe.target.split.SplitTarget, "
+        if examples is not None and dims.cp_enabled and not self.split_target:
+            raise ValueError(f"online training with cp_size={dims.cp} needs a recipe.target.split.SplitTarget, "
                              f"got {type(target).__name__}")
         self.examples, self.store, self.target = examples, store, target
         self.argmax_chunk_size = argmax_chunk_size
@@ -141,7 +150,7 @@ class BatchBuilder:
         self.packing, self.packing_tokens = check_packing(packing), packing_tokens
         self.t2d = t2d.to(target.device) if target is not None else t2d
         self.ttt_steps, self.seq_divisor = ttt_steps, seq_divisor
-        self.cp_size, self.cp_rank = cp_size, cp_rank
+        self.dims, self.cp_rank = dims, cp_rank
         self.device, self.dtype = device, dtype
         self.pin_memory = torch.device(device).type == "cuda"  # pinned host buffers only feed a CUDA device
         self._store_lock = threading.Lock()  # the store's file handles are shared with the prefetch thread
@@ -177,7 +186,7 @@ class BatchBuilder:
         as ``tokens`` pads it, on the host, so every rank of the ZeRO group gets the same extent without a
         collective (``recipe.model.call_extent``). Local to a cp rank (the sizes / cp)."""
         shapes = [(layout.rows, layout.seq) for layout in (self.layout(self.sample_lengths(ix)) for ix in groups if ix)]
-        return CallExtent.of(shapes, self.cp_size)
+        return CallExtent.of(shapes, self.dims.cp)
 
     def layout(self, lengths: list[int]) -> RowLayout:
         """Where samples of ``lengths`` tokens go in a micro-batch (``recipe.data.packing.micro_batch_layout``: padded
@@ -190,11 +199,10 @@ class BatchBuilder:
         Under CP a rank needs the aux states of its zigzag positions P only, and the target's last hidden state at
         the label positions ``P + 1 + k`` (k < K, clamped to the end) — its chunks plus K rows after each.
         """
-        if self.cp_size == 1:
+        if not self.dims.cp_enabled:
             return None, None
-
-        return zigzag_indices(seq, self.cp_size, self.cp_rank), label_rows(seq, self.cp_size, self.cp_rank,
-                                                                           self.ttt_steps)
+        cp = self.dims.cp
+        return zigzag_indices(seq, cp, self.cp_rank), label_rows(seq, cp, self.cp_rank, self.ttt_steps)
 
     def tokens(self, indices: list[int]) -> HostTokens:
         """The CPU tokens of samples ``indices`` placed as ``layout`` says (offline also the store's
@@ -230,10 +238,7 @@ class BatchBuilder:
         empty = torch.empty(*host.attention_BS.shape, 0)
         ttt = make_ttt_batch(host.input_ids_BS, host.loss_mask_BS, host.attention_BS, empty, empty,
                              target_in_draft_vocab(host.argmax_BS, self.t2d), self.ttt_steps, host.documents_BS)
-        valid = ttt.valid_KBS
-        if self.cp_size > 1:
-            valid = zigzag_split(valid, self.cp_size, self.cp_rank, 2)
-        return valid.sum(dim=(1, 2))
+        return self._cp_part(ttt.valid_KBS, 2).sum(dim=(1, 2))
 
     def read(self, host: HostTokens) -> TTTBatch:
         """OFFLINE: this rank's finished TTT batch on the CPU (hidden states in the store dtype), its tensors in
@@ -242,8 +247,8 @@ class BatchBuilder:
         aux, last = self._hidden(host)
         ttt = make_ttt_batch(host.input_ids_BS, host.loss_mask_BS, host.attention_BS, aux, last,
                              target_in_draft_vocab(host.argmax_BS, self.t2d), self.ttt_steps, host.documents_BS)
-        if self.cp_size > 1:
-            ttt = shard_ttt_batch(ttt, self.cp_size, self.cp_rank)
+        if self.dims.cp_enabled:  # at cp = 1 the shard would still compact the target rows (the label rows only)
+            ttt = shard_ttt_batch(ttt, self.dims.cp, self.cp_rank)
         if self.pin_memory:
             ttt = dataclasses.replace(ttt, **{name: getattr(ttt, name).pin_memory() for name in ttt.tensor_fields()})
         return ttt
@@ -278,7 +283,7 @@ class BatchBuilder:
         positions = host.positions_BS  # --position-offset-max 0: the positions make_ttt_batch made, untouched
         if self.position_offset_max:
             positions = self._offset_positions(host)
-            ttt.position_ids_BS = self._cp_part(positions).to(self.device)
+            ttt.position_ids_BS = self._cp_part(positions, 1).to(self.device)
         self._attach_host_copies(ttt, host, positions, host_valid)
         return MicroBatch(ttt=ttt, samples=host.samples, supervised_tokens=int(host.loss_mask_BS.sum()),
                           supervised_K=supervised_per_step(host.loss_mask_BS, self.ttt_steps, host.documents_BS))
@@ -295,9 +300,10 @@ class BatchBuilder:
                 [host.indices[p.slot]], p.length, self.position_offset_max, self.seed)[0]
         return document_positions(host.documents_BS, local)
 
-    def _cp_part(self, x_BS: torch.Tensor) -> torch.Tensor:
-        """This cp rank's zigzag part of a full [B, S] tensor (the whole of it at cp = 1)."""
-        return x_BS if self.cp_size == 1 else zigzag_split(x_BS, self.cp_size, self.cp_rank, 1)
+    def _cp_part(self, x: torch.Tensor, dim: int) -> torch.Tensor:
+        """This cp rank's zigzag part of a full-sequence tensor along ``dim`` (at cp = 1 an exact copy of all of it:
+        ``zigzag_split`` of one rank is the identity, tests/test_cp_shard.py)."""
+        return zigzag_split(x, self.dims.cp, self.cp_rank, dim)
 
     def _attach_host_copies(self, ttt: TTTBatch, host: HostTokens, positions_BS: torch.Tensor | None = None,
                             host_valid: torch.Tensor | None = None) -> None:
@@ -309,11 +315,8 @@ class BatchBuilder:
         b, s = host.attention_BS.shape
         pos = torch.arange(s, dtype=torch.int64).expand(b, s) if positions_BS is None else positions_BS
         valid = host.attention_BS.bool()
-        if self.cp_size == 1:
-            per_pos, per_valid = [pos.clone()], [valid]
-        else:
-            per_pos = [zigzag_split(pos, self.cp_size, r, 1) for r in range(self.cp_size)]
-            per_valid = [zigzag_split(valid, self.cp_size, r, 1) for r in range(self.cp_size)]
+        per_pos = [zigzag_split(pos, self.dims.cp, r, 1) for r in range(self.dims.cp)]  # one copy each at cp = 1
+        per_valid = [zigzag_split(valid, self.dims.cp, r, 1) for r in range(self.dims.cp)]
         attach_host_copies(ttt.position_ids_BS, per_pos, self.cp_rank)
         attach_host_copies(ttt.key_valid_BS, per_valid, self.cp_rank)
         if host_valid is not None and ttt.valid_KBS is not host_valid:
@@ -339,7 +342,7 @@ class BatchBuilder:
         docs = None if host.documents_BS is None else host.documents_BS.to(dev)
         ttt = make_ttt_batch(host.input_ids_BS.to(dev), host.loss_mask_BS.to(dev), host.attention_BS.to(dev), empty,
                              empty, target_in_draft_vocab(cap.argmax_BS, self.t2d), self.ttt_steps, docs)
-        ttt = shard_ttt_batch(ttt, self.cp_size, self.cp_rank)
+        ttt = shard_ttt_batch(ttt, self.dims.cp, self.cp_rank)
         if ttt.target_hidden_BLH.shape[1] != cap.label_hidden_BUH.shape[1]:
             raise AssertionError(f"label rows: the shard reads {ttt.target_hidden_BLH.shape[1]}, the CP target "
                                  f"computed {cap.label_hidden_BUH.shape[1]}")

@@ -276,7 +276,7 @@ class Trainer:
         except torch.OutOfMemoryError as exc:
             raise StepOutOfMemory(out_of_memory_message(
                 exc, step=self.step + 1, rank=dist.get_rank(), device=self.pstate.device, shape=self.batch_shape,
-                memory=self.config.memory, cp_size=self.config.dims.cp,
+                memory=self.config.memory, dims=self.config.dims,
                 max_length=self.settings.max_length)) from None
         self.step += 1
         watchdog.beat(f"what follows step {self.step} (log, validation, agreement, checkpoint)")

@@ -153,7 +153,7 @@ def build_run(args: TrainArgs, device: torch.device, console: Console,
 
     def batch_builder(rows, hidden_states, offset_max=0) -> BatchBuilder:  # training and held-out samples alike
         return BatchBuilder(examples=rows, store=hidden_states, target=target, t2d=vocab.t2d,
-                            ttt_steps=args.ttt_steps, seq_divisor=config.dims.seq_divisor, cp_size=config.dims.cp,
+                            ttt_steps=args.ttt_steps, seq_divisor=config.dims.seq_divisor, dims=config.dims,
                             cp_rank=pstate.cp_rank, device=device, dtype=config.dtype,
                             argmax_chunk_size=argmax_chunk or 1024, position_offset_max=offset_max, seed=args.seed,
                             packing=config.data.packing, packing_tokens=config.data.packing_tokens)

@@ -42,7 +42,7 @@ class StepBatches:
         else:
             self._built = [builder.build(ix, extent=e) for ix, e in zip(micro, self.extents)]
             self.local_valid_K = torch.stack([b.ttt.valid_KBS.sum(dim=(1, 2)) for b in self._built]).sum(0)
-            self.shape = _largest([(b.samples, *b.ttt.input_ids_KBS.shape[-2:]) for b in self._built], builder.cp_size)
+            self.shape = _largest([(b.samples, *b.ttt.input_ids_KBS.shape[-2:]) for b in self._built], builder.dims.cp)
             loss_masks = None
         if loss_masks is not None:
             self.supervised_K = torch.stack([supervised_per_step(h.loss_mask_BS, builder.ttt_steps, h.documents_BS)

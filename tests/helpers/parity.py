@@ -82,7 +82,7 @@ def run_layout(rank: int, world: int, tp: int, cp: int, K: int, seed: int, seq_l
     ref_batch = batch
     if packing_tokens is not None:
         batch = build_case(seed, K, seq_len, lengths, geometry=PARITY, dtype=dtype, packing_tokens=packing_tokens)[2]
-    model = TTTModel(draft, head_VH)
+    model = TTTModel(draft, head_VH, sparse_anchors=False)
     n_valid = ref_batch.valid_KBS.sum(dim=(1, 2))
     ref_model = copy.deepcopy(model)
     ref = forward_backward(ref_model, ref_batch, n_valid)
