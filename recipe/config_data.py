@@ -6,7 +6,7 @@ samples are laid out (docs/algorithm.md, "Packing"; ``recipe.data.packing``).
 one row per micro-batch, at most micro-batch · ``--max-length`` tokens, never more positions than its padded rows).
 The run narrows ``"auto"`` to false where packing would not be exact or is not faster: :meth:`DataOptions.for_target`
 (an online target whose packed forward is untested) and :meth:`DataOptions.for_attention` (the untiled dense attention
-block); the same rule on every device (the CPU measured 0.72x the padded step: docs/benchmarks.md, "Packing"). No
+block); the same rule on every device (the CPU measured 0.68x the padded step: docs/benchmarks.md, "Packing"). No
 torch import: reading a config stays cheap.
 """
 from __future__ import annotations
