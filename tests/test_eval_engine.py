@@ -116,3 +116,15 @@ def test_one_position_limit_for_plain_and_by_length(tiny_target, layouts, monkey
     with pytest.raises(ValueError, match="prompt 'long' at context 0: 237 tokens"):
         by_length.evaluate_by_length(tiny_target, {"d": layouts["export"]},
                                      {0: [ContextPrompt("long", "all", [3] * 237, 0, 0)]}, [3], 16, device="cpu")
+
+
+def test_a_wrong_shape_is_named_in_the_file_passed(tiny_target, layouts, tmp_path):
+    """A draft file of the wrong geometry: the problem names that file, not the export's ``model.safetensors``."""
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(str(layouts["layers0"]))
+    tensors["model.fc.weight"] = tensors["model.fc.weight"][:, :-1].contiguous()
+    save_file(tensors, str(tmp_path / "wrongfc.safetensors"))
+    with pytest.raises(ValueError, match=r"(?s)--draft .*wrongfc\.safetensors: not a loadable EAGLE-3 draft .*\n  "
+                                         r"wrongfc\.safetensors: 'fc\.weight' has shape"):
+        read_draft(tmp_path / "wrongfc.safetensors", by_length.target_config(tiny_target))

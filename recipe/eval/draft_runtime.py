@@ -50,7 +50,7 @@ def read_draft(path: str | Path, target_config) -> tuple[dict[str, torch.Tensor]
             derived = draft_config_for(target_config, rows, {"aux_layer_ids": aux} if aux else {}).to_hf_dict()
             stated = {**derived, **stated, "eagle_config": derived["eagle_config"]}
         config = Eagle3DraftConfig.from_hf_dict(stated)
-        problems = check_tensors(imported.tensors, config.to_hf_dict())
+        problems = check_tensors(imported.tensors, config.to_hf_dict(), imported.weights.name)
     except (ValueError, TypeError) as exc:
         problems = [str(exc)]
     if problems:

@@ -121,8 +121,9 @@ def write_export(tensors: dict[str, torch.Tensor], config: dict, out_dir: Path) 
     return out_dir
 
 
-def check_tensors(tensors: dict[str, torch.Tensor], cfg: dict) -> list[str]:
-    """Every problem of a tensor dict against an export config, one message each (empty list: fine)."""
+def check_tensors(tensors: dict[str, torch.Tensor], cfg: dict, weights: str = WEIGHTS_FILE) -> list[str]:
+    """Every problem of a tensor dict against an export config, one message each (empty list: fine); a tensor's
+    message names ``weights``, the file the tensors came from (an export's ``model.safetensors`` by default)."""
     problems = [f"config.json: missing field '{k}'" for k in REQUIRED_CONFIG if k not in cfg]
     if problems:
         return problems
@@ -138,27 +139,27 @@ def check_tensors(tensors: dict[str, torch.Tensor], cfg: dict) -> list[str]:
     shapes = expected_shapes(cfg)
     for name, shape in shapes.items():
         if name not in tensors:
-            problems.append(f"{WEIGHTS_FILE}: missing tensor '{name}'")
+            problems.append(f"{weights}: missing tensor '{name}'")
         elif tuple(tensors[name].shape) != shape:
-            problems.append(f"{WEIGHTS_FILE}: '{name}' has shape {tuple(tensors[name].shape)}, expected {shape}")
+            problems.append(f"{weights}: '{name}' has shape {tuple(tensors[name].shape)}, expected {shape}")
     for name in sorted(set(tensors) - set(shapes)):
-        problems.append(f"{WEIGHTS_FILE}: unexpected tensor '{name}'")
+        problems.append(f"{weights}: unexpected tensor '{name}'")
     if "d2t" in tensors and tensors["d2t"].dtype != torch.int64:
-        problems.append(f"{WEIGHTS_FILE}: 'd2t' has dtype {tensors['d2t'].dtype}, expected torch.int64")
+        problems.append(f"{weights}: 'd2t' has dtype {tensors['d2t'].dtype}, expected torch.int64")
     if "t2d" in tensors and tensors["t2d"].dtype != torch.bool:
-        problems.append(f"{WEIGHTS_FILE}: 't2d' has dtype {tensors['t2d'].dtype}, expected torch.bool")
+        problems.append(f"{weights}: 't2d' has dtype {tensors['t2d'].dtype}, expected torch.bool")
     dtype = cfg.get("torch_dtype")
     for name, t in tensors.items():
         if dtype is not None and t.is_floating_point() and str(t.dtype).removeprefix("torch.") != dtype:
-            problems.append(f"{WEIGHTS_FILE}: '{name}' has dtype {t.dtype}, config.json says torch_dtype {dtype!r}")
+            problems.append(f"{weights}: '{name}' has dtype {t.dtype}, config.json says torch_dtype {dtype!r}")
         if name not in ("d2t", "t2d") and t.is_floating_point() and not torch.isfinite(t).all():
-            problems.append(f"{WEIGHTS_FILE}: '{name}' has non-finite values")
+            problems.append(f"{weights}: '{name}' has non-finite values")
     if not problems and "d2t" in tensors and "t2d" in tensors:
         d2t, t2d = tensors["d2t"], tensors["t2d"]
         draft_ids = torch.arange(len(d2t)) + d2t
         if draft_ids.min() < 0 or draft_ids.max() >= len(t2d) or not bool(t2d[draft_ids].all()) \
                 or int(t2d.sum()) != len(d2t) or not bool((draft_ids[1:] > draft_ids[:-1]).all()):
-            problems.append(f"{WEIGHTS_FILE}: d2t and t2d disagree (draft ids must be sorted, in range and exactly "
+            problems.append(f"{weights}: d2t and t2d disagree (draft ids must be sorted, in range and exactly "
                             "the ids t2d marks)")
     return problems
 

@@ -140,7 +140,7 @@ def check_geometry(init: InitDraft, config: Eagle3DraftConfig, target_layers: in
     if mismatches:
         raise ValueError(f"--init-draft {imported.path} does not fit this run's draft geometry:\n  "
                          + "\n  ".join(mismatches))
-    problems = check_tensors(tensors, config.to_hf_dict())
+    problems = check_tensors(tensors, config.to_hf_dict(), imported.weights.name)
     if problems:
         raise ValueError(f"--init-draft {imported.weights}:\n  " + "\n  ".join(problems))
 
