@@ -132,8 +132,9 @@ class PlanInputs:
     the target's architecture (``target_arch``: the ``model_type`` of its ``recipe.target.registry`` entry,
     "generic" for one it does not know; whether an online forward is split over the cp·tp ranks,
     ``recipe.target.split``, is ``recipe.target.registry.splits_target``'s rule), the argmax chunk
-    (``argmax_chunk``, positions), the ``memory`` section as configured (``"auto"`` values until :func:`resolve_inputs`: ``spec`` then holds the CPU's values,
-    ``recipe.config_memory.CPU_AUTO``, and :func:`plan_length` refuses to plan; ``sparse_anchors`` "auto" stays
+    (``argmax_chunk``, positions), the ``memory`` section as configured (``"auto"`` values until
+    :func:`resolve_inputs`: ``spec`` then holds the CPU's values, ``recipe.config_memory.CPU_AUTO``, and
+    :func:`plan_length` refuses to plan; ``sparse_anchors`` "auto" stays
     "auto" in ``spec`` too, decided per traced batch by the run's rule, ``recipe.plan.spec.planned_sparse``), the
     ``memory_report`` of its resolution and the run's ``kernels`` section (``recipe.config.KernelOptions``, resolved
     for the device planned: ``spec.attention_backend`` is its ``attention``)."""
