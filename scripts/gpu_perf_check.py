@@ -2,7 +2,8 @@
 item 5): our training step with the optimizer at SpecForge's published geometry (4 × 2048, the 8B draft: hidden
 4096, 32/8 heads, MLP 14336, K = 7, Vd 32000, bf16, flex), at 32k and at 128k, with the memory switches ``auto``
 picks; ablations that flip one switch (step checkpointing, the teacher logits once, compiled small ops, flex with
-static shapes); a ``torch.profiler`` breakdown at 4 × 2048 and 32k; the causal block's TFLOP/s per attention
+static shapes); a ``torch.profiler`` breakdown at 4 × 2048 and 32k; micro-batches of eight ShareGPT-length samples
+padded against packed (``data.packing``, ``scripts/gpu_perf_packing.py``); the causal block's TFLOP/s per attention
 backend; and SpecForge's own step (its wheel, its flex backend, its optimizer) in the same process on the same
 weights and batches, so the ratio of the two is measured in one run.
 
@@ -114,7 +115,7 @@ def dry_run(gpu: str) -> int:
     print(f"auto switches: {row_switches(ROWS[0], False, 'cuda', gpu_bytes(gpu), plans, gpu)[1]}")
     for item in rows:
         row, mem = item["row"], item["memory"]
-        what = item["switches"].label if row.kind in ("ours", "profile") else row.backend or "SpecForge"
+        what = item["switches"].label if row.kind in ("ours", "profile", "packing") else row.backend or "SpecForge"
         gib = "" if mem is None else f"{mem['planned_bytes'] / 2 ** 30:.1f} GiB"
         note = "" if item["runs"] else f"  skipped: {gib} > the {gpu}'s {gpu_bytes(gpu) / 2 ** 30:.1f} GiB"
         print(f"{row.name:<27} est {sum(item['parts'].values()) if item['runs'] else 0:>4.0f} s  end "
@@ -193,7 +194,7 @@ def run_rows_child(args, out: Path) -> int:
         mem = memory_fit(row, switches, device_bytes, plans)
         record = {"name": row.name, "kind": row.kind, "length": row_length(row, smoke), "batch": row.batch,
                   "flip": row.flip, "switches": vars(switches) if row.kind != "attention" else None,
-                  "switches_source": source if row.kind in ("ours", "profile") else None,
+                  "switches_source": source if row.kind in ("ours", "profile", "packing") else None,
                   "predicted_s": round(predicted, 1), "allowed_s": round(left, 1), "memory_plan": mem}
         why = skip_reason(predicted, left, mem, device_bytes)
         if why:
@@ -226,6 +227,10 @@ def _run_row(bench, row, switches, out, run_ours, run_specforge, profile_row, at
         record = run_ours(bench, row, switches, warm + (0 if bench.steps_taken else 1), timed)  # 1st: compiles
     elif row.kind == "specforge":
         record = run_specforge(bench, row, warm, timed)
+    elif row.kind == "packing":
+        from scripts.gpu_perf_packing import run_packing
+
+        record = run_packing(bench, row, switches)
     else:
         try:
             record = profile_row(bench, row, switches, out) if row.kind == "profile" else attention_row(bench, row)

@@ -106,6 +106,34 @@ def profiles(report: dict, link: str) -> list[str]:
     return out + [""]
 
 
+def packing(report: dict, link: str) -> list[str]:
+    """The packing row's mixes: each layout's shape, padding and seconds, the ratios beside the CPU's."""
+    rows = _ok(report["rows"], "packing")
+    if not rows:
+        return []
+    r = rows[0]
+    out = ["## Packing", "",
+           f"Our step (optimizer included, {_switches(r)}) on micro-batches of {r['batch']} ShareGPT-length samples "
+           f"cut at {r['length']} tokens, padded to the longest against packed into one row with the documents "
+           f"isolated (`data.packing`); the lengths are the CPU measurement's mixes, whose fp32 ratio is beside "
+           f"([{link}]({link})):", "",
+           "| mix | lengths | padded B × S | padding | packed B × S | padded s / step | packed s / step | "
+           "positions × | packed / padded × | CPU packed / padded × |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for e in r["mixes"]:
+        pad, pk = e["padded"], e["packed"]
+        out.append(f"| {e['mix']} | {', '.join(map(str, e['lengths']))} | {pad['shape'][0]} × {pad['shape'][1]} | "
+                   f"{pad['padding_share']:.3f} | {pk['shape'][0]} × {pk['shape'][1]} | {pad['seconds']:.3f} | "
+                   f"{pk['seconds']:.3f} | {e['positions_packed_vs_padded']:.2f} | {e['packed_vs_padded']:.2f} | "
+                   f"{_f(e.get('cpu_packed_vs_padded'), '.2f')} |")
+    out.append(f"| all | | | | | {r['padded_seconds']:.3f} | {r['packed_seconds']:.3f} | | "
+               f"{r['packed_vs_padded']:.2f} | {_f(r.get('cpu_packed_vs_padded_same_mixes'), '.2f')} |")
+    check = r.get("loss_check_bf16") or {}
+    out += ["", f"Packed equals padded on this device's kernels (mix 0's forward from the same weights, bf16): the "
+                f"TTT steps' loss sums differ by at most {_f(check.get('max_rel'), '.2e')} relative, the supervised "
+                f"positions {'are equal' if check.get('valid_equal') else 'DIFFER'}."]
+    return out + [""]
+
+
 def attention(report: dict, link: str) -> list[str]:
     rows = _ok(report["rows"], "attention")
     if not rows:
@@ -150,7 +178,8 @@ def page(report: dict, json_name: str) -> str:
              "over the device's dense bf16 peak; seconds are per optimizer step after warm-up.", "",
              "## Our step and SpecForge's", ""]
     lines += headline(report, json_name) + [""]
-    lines += ablations(report, json_name) + profiles(report, json_name) + attention(report, json_name)
+    lines += ablations(report, json_name) + profiles(report, json_name) + packing(report, json_name)
+    lines += attention(report, json_name)
     lines += not_measured(report)
     return "\n".join(lines).rstrip() + "\n"
 

@@ -55,6 +55,8 @@ ESTIMATES_S = dict(
     specforge_recompile=20,  # at a new length
     attention_compile=20,  # flex alone: the inference and training graphs of time_attention
     profile_export=5,  # the profiler's trace processed and its key_averages table written
+    packing_compile=20,  # the packed layout's first steps: flex with document positions, new dynamic shapes
+    packing_batch=1,  # a mix's batch in one layout (``recipe.bench.packing.layout_batch``, drawn on the GPU)
     optimizer=0.05,  # DeepSpeed's / SpecForge's AdamW over 0.42 B trainable parameters (fp32 masters)
     tflops=300,      # effective hardware TFLOP/s of a bf16 step (the H200 check's steps: ~260 model TFLOP/s)
     tiled_tflops=100,  # the pure-PyTorch tile loops' attention
@@ -112,8 +114,10 @@ FLIPS = ("checkpoint", "teacher_once", "compile", "flex_static")
 @dataclass(frozen=True)
 class Row:
     """One row: ``kind`` "ours" (our step with the optimizer, ``flip`` None for the ``auto`` set, else the switch
-    flipped), "specforge" (SpecForge's step), "profile" (our ``auto`` step under ``torch.profiler``) or "attention"
-    (the causal block of ``backend`` alone); ``length`` tokens per sample, ``batch`` samples."""
+    flipped), "specforge" (SpecForge's step), "profile" (our ``auto`` step under ``torch.profiler``), "packing" (our
+    ``auto`` step on ShareGPT-length micro-batches padded against packed: ``scripts/gpu_perf_packing.py``; ``length``
+    the samples' cut) or "attention" (the causal block of ``backend`` alone); ``length`` tokens per sample,
+    ``batch`` samples."""
 
     name: str
     kind: str
@@ -126,7 +130,8 @@ class Row:
 def _geometry_rows() -> tuple[Row, ...]:
     rows = [Row("ours_auto_4x2048", "ours", 2048, 4), Row("specforge_4x2048", "specforge", 2048, 4),
             Row("ours_auto_32k", "ours", 32768), Row("ours_auto_128k", "ours", 131072),
-            Row("profile_4x2048", "profile", 2048, 4), Row("profile_32k", "profile", 32768)]
+            Row("profile_4x2048", "profile", 2048, 4), Row("profile_32k", "profile", 32768),
+            Row("packing_8x2048", "packing", 2048, 8)]
     rows += [Row(f"ablate_{f}_4x2048", "ours", 2048, 4, flip=f) for f in FLIPS]
     rows += [Row("attention_flex_4k", "attention", 4096, backend="flex"),
              Row("attention_tiled_4k", "attention", 4096, backend="tiled"),
@@ -139,11 +144,17 @@ def _geometry_rows() -> tuple[Row, ...]:
 
 ROWS = _geometry_rows()
 """In running order = order of importance: our step and SpecForge's at SpecForge's published 4 × 2048, our step at
-32k and 128k (the MFU targets), the profiles, the ablations at 4 × 2048, the attention kernels, the ablations at
+32k and 128k (the MFU targets), the profiles, packed against padded micro-batches of 8, the ablations at 4 × 2048, the attention kernels, the ablations at
 32k, SpecForge at 32k and 128k (its whole-sequence teacher and logits: likely past one GPU's memory)."""
 ROW = {r.name: r for r in ROWS}
 SMOKE_BACKENDS = {"flex": "sdpa", "tiled": "tiled"}
 """``--smoke`` attention rows: the CPU's fused kernel in flex's place (flex has no CPU backward)."""
+
+
+def auto_rows() -> list[Row]:
+    """The rows whose ``auto`` switch set is planned (``--plan-rows``) and resolved: our step's and the packing
+    row's (at its padded bound, batch × length)."""
+    return [r for r in ROWS if r.kind in ("ours", "packing") and r.flip is None]
 
 
 def row_length(row: Row, smoke: bool) -> int:
@@ -198,7 +209,7 @@ def write_plan_rows(path: Path = PLAN_FILE) -> Path:
     from recipe.plan.states import gpu_bytes
 
     rows, picks = {}, {}
-    for row in [r for r in ROWS if r.kind == "ours" and r.flip is None]:
+    for row in auto_rows():
         sets = candidates(row)
         for switches in (*sets, *[flipped(s, f) for s in sets for f in FLIPS[:2]]):
             key = plan_key(row, switches)
@@ -207,7 +218,7 @@ def write_plan_rows(path: Path = PLAN_FILE) -> Path:
                 rows[key] = {**entry, "total": planned_total(entry)}
     for gpu in ("h100", "h200"):
         picks[gpu] = {f"{r.batch}x{r.length}": stand_in(r, gpu_bytes(gpu), {"rows": rows}).label
-                      for r in ROWS if r.kind == "ours" and r.flip is None}
+                      for r in auto_rows()}
     path.write_text(json.dumps({"command": "python scripts/gpu_perf_check.py --plan-rows",
                                 "date": date.today().isoformat(), "target": TARGET, "recipe_auto": recipe_auto_plans(),
                                 "rows": rows, "stand_in": picks}, indent=1) + "\n")
@@ -252,7 +263,7 @@ def recipe_auto_plans() -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         for gpu in ("h100", "h200"):
             out[gpu] = {}
-            for row in [r for r in ROWS if r.kind == "ours" and r.flip is None]:
+            for row in auto_rows():
                 cfg = json.loads((ROOT / "ds_configs" / "zero1_bf16.json").read_text())
                 cfg.update(train_batch_size=row.batch, train_micro_batch_size_per_gpu=row.batch)
                 path = Path(tmp) / f"zero1_bf16_{row.batch}.json"
@@ -358,6 +369,12 @@ def row_estimate(row: Row, switches: Switches, done: set, est: dict, rate: float
     if switches.compile and "small_ops" not in done:
         parts["compile"] = parts.get("compile", 0) + est["small_ops_compile"]
         done.add("small_ops")
+    if row.kind == "packing":
+        from scripts.gpu_perf_packing import packing_estimate
+
+        for key, value in packing_estimate(row, switches, done, est, rate).items():
+            parts[key] = parts.get(key, 0.0) + value
+        return parts
     steps = 2 if row.kind == "profile" else warm + timed
     parts["steps"] = steps * step_seconds(spec, est, rate) * (1.5 if row.kind == "profile" else 1.0)
     if row.kind == "profile":

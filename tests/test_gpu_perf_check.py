@@ -126,6 +126,31 @@ def test_a_row_that_cannot_finish_or_fit_is_not_started():
     assert check.skip_reason(59.0, 60.0, {"planned_bytes": 70 * GIB, "fits": True}, 80 * GIB) is None
 
 
+def test_packing_row_lays_out_the_cpu_mixes_as_the_run_does():
+    """The packing row reads the CPU measurement's first four mixes (the smoke's scaled to 64 tokens), lays each out
+    as the batch builder does at one rank (padded: 8 rows of the longest; packed: one row of all, both rounded up to
+    2), compares with the CPU's ratio of the same mixes (0.71, its docstring's number), and pays the packed
+    layout's compile once per process."""
+    from scripts import gpu_perf_packing as pk
+
+    mixes = pk.packing_mixes(False)
+    assert mixes == json.loads(pk.CPU_RESULT.read_text())["mixes"][:4] and {len(m) for m in mixes} == {8}
+    small = pk.packing_mixes(True)
+    assert small[0] == [64, 63, 64, 48, 64, 64, 64, 64] and min(n for m in small for n in m) >= 2
+    for mix in mixes + small:
+        lay = pk.layouts(mix)
+        assert (lay["padded"].rows, lay["padded"].seq) == (8, max(mix) + max(mix) % 2)
+        assert (lay["packed"].rows, lay["packed"].seq) == (1, sum(mix) + sum(mix) % 2) and lay["packed"].packed
+        assert lay["packed"].tokens == lay["padded"].tokens == sum(mix)
+    assert pk._cpu_total([{"mix": m} for m in range(4)]) == pytest.approx(0.71, abs=0.005)
+    assert pk.cpu_ratios()["all"] == pytest.approx(0.68, abs=0.005)
+    row, done = rows_mod.ROW["packing_8x2048"], set()
+    first = pk.packing_estimate(row, rows_mod.Switches(), done, rows_mod.ESTIMATES_S, 1.0)
+    again = pk.packing_estimate(row, rows_mod.Switches(), done, rows_mod.ESTIMATES_S, 1.0)
+    assert done == {"packing"} and "compile" in first and "compile" not in again
+    assert first["steps"] == again["steps"] > 0 and first["batch"] == 8 * rows_mod.ESTIMATES_S["packing_batch"]
+
+
 def test_profile_breakdown_puts_kernels_in_their_phase_and_counts_idle():
     windows = {"forward": (0.0, 100.0), "backward": (100.0, 300.0), "optimizer": (300.0, 320.0)}
     spans = [("triton_tem_fused_flex_0", 0.0, 30.0), ("nvjet_hsh_gemm", 20.0, 40.0),  # overlapping: union 60
@@ -243,6 +268,17 @@ def test_smoke_run_writes_every_row_and_its_page(specforge_wheel, tmp_path, monk
         assert sum(shares.values()) == pytest.approx(1.0, abs=0.02) and shares["matmul"] > 0
         assert (out / by[name]["table_file"]).is_file()
     assert by["ablate_flex_static_4x2048"]["switches"]["flex_dynamic"] is False
+    packing = by["packing_8x2048"]
+    from scripts.gpu_perf_packing import packing_mixes
+
+    assert [e["lengths"] for e in packing["mixes"]] == packing_mixes(True)
+    for e in packing["mixes"]:
+        assert e["packed"]["shape"][0] == 1 and e["padded"]["shape"][0] == 8 and e["positions_packed_vs_padded"] < 1
+        assert e["packed_vs_padded"] == pytest.approx(e["packed"]["seconds"] / e["padded"]["seconds"])
+    assert packing["packed_vs_padded"] == pytest.approx(packing["packed_seconds"] / packing["padded_seconds"])
+    same = packing["loss_check_bf16"]
+    assert same["valid_equal"] and min(same["valid_K"]) > 0 and len(same["padded"]) == rows_mod.TTT_STEPS[True]
+    within(same["max_rel"], BF16_ROUNDED, "packed against padded, bf16 forward")
     assert check.main(["--collect", str(out), "--results-dir", str(tmp_path / "results")]) == 0
     page = tmp_path / "results" / f"perf_{report['info']['date']}.md"
     import test_docs

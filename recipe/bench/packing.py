@@ -83,25 +83,25 @@ def draw_mixes(lengths: list[int], micro_batch: int, mixes: int, seed: int) -> l
 def layout_batch(layout: RowLayout, lengths: list[int], spec: dict, device, seed: int = 0):
     """The ``TTTBatch`` of samples of ``lengths`` placed as ``layout`` says: per sample (seeded by its slot) random
     tokens, aux and last hidden states and the ``sharegpt`` supervision; every target argmax in the draft
-    vocabulary; documents isolated when packed. The same samples whatever the layout."""
-    dtype = layout_dtype(spec)
+    vocabulary; documents isolated when packed. The same samples whatever the layout; drawn on ``device`` (a
+    generator per sample there: on CUDA other values than on the CPU, the same in either layout)."""
+    dtype, device = layout_dtype(spec), torch.device(device)
     b, s = layout.rows, layout.seq
-    ids = torch.zeros(b, s, dtype=torch.long)
+    ids = torch.zeros(b, s, dtype=torch.long, device=device)
     mask, attention = torch.zeros_like(ids), torch.zeros_like(ids)
-    aux = torch.zeros(b, s, 3 * spec["target_hidden"])
-    last = torch.zeros(b, s, spec["target_hidden"])
+    aux = torch.zeros(b, s, 3 * spec["target_hidden"], device=device)
+    last = torch.zeros(b, s, spec["target_hidden"], device=device)
     for p in layout.placements:
-        g = torch.Generator().manual_seed(seed * 1000 + p.slot)
+        g = torch.Generator(device=device).manual_seed(seed * 1000 + p.slot)
         cols = slice(p.offset, p.offset + p.length)
-        ids[p.row, cols] = torch.randint(0, spec["vocab"], (p.length,), generator=g)
-        mask[p.row, cols] = (torch.arange(p.length) % 195 >= 60).long()
+        ids[p.row, cols] = torch.randint(0, spec["vocab"], (p.length,), generator=g, device=device)
+        mask[p.row, cols] = (torch.arange(p.length, device=device) % 195 >= 60).long()
         attention[p.row, cols] = 1
-        aux[p.row, cols] = torch.randn(p.length, aux.shape[-1], generator=g)
-        last[p.row, cols] = torch.randn(p.length, last.shape[-1], generator=g)
-    docs = layout.documents()[0] if layout.packed else None
-    batch = make_ttt_batch(ids, mask, attention, aux.to(dtype), last.to(dtype), attention.bool(), spec["ttt_steps"],
-                           docs)
-    return batch.to(device)
+        aux[p.row, cols] = torch.randn(p.length, aux.shape[-1], generator=g, device=device)
+        last[p.row, cols] = torch.randn(p.length, last.shape[-1], generator=g, device=device)
+    docs = layout.documents()[0].to(device) if layout.packed else None
+    return make_ttt_batch(ids, mask, attention, aux.to(dtype), last.to(dtype), attention.bool(), spec["ttt_steps"],
+                          docs)
 
 
 def _child(spec: dict, lengths: list[int], packed: bool, sparse: bool, queue) -> None:
