@@ -248,6 +248,31 @@ def test_data_section_and_the_padding_report():
                                      "packed (one row a micro-batch); this run: data.packing \"auto\"")
     assert report.for_batches(4, False, None).padding_shares() == (pytest.approx(1 - 4648 / 8192), 0.0)
     assert LengthReport(2048, [5, 9]).padding_line() is None  # micro-batches of one sample: no padding
+    budget = LengthReport(2048, [100, 2000, 3000, 500], micro_batch=4, packing_tokens=1000)  # 2000, 3000 alone
+    assert budget.padding_line().endswith("; 2 of 4 samples are longer than data.packing_tokens 1000 and get a row "
+                                          "of their own, packed with nothing")
+
+
+def test_a_steps_packing_is_counted_and_captioned():
+    """``packing_counts`` of a step's layouts (every dp rank's micro-batches), and the epoch table's caption that
+    sums them; no caption when no micro-batch held two samples."""
+    from recipe.data.packing import micro_batch_layout, packing_counts
+    from recipe.train.metrics import TrainProgress
+
+    layouts = [micro_batch_layout([3, 9], "auto", None, 2), micro_batch_layout([8, 8], "auto", None, 2),
+               micro_batch_layout([5], True, None, 2)]  # packed (12 < 18), padded (16 = 16), one sample (never)
+    assert [x.packed for x in layouts] == [True, False, False]
+    counts = packing_counts(layouts)
+    assert counts == {"micro_batches": 3, "packed_micro_batches": 1, "padding_share": pytest.approx(1 - 33 / 34)}
+    assert packing_counts([]) == {"micro_batches": 0, "packed_micro_batches": 0, "padding_share": 0.0}
+    progress = TrainProgress(4, 0, False)
+    for step, share in ((1, 0.5), (2, 0.25)):
+        progress.update({"step": step, "acc": [0.5], "tokens": 1, "samples": 5, "micro_batches": 3,
+                         "packed_micro_batches": step, "padding_share": share})
+    assert progress.packing_caption() == ("data.packing: 3 of 6 micro-batches packed; padding 37.5% of the "
+                                          "positions computed (mean over steps)")
+    progress.epoch_packing = [(2, 2, 0, 0.0)]
+    assert progress.packing_caption() is None  # one sample a micro-batch: nothing to pack
 
 
 def test_run_json_and_flags_set_packing(tmp_path):

@@ -37,6 +37,9 @@ def test_offline_curve_with_packing_equals_padded(real_store, tmp_path):
     padded, packed = run_ranks(1, run_training, [argv("padded", "--no-packing"), argv("packed", "--packing")])[0]
     assert len(padded) == 8 and padded[-1]["loss"] < padded[0]["loss"]
     assert_curves_close(padded, packed, FP32_CURVE, "offline, packed vs padded")
+    for a, b in zip(padded, packed):  # what was packed is in the metrics: one micro-batch a step, packed or not
+        assert (a["micro_batches"], a["packed_micro_batches"], b["micro_batches"], b["packed_micro_batches"]) == (
+            1, 0, 1, 1) and 0 <= b["padding_share"] <= a["padding_share"] < 1
     assert _recorded(tmp_path / "packed") == {"packing": True, "packing_tokens": None}
     assert _recorded(tmp_path / "padded")["packing"] is False
 

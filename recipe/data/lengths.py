@@ -71,13 +71,18 @@ class LengthReport:
         return tuple(1 - tokens / positions[p] if positions[p] else 0.0 for p in (False, True))
 
     def padding_line(self) -> str | None:
-        """One line with both shares (:meth:`padding_shares`); None for micro-batches of one sample (no padding)."""
+        """One line with both shares (:meth:`padding_shares`) and, with a ``packing_tokens`` budget, how many
+        samples (cut at ``max_length``) are longer than it: each gets a row of its own, packed with nothing; None for
+        micro-batches of one sample (no padding)."""
         if self.micro_batch < 2 or not self.lengths:
             return None
         padded, packed = self.padding_shares()
         rows = "one row a micro-batch" if self.packing_tokens is None else f"rows of {self.packing_tokens} tokens"
+        over = sum(min(n, self.max_length) > self.packing_tokens for n in self.lengths) if self.packing_tokens else 0
+        alone = (f"; {over} of {len(self.lengths)} samples are longer than data.packing_tokens {self.packing_tokens} "
+                 "and get a row of their own, packed with nothing") if over else ""
         return (f"padding: {padded:.1%} of the positions of micro-batches of {self.micro_batch} samples padded, "
-                f"{packed:.1%} packed ({rows}); this run: data.packing {json.dumps(self.packing)}")
+                f"{packed:.1%} packed ({rows}); this run: data.packing {json.dumps(self.packing)}{alone}")
 
     @property
     def longest(self) -> int:

@@ -110,6 +110,17 @@ def packed_layout(lengths: list[int], budget: int, divisor: int = 1) -> RowLayou
     return RowLayout(placements, len(rows), _round_up(max(loads), divisor), True)
 
 
+def packing_counts(layouts: list[RowLayout]) -> dict:
+    """A training step's packing metrics from the layouts of its micro-batches (every dp rank's, before the cp
+    split): ``micro_batches``, ``packed_micro_batches`` (those laid out packed; under ``"auto"`` the ones whose
+    packed rows hold fewer positions) and ``padding_share`` (padding among the B·S positions the draft computes;
+    0.0 without positions)."""
+    positions = sum(layout.positions for layout in layouts)
+    tokens = sum(layout.tokens for layout in layouts)
+    return {"micro_batches": len(layouts), "packed_micro_batches": sum(layout.packed for layout in layouts),
+            "padding_share": 1 - tokens / positions if positions else 0.0}
+
+
 def check_packing(mode) -> bool | str:
     """``mode`` if it is one of :data:`PACKING_MODES`; ValueError naming it and the choices otherwise."""
     if mode is True or mode is False or mode == "auto":

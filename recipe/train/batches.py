@@ -185,8 +185,16 @@ class BatchBuilder:
         per dp rank, this rank's included; an empty list counts as nothing): each rank's padded length is computed
         as ``tokens`` pads it, on the host, so every rank of the ZeRO group gets the same extent without a
         collective (``recipe.model.call_extent``). Local to a cp rank (the sizes / cp)."""
-        shapes = [(layout.rows, layout.seq) for layout in (self.layout(self.sample_lengths(ix)) for ix in groups if ix)]
-        return CallExtent.of(shapes, self.dims.cp)
+        return self.extent_of(self.layouts(groups))
+
+    def layouts(self, groups: list[list[int]]) -> list[RowLayout]:
+        """The layout of each dp rank's micro-batch of ``groups`` (sample indices per dp rank; empty lists left
+        out), on the host."""
+        return [self.layout(self.sample_lengths(ix)) for ix in groups if ix]
+
+    def extent_of(self, layouts: list[RowLayout]) -> CallExtent:
+        """:meth:`call_extent` of the micro-batches already laid out (:meth:`layouts`)."""
+        return CallExtent.of([(layout.rows, layout.seq) for layout in layouts], self.dims.cp)
 
     def layout(self, lengths: list[int]) -> RowLayout:
         """Where samples of ``lengths`` tokens go in a micro-batch (``recipe.data.packing.micro_batch_layout``: padded

@@ -33,6 +33,7 @@ import torch.distributed as dist
 from rich.console import Console
 from rich.markup import escape
 
+from recipe.data.packing import packing_counts
 from recipe.export import export_tensors, write_export
 from recipe.io_errors import WriteError
 from recipe.lifecycle import checkpoint, reshard, resume_checks
@@ -181,7 +182,8 @@ class Trainer:
         shares = [rank_micro_batches(indices, p.micro_batch, p.grad_accum, d.dp, r) for r in range(d.dp)]
         micro = shares[self.pstate.dp_rank]
         self.batch_shape = None  # (samples, rows, tokens a row) of this rank's micro-batch, for an out-of-memory report
-        extents = [parts.builder.call_extent([sh[m] for sh in shares]) for m in range(p.grad_accum)]  # ZeRO-3 calls
+        layouts = [parts.builder.layouts([sh[m] for sh in shares]) for m in range(p.grad_accum)]  # every dp rank's
+        extents = [parts.builder.extent_of(ls) for ls in layouts]  # ZeRO-3's calls
         batches = StepBatches(parts.builder, micro, extents)  # the counts now; the device batches one at a time below
         self.batch_shape = batches.shape  # each cp rank holds 1/cp of the padded sequence
         comm, device = self.pstate.comm, self.pstate.device
@@ -222,6 +224,7 @@ class Trainer:
         return {**ttt_metrics(loss_sum, correct, n_valid, counts[:K]),
                 "grad_norm": float(grad_norm) if grad_norm is not None else None,
                 "tokens": int(counts[K].item()), "samples": len(indices),
+                **packing_counts([layout for ls in layouts for layout in ls]),
                 **self.speed.step_counts(indices, int(counts[K].item()))}
 
     def validate(self) -> dict:

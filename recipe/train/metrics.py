@@ -183,6 +183,7 @@ class TrainProgress:
         self.enabled, self.total_steps, self.log_every = enabled, total_steps, log_every
         self.console = console or Console(stderr=True)
         self.epoch_acc: list[list[float]] = []
+        self.epoch_packing: list[tuple[int, int, int, float]] = []  # samples, micro-batches, packed, padding share
         self._last = time.perf_counter()
         self._window = dict.fromkeys(("time_s", "positions", "tokens", "tflop", "mfu"), 0.0)
         if not enabled:
@@ -204,6 +205,9 @@ class TrainProgress:
         w["tflop"] = None if tflops is None or w["tflop"] is None else w["tflop"] + tflops * seconds
         w["mfu"] = None if mfu is None or w["mfu"] is None else w["mfu"] + mfu * seconds
         self.epoch_acc.append(record["acc"])
+        if "micro_batches" in record:
+            self.epoch_packing.append((record["samples"], record["micro_batches"], record["packed_micro_batches"],
+                                       record["padding_share"]))
         if not self.enabled:
             return
         step = record["step"]
@@ -222,16 +226,30 @@ class TrainProgress:
             self.console.print(f"step {step}/{self.total_steps}  {stats}")
 
     def end_epoch(self, epoch: int) -> None:
+        """The epoch's table: mean accuracy per TTT step, captioned with its packing (:meth:`packing_caption`)."""
         if not self.enabled or not self.epoch_acc:
-            self.epoch_acc = []
+            self.epoch_acc, self.epoch_packing = [], []
             return
         k = len(self.epoch_acc[0])
-        table = Table(title=f"epoch {epoch}: mean accuracy per TTT step over {len(self.epoch_acc)} steps")
+        table = Table(title=f"epoch {epoch}: mean accuracy per TTT step over {len(self.epoch_acc)} steps",
+                      caption=self.packing_caption())
         for i in range(k):
             table.add_column(f"acc_{i}", justify="right")
         table.add_row(*[f"{sum(a[i] for a in self.epoch_acc) / len(self.epoch_acc):.3f}" for i in range(k)])
         self.progress.console.print(table)
-        self.epoch_acc = []
+        self.epoch_acc, self.epoch_packing = [], []
+
+    def packing_caption(self) -> str | None:
+        """``data.packing: P of M micro-batches packed; padding X% of the positions computed (mean over steps)`` for
+        the epoch's steps (records' ``micro_batches``, ``packed_micro_batches``, ``padding_share``: every dp rank's
+        micro-batches); None when no micro-batch held more than one sample (nothing to pack)."""
+        if sum(s for s, *_ in self.epoch_packing) <= sum(m for _, m, *_ in self.epoch_packing):
+            return None
+        micro = sum(m for _, m, *_ in self.epoch_packing)
+        packed = sum(p for *_, p, _ in self.epoch_packing)
+        padding = sum(x[-1] for x in self.epoch_packing) / len(self.epoch_packing)
+        return (f"data.packing: {packed} of {micro} micro-batches packed; padding {padding:.1%} of the positions "
+                "computed (mean over steps)")
 
     def close(self) -> None:
         if self.enabled:
