@@ -101,6 +101,26 @@ def document_tiles(positions_BS: torch.Tensor, tile_size: int | None) -> tuple[i
     return tuple(lengths)
 
 
+def chunk_document_tiles(positions_BS: torch.Tensor, tile_size: int | None,
+                         chunks: int) -> tuple[tuple[int, ...], bool]:
+    """(tile lengths summing to S, whether any chunk holds a document boundary) of host positions [B, S] cut into
+    ``chunks`` equal chunks (``torch.tensor_split``: a context-parallel shard's zigzag chunks), each chunk cut as
+    :func:`document_tiles` cuts it, or, without a boundary in it, into the fixed tiles the tile loops cut
+    (``ceil(len / tile_size)`` near-equal ones; one for None). Without any boundary the lengths are exactly the
+    fixed tiling's."""
+    lengths: list[int] = []
+    documents = False
+    for part in torch.tensor_split(positions_BS, chunks, dim=1):
+        cut = document_tiles(part, tile_size)
+        documents = documents or cut is not None
+        if cut is None:
+            n = part.shape[1]
+            parts = 1 if tile_size is None else max(1, -(-n // tile_size))
+            cut = tuple(n // parts + (1 if i < n % parts else 0) for i in range(parts))
+        lengths += cut
+    return tuple(lengths), documents
+
+
 def packed_positions(document_ids_BS: torch.Tensor) -> torch.Tensor:
     """[B, S] int64 attention positions of a packed batch from its document ids [B, S] (non-negative; a document is
     a run of equal ids along a row): :func:`document_positions` of each position's document and its offset from the

@@ -18,7 +18,10 @@ key tile) pair in which no query can read any key (all keys later than all queri
 Which pairs those are is decided per hop in the forward, on the host: from the host copies of every cp rank's
 positions/validity that the batch builder attaches to the local tensors (``kernels.host_positions``; zigzag
 arithmetic and the padding, known on every rank), so no hop syncs the device; without them from the received block's
-tensors (one device sync per hop). The backward reuses the forward's pair matrices.
+tensors (one device sync per hop). The backward reuses the forward's pair matrices and tilings. Packed documents
+(``kernels.documents``): with ``cut_documents`` and the host copies, when any rank's block holds a document boundary,
+every chunk is cut at its documents' boundaries instead (``chunk_document_tiles``; fixed tiles in a chunk without
+one), so a pair lies in one document or is skipped, never paying a dense mask over two documents' rectangle.
 Each pair is computed by a ``BlockKernel``: the pure-PyTorch reference, the fused CPU kernel (its backward takes the
 final LSE directly) or flex attention (whose backward recomputes the pair under autograd and pulls the final
 merge's gradient through the pair's own (out, lse): ``recompute_block_backward``).
@@ -36,6 +39,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from kernels.documents import chunk_document_tiles
 from kernels.host_positions import host_copies, host_copy
 from kernels.registry import AttentionBackend, BlockKernel, SequenceSplit, register_sequence_parallel
 from kernels.tiled_attention import (DENSE_KERNEL, backward_queries, block_pairs, check_block_shapes, check_tile_size,
@@ -129,9 +133,38 @@ def _ring_host_keys(q_pos_BS, k_pos_BS, k_valid_BS, exchange: RingExchange) -> b
     return ok
 
 
+@dataclass(frozen=True)
+class RingTiling:
+    """How one call cuts its blocks: ``queries`` the local queries' tiling and ``keys[s]`` that of the block of group
+    rank (r - s) mod cp, each a tile size (None: one tile per chunk) cut per chunk of ``groups``, or tile lengths
+    (``groups`` 1)."""
+
+    queries: int | tuple[int, ...] | None
+    keys: tuple
+    groups: int
+
+
+def ring_tiling(q_pos_BS, k_pos_BS, exchange: RingExchange, tile_size: int | None, num_chunks: int,
+                cut_documents: bool, host: bool) -> RingTiling:
+    """The fixed tiling (``tile_size`` per chunk of ``num_chunks``) unless ``cut_documents``, the host copies of every
+    rank's positions are attached (``host``) and some rank's block holds a document boundary: then every block's
+    ``chunk_document_tiles`` lengths (module docstring). Host arithmetic only."""
+    fixed = RingTiling(tile_size, (tile_size,) * exchange.size, num_chunks)
+    if not (cut_documents and host):
+        return fixed
+    query, packed = chunk_document_tiles(host_copy(q_pos_BS), tile_size, num_chunks)
+    keys = []
+    for step in range(exchange.size):
+        cut, documents = chunk_document_tiles(host_copy(k_pos_BS, (exchange.rank - step) % exchange.size), tile_size,
+                                              num_chunks)
+        keys.append(cut)
+        packed = packed or documents
+    return RingTiling(query, tuple(keys), 1) if packed else fixed
+
+
 def ring_attention_forward(q_BHSD, k_BHkvSD, v_BHkvSD, q_pos_BS, k_pos_BS, k_valid_BS, exchange: RingExchange,
                            scale: float | None = None, num_chunks: int = 2, tile_size: int | None = None,
-                           kernel: BlockKernel = DENSE_KERNEL):
+                           kernel: BlockKernel = DENSE_KERNEL, cut_documents: bool = True):
     """Causal attention of the local queries over all ranks' keys, passing K/V blocks around the ring.
 
     Args: local shards q [B, H, Sq, D]; k, v [B, Hkv, Sk, D]; q_pos [B, Sq], k_pos [B, Sk] int64 global positions;
@@ -139,66 +172,74 @@ def ring_attention_forward(q_BHSD, k_BHkvSD, v_BHkvSD, q_pos_BS, k_pos_BS, k_val
     each received block are cut into ``num_chunks`` equal chunks (2 = the two zigzag chunks), each into tiles of at
     most ``tile_size`` positions (None: one tile per chunk), for work skipping and bounded score memory
     (``kernels.tiled_attention``); ``kernel`` computes each (query tile, key tile) pair. Every rank must have the
-    same Sk, B, Hkv, D.
+    same Sk, B, Hkv, D. ``cut_documents``: tiles cut at packed documents' boundaries (module docstring; False for a
+    kernel with its own blocking, which takes each hop as one pair).
     Returns (out [B, H, Sq, D] in q's dtype, lse [B, H, Sq] in accum dtype (-inf where no key is readable),
-    key_meta, needed): key_meta[s] is the [2, B, Sk] int64 positions/validity of the block of group rank (r - s) mod
-    cp, which the backward reuses instead of re-sending it, and needed[s] that block's pair matrix (``block_pairs``:
-    from the host copies of the local tensors when they carry every rank's, else from key_meta[s], one sync).
+    key_meta, needed, tiling): key_meta[s] is the [2, B, Sk] int64 positions/validity of the block of group rank
+    (r - s) mod cp, which the backward reuses instead of re-sending it, needed[s] that block's pair matrix
+    (``block_pairs``: from the host copies of the local tensors when they carry every rank's, else from key_meta[s],
+    one sync) and ``tiling`` the ``RingTiling`` the backward cuts the same way.
     """
     scale = 1.0 / math.sqrt(q_BHSD.shape[-1]) if scale is None else scale
-    queries, outs, lses = forward_accumulators(q_BHSD, q_pos_BS, tile_size, num_chunks, kernel)
+    host = _ring_host_keys(q_pos_BS, k_pos_BS, k_valid_BS, exchange)
+    tiling = ring_tiling(q_pos_BS, k_pos_BS, exchange, tile_size, num_chunks, cut_documents, host)
+    queries, outs, lses = forward_accumulators(q_BHSD, q_pos_BS, tiling.queries, tiling.groups, kernel)
     kv = torch.stack([k_BHkvSD, v_BHkvSD])  # [2, B, Hkv, Sk, D]
     compute = kernel.compute_dtype(kv.dtype)
     meta = _pack_keys_meta(k_pos_BS, k_valid_BS)
-    host = _ring_host_keys(q_pos_BS, k_pos_BS, k_valid_BS, exchange)
     key_meta, needed = [], []
     for step in range(exchange.size):
         hop = exchange.start([kv, meta], "kv") if step + 1 < exchange.size else None  # overlaps the compute below
         key_meta.append(meta)
+        cut = tiling.keys[step]
         if host:  # the block of group rank (r - step) mod cp, from the local tensors' host copies
-            needed.append(block_pairs(q_pos_BS, k_pos_BS, k_valid_BS, tile_size, num_chunks,
-                                      key_rank=(exchange.rank - step) % exchange.size))
+            needed.append(block_pairs(q_pos_BS, k_pos_BS, k_valid_BS, tiling.queries, tiling.groups,
+                                      key_rank=(exchange.rank - step) % exchange.size, key_tile_size=cut))
         else:
-            needed.append(block_pairs(q_pos_BS, meta[0], meta[1].bool(), tile_size, num_chunks))
-        keys = key_tiles(kv[0].to(compute), kv[1].to(compute), meta[0], meta[1].bool(), tile_size, num_chunks)
+            needed.append(block_pairs(q_pos_BS, meta[0], meta[1].bool(), tiling.queries, tiling.groups))
+        keys = key_tiles(kv[0].to(compute), kv[1].to(compute), meta[0], meta[1].bool(), cut, tiling.groups)
         exchange.counts.forward_pairs += forward_tiles(queries, keys, outs, lses, scale, kernel, needed[-1])
         if hop is not None:
             kv, meta = hop.wait()
-    return torch.cat(outs, dim=2).to(q_BHSD.dtype), torch.cat(lses, dim=2), key_meta, needed
+    return torch.cat(outs, dim=2).to(q_BHSD.dtype), torch.cat(lses, dim=2), key_meta, needed, tiling
 
 
-def _backward_one_block(kv, meta, needed, queries, dq_tiles, exchange, scale, num_chunks, tile_size, kernel):
-    """dK/dV [2, B, Hkv, Sk, D] (fp32+) of one key block from the local queries; adds into dq_tiles in place."""
-    dkv, pairs = key_block_gradients(queries, dq_tiles, kv[0], kv[1], meta[0], meta[1].bool(), scale, tile_size,
-                                     num_chunks, kernel, needed)
+def _backward_one_block(kv, meta, needed, cut, queries, dq_tiles, exchange, scale, groups, kernel):
+    """dK/dV [2, B, Hkv, Sk, D] (fp32+) of one key block (tiled as ``cut``) from the local queries; adds into
+    dq_tiles in place."""
+    dkv, pairs = key_block_gradients(queries, dq_tiles, kv[0], kv[1], meta[0], meta[1].bool(), scale, cut, groups,
+                                     kernel, needed)
     exchange.counts.backward_pairs += pairs
     return dkv
 
 
 def ring_attention_backward(dout_BHSD, dlse_BHS, q_BHSD, k_BHkvSD, v_BHkvSD, out_BHSD, lse_BHS, q_pos_BS,
                             key_meta, exchange: RingExchange, scale: float | None = None, num_chunks: int = 2,
-                            tile_size: int | None = None, kernel: BlockKernel = DENSE_KERNEL, needed=None):
+                            tile_size: int | None = None, kernel: BlockKernel = DENSE_KERNEL, needed=None,
+                            tiling: RingTiling | None = None):
     """Gradients (dq, dk, dv) of the local shards for the loss gradients ``dout`` [B, H, Sq, D] and ``dlse`` [B, H, Sq].
 
-    ``out``, ``lse``, ``key_meta`` and ``needed`` are what ``ring_attention_forward`` returned; ``dlse=None`` means
-    zero; ``needed=None`` decides each block's pairs again from key_meta (one sync per block on a device).
+    ``out``, ``lse``, ``key_meta``, ``needed`` and ``tiling`` are what ``ring_attention_forward`` returned;
+    ``dlse=None`` means zero; ``needed=None`` decides each block's pairs again from key_meta (one sync per block on a
+    device); ``tiling=None``: the fixed tiling of ``tile_size`` and ``num_chunks``.
     Order per rank r: the own block first (overlapping the first K/V hop), then blocks r-1, r-2, ... A block's dK/dV
     accumulator is created by rank owner+1, grows at each rank it visits and reaches its owner after cp-1 hops.
     Returns dq in q's dtype, dk/dv in k's/v's dtype (accumulated in fp32 or wider).
     """
     scale = 1.0 / math.sqrt(q_BHSD.shape[-1]) if scale is None else scale
-    queries, dq, dq_tiles = backward_queries(dout_BHSD, dlse_BHS, q_BHSD, q_pos_BS, out_BHSD, lse_BHS, tile_size,
-                                             num_chunks, kernel)
-    args = (queries, dq_tiles, exchange, scale, num_chunks, tile_size, kernel)
+    tiling = RingTiling(tile_size, (tile_size,) * exchange.size, num_chunks) if tiling is None else tiling
+    queries, dq, dq_tiles = backward_queries(dout_BHSD, dlse_BHS, q_BHSD, q_pos_BS, out_BHSD, lse_BHS,
+                                             tiling.queries, tiling.groups, kernel)
+    args = (queries, dq_tiles, exchange, scale, tiling.groups, kernel)
     needed = [None] * exchange.size if needed is None else needed
     kv = torch.stack([k_BHkvSD, v_BHkvSD])
     kv_hop = exchange.start([kv], "kv") if exchange.size > 1 else None
-    dkv_own = _backward_one_block(kv, key_meta[0], needed[0], *args)
+    dkv_own = _backward_one_block(kv, key_meta[0], needed[0], tiling.keys[0], *args)
     grad_hop = None
     for step in range(1, exchange.size):
         (kv,) = kv_hop.wait()  # block of rank (r - step)
         kv_hop = exchange.start([kv], "kv") if step + 1 < exchange.size else None
-        dkv = _backward_one_block(kv, key_meta[step], needed[step], *args)
+        dkv = _backward_one_block(kv, key_meta[step], needed[step], tiling.keys[step], *args)
         if grad_hop is not None:  # the accumulator of the same block, from rank r-1
             dkv += grad_hop.wait()[0]
         grad_hop = exchange.start([dkv], "grad")  # on the last step this goes to the block's owner
@@ -209,40 +250,41 @@ def ring_attention_backward(dout_BHSD, dlse_BHS, q_BHSD, k_BHkvSD, v_BHkvSD, out
 
 class RingAttention(torch.autograd.Function):
     """Thin autograd wrapper: ``RingAttention.apply(q, k, v, q_pos, k_pos, k_valid, exchange, scale, num_chunks,
-    tile_size, kernel)`` -> (out, lse). Gradients flow to q, k, v (lse's gradient included)."""
+    tile_size, kernel, cut_documents)`` -> (out, lse). Gradients flow to q, k, v (lse's gradient included)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, q_pos, k_pos, k_valid, exchange, scale, num_chunks, tile_size, kernel):
-        out, lse, key_meta, needed = ring_attention_forward(q, k, v, q_pos, k_pos, k_valid, exchange, scale, num_chunks,
-                                                            tile_size, kernel)
+    def forward(ctx, q, k, v, q_pos, k_pos, k_valid, exchange, scale, num_chunks, tile_size, kernel, cut_documents):
+        out, lse, key_meta, needed, tiling = ring_attention_forward(q, k, v, q_pos, k_pos, k_valid, exchange, scale,
+                                                                    num_chunks, tile_size, kernel, cut_documents)
         ctx.save_for_backward(q, k, v, out, lse, q_pos, *key_meta)
         ctx.exchange, ctx.scale, ctx.num_chunks = exchange, scale, num_chunks
         ctx.tile_size, ctx.kernel = tile_size, kernel
-        ctx.needed = needed
+        ctx.needed, ctx.tiling = needed, tiling
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, dlse):
         q, k, v, out, lse, q_pos, *key_meta = ctx.saved_tensors
         dq, dk, dv = ring_attention_backward(dout, dlse, q, k, v, out, lse, q_pos, key_meta, ctx.exchange,
-                                             ctx.scale, ctx.num_chunks, ctx.tile_size, ctx.kernel, ctx.needed)
-        return dq, dk, dv, None, None, None, None, None, None, None, None
+                                             ctx.scale, ctx.num_chunks, ctx.tile_size, ctx.kernel, ctx.needed,
+                                             ctx.tiling)
+        return dq, dk, dv, None, None, None, None, None, None, None, None, None
 
 
 def ring_block_attention(q_BHSD, k_BHkvSD, v_BHkvSD, q_pos_BS, k_pos_BS, k_valid_BS=None, group=None, *,
                          scale: float | None = None, exchange: RingExchange | None = None, num_chunks: int = 2,
-                         tile_size: int | None = None, kernel: BlockKernel = DENSE_KERNEL):
+                         tile_size: int | None = None, kernel: BlockKernel = DENSE_KERNEL, cut_documents: bool = True):
     """Drop-in for ``block_attention`` under CP: local zigzag shards in, local (out, lse) out.
 
     Same shapes as ``block_attention``; ``group`` the cp group (or pass a ``exchange`` to read its counters);
-    ``num_chunks``/``tile_size``/``kernel`` as ``ring_attention_forward``. Raises ValueError when shard shapes
-    disagree within the rank (naming them) or ``tile_size`` is not a positive integer or None.
+    ``num_chunks``/``tile_size``/``kernel``/``cut_documents`` as ``ring_attention_forward``. Raises ValueError when
+    shard shapes disagree within the rank (naming them) or ``tile_size`` is not a positive integer or None.
     """
     check_block_shapes(q_BHSD, k_BHkvSD, v_BHkvSD, q_pos_BS, k_pos_BS, k_valid_BS, "ring_block_attention")
     check_tile_size(tile_size)
     exchange = RingExchange(group) if exchange is None else exchange
     return RingAttention.apply(q_BHSD, k_BHkvSD, v_BHkvSD, q_pos_BS, k_pos_BS, k_valid_BS, exchange, scale, num_chunks,
-                               tile_size, kernel)
+                               tile_size, kernel, cut_documents)
 
 
 class RingCausalAttention:
@@ -252,14 +294,15 @@ class RingCausalAttention:
     """
 
     def __init__(self, group=None, num_chunks: int = 2, tile_size: int | None = None,
-                 kernel: BlockKernel = DENSE_KERNEL):
+                 kernel: BlockKernel = DENSE_KERNEL, cut_documents: bool = True):
         self.exchange = RingExchange(group)
         self.num_chunks, self.tile_size, self.kernel = num_chunks, tile_size, kernel
+        self.cut_documents = cut_documents
 
     def __call__(self, q_BHSD, k_BHkvSD, v_BHkvSD, q_pos_BS, k_pos_BS, k_valid_BS=None):
         return ring_block_attention(q_BHSD, k_BHkvSD, v_BHkvSD, q_pos_BS, k_pos_BS, k_valid_BS,
                                     exchange=self.exchange, num_chunks=self.num_chunks, tile_size=self.tile_size,
-                                    kernel=self.kernel)
+                                    kernel=self.kernel, cut_documents=self.cut_documents)
 
     def __repr__(self) -> str:
         return (f"RingCausalAttention(cp={self.exchange.size}, num_chunks={self.num_chunks}, "
@@ -267,19 +310,22 @@ class RingCausalAttention:
 
 
 def make_ring_causal_attention(group=None, num_chunks: int = 2, tile_size: int | None = None,
-                               kernel: BlockKernel = DENSE_KERNEL) -> RingCausalAttention:
+                               kernel: BlockKernel = DENSE_KERNEL, cut_documents: bool = True) -> RingCausalAttention:
     """Factory for the draft attention's ``causal_attention`` attribute under CP (``group`` = the cp group;
     ``tile_size`` bounds each score block to tile_size² per head, None = one tile per zigzag chunk; ``kernel``
-    computes each pair, default the pure-PyTorch reference)."""
-    return RingCausalAttention(group, num_chunks, tile_size, kernel)
+    computes each pair, default the pure-PyTorch reference; ``cut_documents``: packed blocks tiled at their
+    documents' boundaries)."""
+    return RingCausalAttention(group, num_chunks, tile_size, kernel, cut_documents)
 
 
 def _build_ring(backend: AttentionBackend, tile_size: int | None, device, group) -> RingCausalAttention:
     """The ``ring`` strategy: the backend's pair kernel on every hop; tiled backends cut the two zigzag chunks
-    into tiles of ``tile_size``, one with its own blocking (flex) takes each hop's block as one pair."""
+    into tiles of ``tile_size`` (cut at packed documents' boundaries), one with its own blocking (flex) takes each
+    hop's block as one pair."""
     if backend.uses_tiles:
         return make_ring_causal_attention(group, tile_size=tile_size, kernel=backend.kernel())
-    return make_ring_causal_attention(group, num_chunks=1, tile_size=None, kernel=backend.kernel())
+    return make_ring_causal_attention(group, num_chunks=1, tile_size=None, kernel=backend.kernel(),
+                                      cut_documents=False)
 
 
 register_sequence_parallel(SequenceSplit("ring", _build_ring))

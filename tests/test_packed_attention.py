@@ -155,10 +155,9 @@ def test_document_tiles_cut_at_every_boundary():
     assert document_tiles(torch.arange(16)[None], 4) is None
 
 
-def test_packed_pairs_take_the_cheap_sdpa_layouts():
-    """One row of documents 6, 5 and 5 at tiles of 4: every pair the fused kernel computes lies in one document
-    (causal on the diagonal, full below it: no dense mask), 3 pairs a document, and the result is the
-    reference's."""
+def _recorded_pairs(attention_of):
+    """One row of documents 6, 5 and 5: the pair layouts the fused kernel sees under ``attention_of(kernel)`` (a
+    causal-block callable around the recording kernel), its result checked against the reference's."""
     seen = []
 
     def forward(q, k, v, q_pos, k_pos, k_valid, scale):
@@ -171,13 +170,43 @@ def test_packed_pairs_take_the_cheap_sdpa_layouts():
     q = torch.randn(1, H, 16, D, generator=g, dtype=torch.float64)
     k, v, w = (torch.randn(1, HKV if i < 2 else H, 16, D, generator=g, dtype=torch.float64) for i in range(3))
     u = torch.randn(1, H, 16, generator=g, dtype=torch.float64)
-    kernel = BlockKernel("recording", forward, SDPA_KERNEL.backward)
-    got = run_attention(TiledCausalAttention(4, kernel), q, k, v, pos, pos, valid, w, u)
-    assert sorted(seen) == ["causal"] * 6 + ["full"] * 3  # documents of 6 (tiles 3, 3), 5 and 5 (3, 2 each)
+    got = run_attention(attention_of(BlockKernel("recording", forward, SDPA_KERNEL.backward), pos, valid), q, k, v,
+                        pos, pos, valid, w, u)
     ref_args = (docs, tok, docs, tok, valid)
     ref = run_attention(lambda q_, k_, v_, *_: reference(q_, k_, v_, *ref_args), q, k, v, None, None, None, w, u)
     for a_, b_, name in zip((got[0], got[1], *got[2]), (ref[0], ref[1], *ref[2]), ("out", "lse", "dq", "dk", "dv")):
         assert_close_rel(a_, b_, FP64_REORDERED, name)
+    return seen
+
+
+def test_packed_pairs_take_the_cheap_sdpa_layouts():
+    """One device, tiles of 4: every pair the fused kernel computes lies in one document (causal on the diagonal,
+    full below it: no dense mask), 3 pairs a document, and the result is the reference's."""
+    seen = _recorded_pairs(lambda kernel, pos, valid: TiledCausalAttention(4, kernel))
+    assert sorted(seen) == ["causal"] * 6 + ["full"] * 3  # documents of 6 (tiles 3, 3), 5 and 5 (3, 2 each)
+
+
+@pytest.mark.parametrize("cut", [True, False])
+def test_the_ring_cuts_packed_tiles_at_documents(cut):
+    """The ring (one rank, its two zigzag chunks of 8, tiles of 4, host copies attached as the batch builder
+    attaches them): cut at the documents (``cut_documents``), chunk 0's tiles are 3, 3 | 2 and chunk 1's 3 | 3, 2,
+    every computed pair in one document, the same 9 pairs as one device; with fixed tiles a tile straddles a
+    boundary and its pairs take the general mask. Both equal the reference."""
+    from kernels.host_positions import attach_host_copies
+    from kernels.ring_attention import RingExchange, make_ring_causal_attention, ring_tiling
+
+    def ring(kernel, pos, valid):
+        attach_host_copies(pos, [pos])
+        attach_host_copies(valid, [valid])
+        tiling = ring_tiling(pos, pos, RingExchange(None), 4, 2, cut, host=True)
+        assert (tiling.queries, tiling.keys, tiling.groups) == (((3, 3, 2, 3, 3, 2), ((3, 3, 2, 3, 3, 2),), 1)
+                                                                if cut else (4, (4,), 2))
+        return make_ring_causal_attention(None, tile_size=4, kernel=kernel, cut_documents=cut)
+    seen = _recorded_pairs(ring)
+    if cut:
+        assert sorted(seen) == ["causal"] * 6 + ["full"] * 3
+    else:
+        assert not set(seen) <= {"causal", "full"}
 
 
 def test_sdpa_layouts_see_documents():
