@@ -144,8 +144,9 @@ def _geometry_rows() -> tuple[Row, ...]:
 
 ROWS = _geometry_rows()
 """In running order = order of importance: our step and SpecForge's at SpecForge's published 4 × 2048, our step at
-32k and 128k (the MFU targets), the profiles, packed against padded micro-batches of 8, the ablations at 4 × 2048, the attention kernels, the ablations at
-32k, SpecForge at 32k and 128k (its whole-sequence teacher and logits: likely past one GPU's memory)."""
+32k and 128k (the MFU targets), the profiles, packed against padded micro-batches of 8, the ablations at 4 × 2048,
+the attention kernels, the ablations at 32k, SpecForge at 32k and 128k (its whole-sequence teacher and logits: likely
+past one GPU's memory)."""
 ROW = {r.name: r for r in ROWS}
 SMOKE_BACKENDS = {"flex": "sdpa", "tiled": "tiled"}
 """``--smoke`` attention rows: the CPU's fused kernel in flex's place (flex has no CPU backward)."""

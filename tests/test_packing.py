@@ -173,22 +173,34 @@ def _chats():
 
 
 def test_online_builder_packs_and_equals_padded(tiny_target):
+    """Online, packed against padded: through the whole target (transformers' block-diagonal mask) and through the
+    one-rank ``SplitTarget`` a run at one rank gives the builder for its packed micro-batches (``packed_target``:
+    the project's tiled block, cut at the documents), which runs once per packed micro-batch."""
+    from recipe.parallel.collectives import Collectives
+    from recipe.target.split import SplitTarget
+
     target = TargetModel(tiny_target, dtype=torch.float32, device="cpu")
     draft, head, vocab = _draft_for(tiny_target)
+    one_rank = SplitTarget(target, Collectives("cpu"), None, 1, 0, "tiled", 8)
 
-    def builder(packing):
+    def builder(packing, packed_target=None):
         return BatchBuilder(examples=_chats(), target=target, t2d=vocab.t2d, ttt_steps=4, seq_divisor=2,
-                            packing=packing, packing_tokens=32)
+                            packing=packing, packing_tokens=32, packed_target=packed_target)
     indices = list(range(6))
     padded, packed = builder(False), builder(True)
     host = packed.tokens(indices)
     assert host.layout.rows == 3
-    got = _run(packed, draft, head, indices)
     ref = _run(padded, draft, head, indices)
-    _assert_same(got, ref, "online")
-    for p in host.layout.placements:  # the target's aux states: each document's equal its padded row's
-        assert_close_rel(got[0].ttt.aux_hidden_BSA[p.row, p.offset:p.offset + p.length],
-                         ref[0].ttt.aux_hidden_BSA[p.slot, :p.length], FP32_REORDERED, f"aux of sample {p.slot}")
+    for how, b in (("whole target", packed), ("one-rank split target", builder(True, one_rank))):
+        got = _run(b, draft, head, indices)
+        _assert_same(got, ref, f"online, {how}")
+        for p in host.layout.placements:  # the target's aux states: each document's equal its padded row's
+            assert_close_rel(got[0].ttt.aux_hidden_BSA[p.row, p.offset:p.offset + p.length],
+                             ref[0].ttt.aux_hidden_BSA[p.slot, :p.length], FP32_REORDERED,
+                             f"{how}: aux of sample {p.slot}")
+    assert one_rank.counts.captures == 1  # the packed micro-batch went through it
+    builder(True, one_rank).build(indices[:1])  # one sample: never packed, the whole target's forward
+    assert one_rank.counts.captures == 1
 
 
 @pytest.mark.parametrize("arch", sorted(ARCHITECTURES))

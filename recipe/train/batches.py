@@ -120,6 +120,10 @@ class BatchBuilder:
             inside it, the online target's forward isolates them (``TargetModel.capture``'s ``position_ids_BS``,
             ``SplitTarget.capture``'s ``positions_BS``) and so does the draft's attention (docs/algorithm.md,
             "Packing"); loss sums, counts and gradients equal the padded batch's up to float summation order.
+        packed_target: online with a whole ``TargetModel``, a ``SplitTarget`` of one rank around it (None: none):
+            the packed micro-batches' target forward, through the project's causal block (documents isolated tile
+            by tile or by flex's block mask) instead of transformers' dense block-diagonal mask over the whole row;
+            padded micro-batches keep the ``TargetModel``.
 
     Host vs device. Offline, everything up to the finished CPU ``TTTBatch`` is host work (``tokens``, ``read``; on a
     CUDA device the CPU batch is put in pinned memory there) and ``build`` copies it to the device with
@@ -131,7 +135,7 @@ class BatchBuilder:
     def __init__(self, *, examples=None, store=None, target=None, t2d, ttt_steps, seq_divisor,
                  dims: ParallelDims = ParallelDims(world_size=1), cp_rank=0, device=torch.device("cpu"),
                  dtype=torch.float32, argmax_chunk_size=1024, position_offset_max=0, seed=0,
-                 packing: bool | str = False, packing_tokens: int | None = None):
+                 packing: bool | str = False, packing_tokens: int | None = None, packed_target=None):
         if (examples is None) == (store is None):
             raise ValueError("BatchBuilder needs exactly one of examples (online) or store (offline)")
         if examples is not None and target is None:
@@ -145,6 +149,7 @@ class BatchBuilder:
             raise ValueError(f"online training with cp_size={dims.cp} needs a recipe.target.split.SplitTarget, "
                              f"got {type(target).__name__}")
         self.examples, self.store, self.target = examples, store, target
+        self.packed_target = packed_target
         self.argmax_chunk_size = argmax_chunk_size
         self.position_offset_max, self.seed = position_offset_max, seed
         self.packing, self.packing_tokens = check_packing(packing), packing_tokens
@@ -272,7 +277,9 @@ class BatchBuilder:
         elif self.store is not None:
             ttt = self.read(host)
         elif self.split_target:
-            ttt = self._cp_online(host)
+            ttt = self._cp_online(host, self.target)
+        elif host.layout.packed and self.packed_target is not None:
+            ttt = self._cp_online(host, self.packed_target)
         else:
             rope = None if host.positions_BS is None else token_positions(host.positions_BS)  # restart per document
             cap = self.target.capture(host.input_ids_BS, host.attention_BS, self.argmax_chunk_size,
@@ -337,14 +344,14 @@ class BatchBuilder:
             self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="batch-prefetch")
         return self._executor.submit(lambda: (host, self.read(host)))
 
-    def _cp_online(self, host: HostTokens) -> TTTBatch:
-        """This rank's TTT batch from the split target forward (``SplitTarget.capture``, packed documents isolated by
-        their attention positions): the shifts are made on the full token sequence with empty hidden states, the
-        batch is sharded, then the local aux states and label rows are put in (``shard_ttt_batch`` orders the label
-        rows as ``cp_shard.label_rows`` does)."""
-        dev = self.target.device
-        cap = self.target.capture(host.input_ids_BS, host.attention_BS, self.ttt_steps,
-                                  validity_rows(host.loss_mask_BS), positions_BS=host.positions_BS)
+    def _cp_online(self, host: HostTokens, target: SplitTarget) -> TTTBatch:
+        """This rank's TTT batch from the split target forward (``SplitTarget.capture`` of ``target``, packed
+        documents isolated by their attention positions): the shifts are made on the full token sequence with empty
+        hidden states, the batch is sharded, then the local aux states and label rows are put in
+        (``shard_ttt_batch`` orders the label rows as ``cp_shard.label_rows`` does)."""
+        dev = target.device
+        cap = target.capture(host.input_ids_BS, host.attention_BS, self.ttt_steps, validity_rows(host.loss_mask_BS),
+                             positions_BS=host.positions_BS)
         b, s = host.input_ids_BS.shape
         empty = torch.empty(b, s, 0, dtype=cap.aux_hidden_BSA.dtype, device=dev)
         docs = None if host.documents_BS is None else host.documents_BS.to(dev)

@@ -148,15 +148,16 @@ def build_run(args: TrainArgs, device: torch.device, console: Console,
                             init=init if resume_from is None else None,
                             masters_from=resume_from if resharding is not None else None)
 
-    target, argmax_chunk = (online_target(args, config, pstate, draft_config, hf_config, device)
-                            if examples is not None else (None, None))
+    target, argmax_chunk, packed_target = (online_target(args, config, pstate, draft_config, hf_config, device)
+                                           if examples is not None else (None, None, None))
 
     def batch_builder(rows, hidden_states, offset_max=0) -> BatchBuilder:  # training and held-out samples alike
         return BatchBuilder(examples=rows, store=hidden_states, target=target, t2d=vocab.t2d,
                             ttt_steps=args.ttt_steps, seq_divisor=config.dims.seq_divisor, dims=config.dims,
                             cp_rank=pstate.cp_rank, device=device, dtype=config.dtype,
                             argmax_chunk_size=argmax_chunk or 1024, position_offset_max=offset_max, seed=args.seed,
-                            packing=config.data.packing, packing_tokens=config.data.packing_tokens)
+                            packing=config.data.packing, packing_tokens=config.data.packing_tokens,
+                            packed_target=packed_target)
 
     builder = batch_builder(examples, store, args.position_offset_max)  # held-out samples: plain positions
     sampler = StepSampler(len(builder), config.plan.global_batch, args.seed)
@@ -289,11 +290,13 @@ def run_data_options(args: TrainArgs, config: RunConfig):
 
 def online_target(args: TrainArgs, config: RunConfig, pstate: ParallelState, draft_config, hf_config,
                   device: torch.device):
-    """``(target, argmax_chunk_size)`` of an online run: the target replicated, or ZeRO-3 partitioned over the world
-    (the JSON's ``target`` section), in bfloat16 on CUDA and float32 on the CPU; split over the cp·tp ranks of each
-    dp replica (``recipe.target.split.SplitTarget``) by ``recipe.target.registry.splits_target``'s rule (cp > 1, or
-    tp > 1 with an attention the ring runs; otherwise every tp rank runs it whole). Raises ValueError at cp > 1 for
-    a target the ring cannot run."""
+    """``(target, argmax_chunk_size, packed_target)`` of an online run: the target replicated, or ZeRO-3 partitioned
+    over the world (the JSON's ``target`` section), in bfloat16 on CUDA and float32 on the CPU; split over the cp·tp
+    ranks of each dp replica (``recipe.target.split.SplitTarget``) by ``recipe.target.registry.splits_target``'s rule
+    (cp > 1, or tp > 1 with an attention the ring runs; otherwise every tp rank runs it whole). ``packed_target``:
+    unsplit at one cp·tp rank with ``data.packing`` on, a one-rank ``SplitTarget`` around the same target for the
+    packed micro-batches (``BatchBuilder``'s ``packed_target``; transformers would score the whole packed row under
+    a dense mask); None otherwise. Raises ValueError at cp > 1 for a target the ring cannot run."""
     from recipe.target.partition import build_target
     from recipe.target.registry import splits_target
     from recipe.target.split import SplitTarget
@@ -303,10 +306,12 @@ def online_target(args: TrainArgs, config: RunConfig, pstate: ParallelState, dra
     argmax_chunk = config.memory.argmax_positions(hf_config.vocab_size, dtype)
     target = build_target(args.target, config.target, aux_layer_ids=draft_config.aux_layer_ids, dtype=dtype,
                           device=device)
+    split = (config.kernels.attention, config.memory.attention_tile_size, argmax_chunk,
+             config.kernels.sequence_parallel)
     if splits_target(hf_config, dims):
-        target = SplitTarget.from_state(target, pstate, config.kernels.attention, config.memory.attention_tile_size,
-                                        argmax_chunk, config.kernels.sequence_parallel)
-    return target, argmax_chunk
+        return SplitTarget.from_state(target, pstate, *split), argmax_chunk, None
+    one_rank = dims.cp * dims.tp == 1 and config.data.packing is not False
+    return target, argmax_chunk, SplitTarget.from_state(target, pstate, *split) if one_rank else None
 
 
 def online_target_record(builder: BatchBuilder) -> dict:
