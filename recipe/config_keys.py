@@ -28,10 +28,10 @@ class ConfigError(ValueError):
 OUR_SECTIONS = (PARALLEL_SECTION, MEMORY_SECTION, KERNELS_SECTION, TARGET_SECTION, DATA_SECTION)
 
 REFUSED_LAYOUT_KEYS = {
-    "sequence_parallel_size": "DeepSpeed's own sequence parallelism (Ulysses) is not what this recipe runs, and "
-                              "with it alone every rank would train on whole sequences (dp, cp 1); the sequence is "
-                              "split over context-parallel ranks by 'parallelism.cp_size' (\"parallelism\": "
-                              "{\"cp_size\": 2}, or run.py --cp-size 2)",
+    "sequence_parallel_size": "DeepSpeed's own sequence parallelism (Ulysses) is not what this recipe runs; the "
+                              "key would be ignored and every rank train on whole sequences (dp, cp 1): set "
+                              "'parallelism.cp_size' instead, which splits the sequence over context-parallel ranks "
+                              "(\"parallelism\": {\"cp_size\": 2}, or run.py --cp-size 2)",
     "data_parallel_size": "not read by this recipe: dp is the world size over tp x cp; the layout is the "
                           "'parallelism' section ('parallelism.cp_size' splits the sequence, 'parallelism.tp_size' "
                           "the draft's layers, 'parallelism.dp_size' pins dp)",
@@ -42,10 +42,20 @@ does what they expect (DeepSpeed would read ``sequence_parallel_size`` and this 
 
 def refuse_layout_keys(cfg: dict, path) -> None:
     """Raise ConfigError naming ``path``, the key and our ``parallelism`` field for a key of
-    :data:`REFUSED_LAYOUT_KEYS` at the top level of a run JSON."""
+    :data:`REFUSED_LAYOUT_KEYS` at the top level of a run JSON. ``sequence_parallel_size`` next to a
+    ``parallelism.cp_size`` is named with both values: the key is to be removed, not translated."""
+    section = cfg.get(PARALLEL_SECTION)
+    cp_size = section.get("cp_size") if isinstance(section, dict) else None
     for key, why in REFUSED_LAYOUT_KEYS.items():
-        if key in cfg:
-            raise ConfigError(f"{path}: '{key}': {why}")
+        if key not in cfg:
+            continue
+        if key == "sequence_parallel_size" and cp_size is not None:
+            size = cfg[key]
+            wanted = "" if size == cp_size else f"; for a cp of {size!r} set 'parallelism.cp_size': {size!r}"
+            raise ConfigError(f"{path}: '{key}': {size!r} next to 'parallelism.cp_size': {cp_size!r}; remove "
+                              f"'{key}': 'parallelism.cp_size' already sets the context-parallel size (DeepSpeed's "
+                              f"own sequence parallelism, Ulysses, is not what this recipe runs){wanted}")
+        raise ConfigError(f"{path}: '{key}': {why}")
 
 
 def did_you_mean(key: str, known) -> str | None:

@@ -215,6 +215,24 @@ def test_deepspeed_layout_keys_are_refused_naming_our_cp_size(tmp_path, key):
         load_run_config(path, world_size=2)
 
 
+def test_sequence_parallel_size_message_depends_on_parallelism_cp_size(tmp_path):
+    """Alone, ``sequence_parallel_size`` is to be replaced by ``parallelism.cp_size``; next to it (as in every shipped
+    JSON), it is to be removed, both values named."""
+    from recipe.config import read_ds_config
+
+    alone = write_ds_config(tmp_path / "alone.json", base="zero3_bf16.json", sequence_parallel_size=2, parallelism=None)
+    with pytest.raises(ConfigError) as err:
+        read_ds_config(alone)
+    assert "set 'parallelism.cp_size' instead" in str(err.value) and "remove" not in str(err.value)
+    both = write_ds_config(tmp_path / "both.json", base="zero3_bf16.json", sequence_parallel_size=2,
+                           parallelism={"cp_size": 4})
+    with pytest.raises(ConfigError) as err:
+        read_ds_config(both)
+    assert ("both.json: 'sequence_parallel_size': 2 next to 'parallelism.cp_size': 4; remove 'sequence_parallel_size'"
+            in str(err.value)) and "already sets the context-parallel size" in str(err.value)
+    assert "instead" not in str(err.value) and "set 'parallelism.cp_size': 2" in str(err.value)
+
+
 def test_run_py_refuses_sequence_parallel_size_before_any_work(tmp_path, monkeypatch, capsys):
     """run.py answers before the process group (or anything else) is started: init_distributed is never called."""
     import recipe.lifecycle.distributed as distributed

@@ -85,6 +85,13 @@ def test_loader_round_trip_and_errors(tiny, tmp_path):
         _load(target, export, attention_backend="fast")
     with pytest.raises(ValueError, match=f"--draft {tmp_path}: no model.safetensors or pytorch_model.bin"):
         _load(target, tmp_path)
+    run = tmp_path / "run"  # a training run's output folder, passed for its export
+    (run / "checkpoints").mkdir(parents=True)
+    with pytest.raises(ValueError, match=f"no exported draft in {run / 'export'} yet"):
+        _load(target, run)
+    (run / "export").symlink_to(export, target_is_directory=True)
+    with pytest.raises(ValueError, match=f"--draft {run}: .* output folder: pass {run / 'export'}, the exported draft"):
+        _load(target, run)
     with pytest.raises(ValueError, match=str(export)):
         build_draft(*read_draft(export, target.config), torch.zeros(VOCAB + 1, 32), source=export)
     broken = tmp_path / "broken"

@@ -10,6 +10,7 @@ import pytest
 import torch
 from transformers import Gemma2Config
 
+from helpers.training import write_ds_config
 from recipe.bench.measure import build_model, run_measurement
 from recipe.plan.spec import BenchSpec
 from recipe.model.draft_config import Eagle3DraftConfig
@@ -109,6 +110,12 @@ def test_cli_bad_inputs_exit_2_with_one_line(tmp_path, capsys):
     for argv, named in cases:
         code, err = _run_cli(argv, capsys)
         assert code == 2 and named in err and len(err.splitlines()) == 1, err
+    typo = write_ds_config(tmp_path / "typo.json", base="zero3_bf16.json", zero_optimisation={})
+    pinned = write_ds_config(tmp_path / "pinned.json", base="zero3_bf16.json", parallelism={"dp_size": 2})
+    for argv, named in [(["--ds_config", str(typo), "--length", "4k"], "'zero_optimisation': unknown key"),
+                        (["--ds_config", str(pinned), "--length", "4k", "--world-size", "3"], "must equal world_size")]:
+        code, err = _run_cli(argv + ["--target", str(LLAMA_8B)], capsys)  # the ConfigError's path, named once
+        assert code == 2 and named in err and err.count(argv[1]) == 1 and len(err.splitlines()) == 1, err
     gemma = tmp_path / "gemma2.json"  # an architecture the ring cannot run: online cp > 1 refused
     Gemma2Config().to_json_file(gemma)
     code, err = _run_cli(["--ds_config", ds, "--target", str(gemma), "--length", "4k", "--cp", "2"], capsys)

@@ -75,9 +75,23 @@ def file_sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
+def _run_folder_hint(path: Path) -> str:
+    """The hint for a training run's output folder (``run.py --output``: ``run_config.json``, ``checkpoints/``,
+    the exported draft in ``export/``) passed where a draft is read; "" for any other folder."""
+    export = path / "export"
+    if (export / WEIGHTS_FILE).is_file():
+        return f" (a training run's output folder: pass {export}, the exported draft)"
+    if (path / "run_config.json").is_file() or (path / "checkpoints").is_dir():
+        return (f" (a training run's output folder, with no exported draft in {export} yet: the run writes it when "
+                f"it finishes, or python -m recipe.export {path / 'checkpoints'} {export} writes it from the latest "
+                "checkpoint)")
+    return ""
+
+
 def find_files(path: Path, flag: str = "--init-draft") -> tuple[Path, Path | None]:
     """``(weights file, config.json or None)`` of a draft folder or file. Raises ValueError naming ``flag`` and the
-    path when there is no weights file, or when the folder holds only a sharded checkpoint (``*.index.json``)."""
+    path when there is no weights file, or when the folder holds only a sharded checkpoint (``*.index.json``); for a
+    training run's output folder the message names its ``export/`` folder."""
     path = Path(path)
     if path.is_dir():
         for name in (WEIGHTS_FILE, PICKLE_FILE):
@@ -86,7 +100,7 @@ def find_files(path: Path, flag: str = "--init-draft") -> tuple[Path, Path | Non
                 return path / name, config if config.is_file() else None
         sharded = sorted(p.name for p in path.glob("*.index.json"))
         hint = (f" (it holds a sharded checkpoint, {', '.join(sharded)}: merge it into one file first)"
-                if sharded else "")
+                if sharded else _run_folder_hint(path))
         raise ValueError(f"{flag} {path}: no {WEIGHTS_FILE} or {PICKLE_FILE} in the folder{hint}")
     if path.is_file():
         if path.suffix != ".safetensors" and path.suffix not in PICKLE_SUFFIXES:

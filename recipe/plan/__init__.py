@@ -185,6 +185,14 @@ def _read_target_config(target: Path):
         raise PlanError(f"--target {file}: not a transformers config.json ({exc})") from None
 
 
+def _ds_config_error(ds_config, exc: Exception) -> PlanError:
+    """PlanError naming ``--ds_config`` once: a ConfigError's message already opens with the file's path."""
+    text = str(exc)
+    heads = (f"{ds_config}: ", f"{Path(ds_config)}: ")
+    text = next((text[len(head):] for head in heads if text.startswith(head)), text)
+    return PlanError(f"--ds_config {ds_config}: {text}")
+
+
 def read_sections(ds_config: Path) -> RunSections:
     """``--ds_config`` parsed once, as run.py parses it (``recipe.config.load_sections``). Raises PlanError naming the
     file for a missing or bad one."""
@@ -193,7 +201,7 @@ def read_sections(ds_config: Path) -> RunSections:
     try:
         return load_sections(Path(ds_config))
     except (ConfigError, ValueError, TypeError) as exc:
-        raise PlanError(f"--ds_config {ds_config}: {exc}") from None
+        raise _ds_config_error(ds_config, exc) from None
 
 
 def load_inputs(ds_config: Path | RunSections, target: Path, gpu: str = "h200", world_size: int | None = None,
@@ -219,7 +227,7 @@ def load_inputs(ds_config: Path | RunSections, target: Path, gpu: str = "h200", 
     try:
         config = sections.resolve(world_size, {"tp_size": tp, "cp_size": cp}).for_device("cuda")
     except (ConfigError, ValueError, TypeError) as exc:
-        raise PlanError(f"--ds_config {ds_config}: {exc}") from None
+        raise _ds_config_error(ds_config, exc) from None
     hf = _read_target_config(target)
     try:
         draft = draft_config_for(hf, min(draft_vocab_size, int(hf.vocab_size)))
