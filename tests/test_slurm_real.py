@@ -106,15 +106,21 @@ def _cut_time_limit(cluster, job: int, seconds: int) -> None:
 
 
 RAW_JOB = """#!/bin/bash
-trap 'echo "batch got TERM"' TERM
+trap 'echo "batch got TERM"; got_term=1' TERM
 trap 'echo "batch got USR1"' USR1
 srun --ntasks=1 bash -c 'trap "echo task got TERM; exit 75" TERM; touch "$0"; while :; do sleep 0.1; done' "$1" &
 pid=$!
 if [ "${KILL_SRUN:-0}" = 1 ]; then until [ -f "$1" ]; do sleep 0.1; done; kill -TERM "$pid"; fi
 while :; do wait "$pid"; rc=$?; kill -0 "$pid" 2>/dev/null || break; done
 echo "srun exited $rc"
-if [ "${REQUEUE:-0}" = 1 ]; then scontrol requeue "$SLURM_JOB_ID"; echo "requeue exited $?"; fi
+if [ "${REQUEUE:-0}" = 1 ]; then
+  for _ in $(seq 300); do [ -n "${got_term:-}" ] && break; sleep 0.1; done
+  scontrol requeue "$SLURM_JOB_ID"; echo "requeue exited $?"
+fi
 """
+"""The batch script of the raw-Slurm tests. With ``REQUEUE=1`` it requeues only once its own TERM has come (at most
+30 s): scancel signals the step's task and the batch shell separately, and under load the task can exit and the
+script reach ``scontrol requeue`` before the batch shell's TERM arrives, which then kills scontrol (exit 143)."""
 
 
 def _raw_job(cluster, tmp: Path, *sbatch: str, **env) -> int:
