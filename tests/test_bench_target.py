@@ -36,3 +36,27 @@ def test_target_bench_json(tiny_target, tmp_path):
             assert r["exchange_bytes"] == (0 if cp * tp == 1 else gathered + halo + length * int64)
             assert r["act_bytes"] >= 0 and r["seconds"] > 0 and r["cpu_seconds"] > 0
     assert set(res["targets"]) == {"act_cp2tp2_over_cp1tp1", "cpu_cp2tp2_over_cp1tp1"}  # no (4, 1) row
+
+
+def test_target_packing_arms_isolate_the_documents(tiny_target):
+    """``target --packing``'s arms on the tiny target: the same samples padded and packed, through the whole target
+    and the one-rank split, their aux states equal within ``FP32_REORDERED`` (another order of sums) over every
+    sample's tokens; the packed arms are one row of all the tokens."""
+    import torch
+    from rich.console import Console
+
+    from helpers.tolerance import FP32_REORDERED
+    from recipe.bench.target_packing import ARMS, measure_mixes
+    from recipe.parallel.collectives import Collectives
+    from recipe.target.capture import TargetModel
+    from recipe.target.split import SplitTarget
+
+    target = TargetModel(tiny_target, dtype=torch.float32, device="cpu")
+    split = SplitTarget(target, Collectives("cpu"), None, 1, 0, "tiled", 8, 64)
+    (row,) = measure_mixes(target, split, [[30, 7, 19, 2]], 3, 64, 1, Console(quiet=True))
+    assert row["padded"]["shape"] == [4, 30] and row["packed, whole"]["shape"] == row["packed, split"]["shape"] == [
+        1, 58]
+    assert row["padded"]["aux_max_rel"] == 0 and row["padded"]["padding_share"] == pytest.approx(1 - 58 / 120)
+    for name in ARMS[1:]:
+        assert row[name]["aux_max_rel"] <= FP32_REORDERED, name  # other sums, the same states
+        assert row[name]["seconds"] > 0 and row[name]["padding_share"] == 0

@@ -1,6 +1,7 @@
 """Target-forward benchmark: per-rank peak memory and time of the online target forward vs (cp, tp) at a fixed length.
 
     python -m recipe.bench target [--cp 1,2] [--tp 1,2] [--length 8192] [--layers 30] [--target DIR] [--json OUT]
+    python -m recipe.bench target --packing [--micro-batch 8] [--max-length 512] [--mixes 3] [--json OUT]
 
 Each (cp, tp) of the product of ``--cp`` and ``--tp`` runs in cp·tp fresh processes (gloo on CPU,
 ``recipe.bench.ranks``), as training does: (1, 1) the full-sequence ``TargetModel.capture`` (the model's own sdpa
@@ -12,6 +13,9 @@ sequence, then the tp all-gather and the cp halo sum give every rank its cp rank
 ``recipe.bench.measure``), ``kept_bytes`` = the capture's output tensors (aux states, last hidden rows, argmax), wall
 and CPU seconds of the capture (CPU seconds are the process's own, unaffected by ranks sharing cores), and the bytes
 it received in the exchange (``recipe.target.split.TargetExchangeCounts``); the maximum over ranks is reported.
+
+``--packing``: the forward of ShareGPT-length micro-batches at one rank, padded against packed through the whole
+target and through the one-rank split (``recipe.bench.target_packing``).
 
 Issue targets (reported, not asserted): at (cp, tp) = (2, 2) per-rank activation bytes <= 0.3x and CPU seconds
 <= 0.35x of (1, 1); at cp = 4 activation bytes <= 0.3x of cp = 1.
@@ -156,8 +160,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--argmax-chunk", type=int, default=None,
                    help="positions per lm_head matmul of the argmax: [chunk, V] logits (training sizes it from the "
                         "vocabulary: memory.argmax_chunk_size)")
-    p.add_argument("--repeats", type=int, default=1, help="timed forwards per rank (averaged)")
+    p.add_argument("--repeats", type=int, default=1, help="timed forwards per rank (averaged; --packing: median)")
+    p.add_argument("--device", default="cpu", help="--packing: the device of the forward (cpu, cuda)")
     p.add_argument("--json", type=Path, help="write the results here")
+    from recipe.bench.packing import add_packing_arguments  # import cost: the draft's model (the step benchmark)
+
+    add_packing_arguments(p)
+    p.set_defaults(max_length=512)
     return p
 
 
@@ -171,15 +180,20 @@ def main(argv: list[str] | None = None) -> int:
                      f"{bad}); --batch, --repeats, --argmax-chunk >= 1, --layers >= 7 (three distinct aux layers)")
     console = Console()
     with tempfile.TemporaryDirectory() as tmp:
-        folder = args.target or save_random_target(Path(tmp) / "target", args.layers, args.length + 1)
+        longest = args.max_length if args.packing else args.length
+        folder = args.target or save_random_target(Path(tmp) / "target", args.layers, longest + 1)
         if args.argmax_chunk is None:  # as training sizes it (memory.argmax_chunk_size absent)
             from transformers import AutoConfig  # import cost: transformers
 
             args.argmax_chunk = MemoryOptions().argmax_positions(AutoConfig.from_pretrained(folder).vocab_size,
                                                                  torch.float32)
+        what = str(args.target) if args.target else f"random SmolLM2-shaped target, {args.layers} layers"
+        if args.packing:
+            from recipe.bench.target_packing import main_packing  # import cost: the asset cache, transformers
+
+            return main_packing(args, folder, what, console)
         res = run(folder, layouts, args.length, args.batch, args.ttt_steps, args.attention_backend, args.tile,
                   args.argmax_chunk, args.repeats)
-    what = str(args.target) if args.target else f"random SmolLM2-shaped target, {args.layers} layers"
     console.print(table(res, f"target forward per rank, {args.batch}×{args.length} tokens, {what}, fp32 CPU"))
     for name, target in res["targets"].items():
         console.print(f"{name}: {target['value']:.3f} (target {target['target']}): "
