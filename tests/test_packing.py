@@ -43,7 +43,7 @@ def test_layouts():
     assert (padded.rows, padded.seq, padded.positions) == (5, 20, 100) and not padded.packed
     assert micro_batch_layout(list(LENGTHS), "auto", BUDGET, 4) == packed  # 48 positions < 100
     assert micro_batch_layout([10, 10], "auto", 10, 4) == padded_layout([10, 10], 4)  # 24 positions either way
-    assert micro_batch_layout([10, 10], True, 10, 4).packed
+    assert micro_batch_layout([10, 10], True, 10, 4) == padded_layout([10, 10], 4)  # each alone: the padded batch
     assert micro_batch_layout([7], True, 20, 4) == padded_layout([7], 4)  # one sample: the same batch
     assert not micro_batch_layout(list(LENGTHS), False, BUDGET).packed
     assert packed_layout([30, 5], 8).rows == 2  # a sample over the budget gets its own row
@@ -265,9 +265,16 @@ def test_data_section_and_the_padding_report():
                                           "of their own, packed with nothing")
 
 
-def test_a_steps_packing_is_counted_and_captioned():
-    """``packing_counts`` of a step's layouts (every dp rank's micro-batches), and the epoch table's caption that
-    sums them; no caption when no micro-batch held two samples."""
+def test_a_steps_packing_is_counted_and_summed_per_epoch():
+    """``packing_counts`` of a step's layouts (every dp rank's micro-batches), and the epoch's line that sums them;
+    no line when no micro-batch held two samples. A budget that leaves every sample alone is the padded layout (not
+    counted as packed); the padding line names the mode the draft's attention leaves (no tile: padded)."""
+    from types import SimpleNamespace
+
+    from recipe.config_data import DataOptions
+    from recipe.data.lengths import LengthReport
+    from recipe.train.setup import _for_batches
+
     from recipe.data.packing import micro_batch_layout, packing_counts
     from recipe.train.metrics import TrainProgress
 
@@ -281,10 +288,18 @@ def test_a_steps_packing_is_counted_and_captioned():
     for step, share in ((1, 0.5), (2, 0.25)):
         progress.update({"step": step, "acc": [0.5], "tokens": 1, "samples": 5, "micro_batches": 3,
                          "packed_micro_batches": step, "padding_share": share})
-    assert progress.packing_caption() == ("data.packing: 3 of 6 micro-batches packed; padding 37.5% of the "
+    assert progress.packing_line() == ("data.packing: 3 of 6 micro-batches packed; padding 37.5% of the "
                                           "positions computed (mean over steps)")
     progress.epoch_packing = [(2, 2, 0, 0.0)]
-    assert progress.packing_caption() is None  # one sample a micro-batch: nothing to pack
+    assert progress.packing_line() is None  # one sample a micro-batch: nothing to pack
+    alone = micro_batch_layout([30, 20, 25], True, 20, 2)  # no two fit in 20 tokens: each alone, = padded
+    assert not alone.packed and alone == micro_batch_layout([30, 20, 25], False, None, 2)
+    assert micro_batch_layout([30, 20, 25], True, 45, 2).packed  # 25 + 20 share a row
+    config = SimpleNamespace(plan=SimpleNamespace(micro_batch=2), data=DataOptions(), dims=SimpleNamespace(
+        seq_divisor=2), memory=SimpleNamespace(attention_tile_size=None))
+    assert _for_batches(LengthReport(64, [10, 30]), config).padding_line().endswith("data.packing false")
+    config.memory.attention_tile_size = "auto"  # resolves to a tile: "auto" stays
+    assert _for_batches(LengthReport(64, [10, 30]), config).padding_line().endswith("data.packing \"auto\"")
 
 
 def test_run_json_and_flags_set_packing(tmp_path):
@@ -344,7 +359,7 @@ def test_an_offline_run_prints_its_padding_line(tiny_target_and_store, tmp_path,
     monkeypatch.setattr(setup.dist, "get_rank", lambda: 0)
     args = SimpleNamespace(cache_dir=None, output=tmp_path, hidden_states=store_dir, limit=None, max_length=64)
     config = SimpleNamespace(plan=SimpleNamespace(micro_batch=4), data=DataOptions(),
-                             dims=SimpleNamespace(seq_divisor=1))
+                             dims=SimpleNamespace(seq_divisor=1), memory=SimpleNamespace(attention_tile_size=1024))
     console = Console(record=True, width=400)
     _, store, _ = setup._data(args, console, None, config)
     lengths = HiddenStateStore(store_dir).lengths

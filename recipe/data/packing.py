@@ -133,9 +133,12 @@ def micro_batch_layout(lengths: list[int], packing: bool | str, budget: int | No
     """The layout a micro-batch of samples of ``lengths`` tokens gets under ``packing`` (:data:`PACKING_MODES`):
     padded for false or a single sample; packed (``packed_layout`` at ``budget`` tokens a row; None: no budget,
     one row holding the whole micro-batch) for true; for ``"auto"`` packed when that holds fewer positions than the
-    padded layout, else padded."""
+    padded layout, else padded. Packing that leaves every sample alone in its row (a budget below every pair of
+    them) is the padded layout: padded."""
     padded = padded_layout(lengths, divisor)
     if check_packing(packing) is False or len(lengths) < 2:
         return padded
     packed = packed_layout(lengths, budget or sum(lengths), divisor)
+    if packed.rows == len(lengths):
+        return padded
     return packed if packing is True or packed.positions < padded.positions else padded

@@ -226,20 +226,21 @@ class TrainProgress:
             self.console.print(f"step {step}/{self.total_steps}  {stats}")
 
     def end_epoch(self, epoch: int) -> None:
-        """The epoch's table: mean accuracy per TTT step, captioned with its packing (:meth:`packing_caption`)."""
+        """The epoch's table: mean accuracy per TTT step, then its packing line (:meth:`packing_line`)."""
         if not self.enabled or not self.epoch_acc:
             self.epoch_acc, self.epoch_packing = [], []
             return
         k = len(self.epoch_acc[0])
-        table = Table(title=f"epoch {epoch}: mean accuracy per TTT step over {len(self.epoch_acc)} steps",
-                      caption=self.packing_caption())
+        table = Table(title=f"epoch {epoch}: mean accuracy per TTT step over {len(self.epoch_acc)} steps")
         for i in range(k):
             table.add_column(f"acc_{i}", justify="right")
         table.add_row(*[f"{sum(a[i] for a in self.epoch_acc) / len(self.epoch_acc):.3f}" for i in range(k)])
         self.progress.console.print(table)
+        if (packing := self.packing_line()) is not None:
+            self.progress.console.print(packing)
         self.epoch_acc, self.epoch_packing = [], []
 
-    def packing_caption(self) -> str | None:
+    def packing_line(self) -> str | None:
         """``data.packing: P of M micro-batches packed; padding X% of the positions computed (mean over steps)`` for
         the epoch's steps (records' ``micro_batches``, ``packed_micro_batches``, ``padding_share``: every dp rank's
         micro-batches); None when no micro-batch held more than one sample (nothing to pack)."""

@@ -97,9 +97,11 @@ def _data(args: TrainArgs, console: Console, comm, config: RunConfig):
 
 
 def _for_batches(lengths: LengthReport, config: RunConfig) -> LengthReport:
-    """``lengths`` set to ``config``'s micro-batch size and ``data`` section, for its padding line."""
-    return lengths.for_batches(config.plan.micro_batch, config.data.packing, config.data.packing_tokens,
-                               config.dims.seq_divisor)
+    """``lengths`` set to ``config``'s micro-batch size and ``data`` section, for its padding line: ``"auto"`` as the
+    draft's attention tile will leave it (``DataOptions.for_attention``: padded with no tile; a tile still
+    ``"auto"`` resolves to one)."""
+    data = config.data.for_attention(config.memory.attention_tile_size)
+    return lengths.for_batches(config.plan.micro_batch, data.packing, data.packing_tokens, config.dims.seq_divisor)
 
 
 def _token_rows(examples, store):
