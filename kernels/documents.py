@@ -79,6 +79,12 @@ def has_readable_key(q_pos_BS: torch.Tensor, k_pos_BS: torch.Tensor, k_valid_BS:
     return at_or_before > before_document
 
 
+def _tile_lengths(n: int, tile_size: int | None) -> list[int]:
+    """``ceil(n / tile_size)`` near-equal lengths summing to ``n`` (``torch.tensor_split``'s; one for None)."""
+    parts = 1 if tile_size is None else max(1, -(-n // tile_size))
+    return [n // parts + (1 if i < n % parts else 0) for i in range(parts)]
+
+
 def document_tiles(positions_BS: torch.Tensor, tile_size: int | None) -> tuple[int, ...] | None:
     """Tile lengths (summing to S) that cut the columns of host positions [B, S] at every document boundary of any
     row, each run between two boundaries cut into ``ceil(len / tile_size)`` near-equal tiles (``torch.tensor_split``'s
@@ -95,9 +101,7 @@ def document_tiles(positions_BS: torch.Tensor, tile_size: int | None) -> tuple[i
     bounds = [0, *(torch.nonzero(change).flatten() + 1).tolist(), positions_BS.shape[1]]
     lengths: list[int] = []
     for start, end in zip(bounds, bounds[1:]):
-        n = end - start
-        parts = 1 if tile_size is None else -(-n // tile_size)
-        lengths += [n // parts + (1 if i < n % parts else 0) for i in range(parts)]
+        lengths += _tile_lengths(end - start, tile_size)
     return tuple(lengths)
 
 
@@ -113,11 +117,7 @@ def chunk_document_tiles(positions_BS: torch.Tensor, tile_size: int | None,
     for part in torch.tensor_split(positions_BS, chunks, dim=1):
         cut = document_tiles(part, tile_size)
         documents = documents or cut is not None
-        if cut is None:
-            n = part.shape[1]
-            parts = 1 if tile_size is None else max(1, -(-n // tile_size))
-            cut = tuple(n // parts + (1 if i < n % parts else 0) for i in range(parts))
-        lengths += cut
+        lengths += _tile_lengths(part.shape[1], tile_size) if cut is None else cut
     return tuple(lengths), documents
 
 

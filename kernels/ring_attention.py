@@ -143,13 +143,18 @@ class RingTiling:
     keys: tuple
     groups: int
 
+    @classmethod
+    def fixed(cls, tile_size: int | None, cp: int, num_chunks: int) -> "RingTiling":
+        """``tile_size`` per chunk of ``num_chunks`` for the queries and every one of the ``cp`` key blocks."""
+        return cls(tile_size, (tile_size,) * cp, num_chunks)
+
 
 def ring_tiling(q_pos_BS, k_pos_BS, exchange: RingExchange, tile_size: int | None, num_chunks: int,
                 cut_documents: bool, host: bool) -> RingTiling:
     """The fixed tiling (``tile_size`` per chunk of ``num_chunks``) unless ``cut_documents``, the host copies of every
     rank's positions are attached (``host``) and some rank's block holds a document boundary: then every block's
     ``chunk_document_tiles`` lengths (module docstring). Host arithmetic only."""
-    fixed = RingTiling(tile_size, (tile_size,) * exchange.size, num_chunks)
+    fixed = RingTiling.fixed(tile_size, exchange.size, num_chunks)
     if not (cut_documents and host):
         return fixed
     query, packed = chunk_document_tiles(host_copy(q_pos_BS), tile_size, num_chunks)
@@ -227,7 +232,7 @@ def ring_attention_backward(dout_BHSD, dlse_BHS, q_BHSD, k_BHkvSD, v_BHkvSD, out
     Returns dq in q's dtype, dk/dv in k's/v's dtype (accumulated in fp32 or wider).
     """
     scale = 1.0 / math.sqrt(q_BHSD.shape[-1]) if scale is None else scale
-    tiling = RingTiling(tile_size, (tile_size,) * exchange.size, num_chunks) if tiling is None else tiling
+    tiling = RingTiling.fixed(tile_size, exchange.size, num_chunks) if tiling is None else tiling
     queries, dq, dq_tiles = backward_queries(dout_BHSD, dlse_BHS, q_BHSD, q_pos_BS, out_BHSD, lse_BHS,
                                              tiling.queries, tiling.groups, kernel)
     args = (queries, dq_tiles, exchange, scale, tiling.groups, kernel)

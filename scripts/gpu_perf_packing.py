@@ -20,6 +20,7 @@ positions' ratio (packed B·S over padded B·S) and the CPU's ratios.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 
 from scripts.gpu_perf_rows import ROOT, SMOKE_LENGTHS, Row, Switches, bench_spec, step_seconds
@@ -33,10 +34,16 @@ STEPS = (1, 2)
 """(warm-up, timed) steps per mix and layout."""
 
 
+@functools.cache
+def cpu_result() -> dict:
+    """``CPU_RESULT`` read once per process (the schedule's estimates and the row itself read it)."""
+    return json.loads(CPU_RESULT.read_text())
+
+
 def packing_mixes(smoke: bool) -> list[list[int]]:
     """The sample lengths of the first ``MIXES`` micro-batches of ``CPU_RESULT``; the smoke's scaled from 2048 to its
     64 tokens (at least 2 each)."""
-    mixes = json.loads(CPU_RESULT.read_text())["mixes"][:MIXES]
+    mixes = cpu_result()["mixes"][:MIXES]
     if not smoke:
         return mixes
     scale = SMOKE_LENGTHS[2048] / 2048
@@ -53,7 +60,7 @@ def layouts(lengths: list[int]) -> dict:
 
 def cpu_ratios() -> dict:
     """Mix index (and "all") -> the CPU's packed / padded seconds (dense path) of ``CPU_RESULT``."""
-    summary = json.loads(CPU_RESULT.read_text())["summary"]
+    summary = cpu_result()["summary"]
     return {e["mix"]: e["packed_vs_padded"] for e in summary if not e["sparse"] and "packed_vs_padded" in e}
 
 
@@ -136,7 +143,7 @@ def run_packing(bench, row: Row, switches: Switches) -> dict:
 
 def _cpu_total(mixes: list[dict]) -> float | None:
     """The CPU's packed / padded over the same mixes (summed seconds), from ``CPU_RESULT``."""
-    summary = {e["mix"]: e for e in json.loads(CPU_RESULT.read_text())["summary"] if not e["sparse"]}
+    summary = {e["mix"]: e for e in cpu_result()["summary"] if not e["sparse"]}
     entries = [summary.get(e["mix"]) for e in mixes]
     if not entries or any(x is None or "packed" not in x for x in entries):
         return None

@@ -244,13 +244,11 @@ class TrainProgress:
         """``data.packing: P of M micro-batches packed; padding X% of the positions computed (mean over steps)`` for
         the epoch's steps (records' ``micro_batches``, ``packed_micro_batches``, ``padding_share``: every dp rank's
         micro-batches); None when no micro-batch held more than one sample (nothing to pack)."""
-        if sum(s for s, *_ in self.epoch_packing) <= sum(m for _, m, *_ in self.epoch_packing):
+        samples, micro, packed, padding = zip(*self.epoch_packing) if self.epoch_packing else ((), (), (), ())
+        if sum(samples) <= sum(micro):
             return None
-        micro = sum(m for _, m, *_ in self.epoch_packing)
-        packed = sum(p for *_, p, _ in self.epoch_packing)
-        padding = sum(x[-1] for x in self.epoch_packing) / len(self.epoch_packing)
-        return (f"data.packing: {packed} of {micro} micro-batches packed; padding {padding:.1%} of the positions "
-                "computed (mean over steps)")
+        return (f"data.packing: {sum(packed)} of {sum(micro)} micro-batches packed; padding "
+                f"{sum(padding) / len(padding):.1%} of the positions computed (mean over steps)")
 
     def close(self) -> None:
         if self.enabled:
